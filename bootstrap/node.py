@@ -1,0 +1,108 @@
+"""Assembly of one node: key, engine (optional), overlay, HTTP API, runtime file.
+
+``run_node(settings)`` runs until SIGINT/SIGTERM, then shuts down in order (API, overlay,
+engine) and removes its runtime file. Start-up problems raise ``NodeStartError`` with a message
+meant for the person at the terminal, never a traceback.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+from contextlib import AsyncExitStack
+from typing import Any
+
+import trio
+
+from p2pnode import __version__
+from p2pnode.bootstrap._runtime import remove_runtime, write_runtime
+from p2pnode.bootstrap.api import build_app, serve_api
+from p2pnode.bootstrap.config import NodeSettings
+from p2pnode.identity import IdentityError, NodeKey
+
+log = logging.getLogger("p2pnode.node")
+
+
+class NodeStartError(RuntimeError):
+    """The node could not start; the message says what to change."""
+
+
+async def _load_engine(settings: NodeSettings, stack: AsyncExitStack):
+    """The inference engine, or None for ``--model none``. Imported lazily: torch is heavy."""
+    if settings.model == "none":
+        return None
+    from p2pnode.inference import open_engine
+    from p2pnode.inference.models import ModelLoadError, load_model
+
+    path = None if settings.model == "default" else settings.model
+    log.info("loading model %s", settings.model)
+    try:
+        loaded = await trio.to_thread.run_sync(load_model, path)
+    except ModelLoadError as exc:
+        raise NodeStartError(str(exc)) from None
+    return await stack.enter_async_context(
+        open_engine(
+            loaded,
+            cache_budget_tokens=settings.cache_budget_tokens,
+            max_batch=settings.max_batch,
+        )
+    )
+
+
+async def _stop_on_signal(cancel_scope: trio.CancelScope) -> None:
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async for signum in signals:
+            log.info("received %s, shutting down", signal.Signals(signum).name)
+            cancel_scope.cancel()
+            return
+
+
+async def run_node(settings: NodeSettings, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    from p2pnode.overlay import OverlayConfig, open_overlay_node
+
+    try:
+        key = NodeKey.load_or_create(settings.home)
+    except (IdentityError, OSError) as exc:
+        raise NodeStartError(f"cannot load the node key from {settings.home}: {exc}") from None
+    async with AsyncExitStack() as stack:
+        engine = await _load_engine(settings, stack)
+        config = OverlayConfig(
+            key=key,
+            listen_addrs=list(settings.listen),
+            bootstrap=list(settings.bootstrap),
+            models=[engine.model_id] if engine is not None else [],
+            roles=set(settings.role),
+            capacity={"max_batch": float(settings.max_batch)},
+            ping_interval=settings.ping_interval,
+            gossip_heartbeat=settings.gossip_interval,
+        )
+        try:
+            node = await stack.enter_async_context(open_overlay_node(config))
+        except OSError as exc:
+            raise NodeStartError(f"cannot listen on {settings.listen}: {exc}") from None
+
+        def status() -> dict[str, Any]:
+            overlay_status = node.status()
+            return {
+                "version": __version__,
+                "peer_id": node.peer_id,
+                "addrs": list(node.addrs),
+                "roles": sorted(settings.role),
+                "model": engine.model_id if engine is not None else None,
+                **{k: v for k, v in overlay_status.items() if k not in {"peer_id", "addrs"}},
+            }
+
+        async with trio.open_nursery() as nursery:
+            api = await nursery.start(
+                serve_api, build_app(status), settings.api_host, settings.api_port
+            )
+            nursery.start_soon(_stop_on_signal, nursery.cancel_scope)
+            write_runtime(
+                settings.home, {"peer_id": node.peer_id, "addrs": list(node.addrs), "api": api}
+            )
+            stack.callback(remove_runtime, settings.home)
+            log.info("node %s up", node.peer_id)
+            for addr in node.addrs:
+                log.info("  listening on %s", addr)
+            log.info("  HTTP API on %s", api)
+            task_status.started(node)
