@@ -134,7 +134,9 @@ def default_model_path() -> Path:
     return target
 
 
-def load_model(path: str | Path | None = None, *, dtype: torch.dtype = torch.float32) -> LoadedModel:
+def load_model(
+    path: str | Path | None = None, *, dtype: torch.dtype = torch.float32
+) -> LoadedModel:
     """Load the default model (``path=None``) or a local Hugging Face folder, in eval mode."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

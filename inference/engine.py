@@ -1,0 +1,470 @@
+"""The inference engine: a trio scheduler over one model, with an exact radix prefix cache.
+
+Contract:
+- ``async with open_engine(loaded, cache_budget_tokens=..., max_batch=...) as engine:`` starts
+  the scheduler task (and, unless ``calibrate=False``, a ~1-2 s cost-model calibration). On exit
+  the scheduler stops; unfinished requests fail with ``EngineClosed``.
+- ``await engine.generate(prompt_ids, params)`` -> ``GenerationResult``; ``engine.stream(...)``
+  -> ``TokenStream``, an async iterator of token ids whose ``.result`` is set once it ends.
+  Both validate synchronously and raise ``EngineError`` subclasses (EmptyPrompt, PromptTooLong,
+  InvalidToken, InvalidParams) without disturbing other requests. ``params`` may be a
+  ``SamplingParams``, a mapping of its fields (unknown names rejected) or ``None``.
+- Output ``tokens`` include the stop token (EOS or one of ``stop_token_ids``) when
+  ``finish_reason == "stop"``; otherwise ``finish_reason == "length"``.
+- Scheduling: up to ``max_batch`` requests run at once, the rest wait FIFO. Each iteration runs,
+  in one worker thread (``trio.to_thread.run_sync``, so the caller's loop stays responsive):
+  admission of waiting requests (radix match + lock + KV copy), ONE prefill chunk of one
+  prefilling request (round robin; ``prefill_chunk`` tokens while others decode, up to
+  ``solo_chunk`` when alone), and ONE batched decode step of every decoding request.
+- Cache: the longest cached prefix is reused (always leaving >= 1 prompt token to compute);
+  the prompt is inserted once prefilled and stays pinned until the request ends, when
+  prompt + output (minus the last token, which has no KV yet) is inserted and unpinned.
+  ``cached_tokens`` in the result is the prompt tokens served from the cache.
+- Block events from the radix tree are delivered to ``add_block_listener`` callbacks on the
+  trio thread, after the step that caused them.
+- ``backend="emulated"`` replaces forwards with cost-model delays (fake tokens, real tree).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+import torch
+import trio
+
+from p2pnode.inference._backend import Backend, EmulatedBackend, HFBackend
+from p2pnode.inference._errors import (
+    EmptyPrompt,
+    EngineClosed,
+    InvalidParams,
+    InvalidToken,
+    PromptTooLong,
+)
+from p2pnode.inference.blockhash import BlockEvent
+from p2pnode.inference.costmodel import CostModel, calibrate
+from p2pnode.inference.models import LoadedModel
+from p2pnode.inference.radix import LockHandle, RadixCache
+from p2pnode.inference.sampling import SamplingParams, make_generator, sample_token
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[int]
+    prompt_tokens: int
+    cached_tokens: int
+    ttft_s: float
+    total_s: float
+    finish_reason: str  # "stop" | "length"
+    request_id: int = 0
+
+
+@dataclass(eq=False)
+class _Request:
+    id: int
+    prompt: list[int]
+    params: SamplingParams
+    gen: torch.Generator
+    send: trio.MemorySendChannel
+    t_submit: float
+    tokens: list[int] = field(default_factory=list)
+    fresh: list[int] = field(default_factory=list)  # sampled this step, not yet streamed
+    state: object = None
+    handle: LockHandle | None = None
+    cached: int = 0
+    pos: int = 0  # prompt tokens that have KV
+    t_first: float | None = None
+    finish_reason: str | None = None
+    result: GenerationResult | None = None
+    error: BaseException | None = None
+    cancelled: bool = False
+    done: trio.Event = field(default_factory=trio.Event)
+
+    @property
+    def prefilling(self) -> bool:
+        return self.pos < len(self.prompt)
+
+
+class TokenStream:
+    """Async iterator of generated token ids; ``result`` is set after the last one."""
+
+    def __init__(self, engine: Engine, req: _Request, recv: trio.MemoryReceiveChannel) -> None:
+        self._engine = engine
+        self._req = req
+        self._recv = recv
+
+    @property
+    def result(self) -> GenerationResult | None:
+        return self._req.result
+
+    def __aiter__(self) -> TokenStream:
+        return self
+
+    async def __anext__(self) -> int:
+        try:
+            return await self._recv.receive()
+        except trio.EndOfChannel:
+            if self._req.error is not None:
+                raise self._req.error from None
+            raise StopAsyncIteration from None
+        except BaseException:
+            self._req.cancelled = True
+            self._engine._wake()
+            raise
+
+    async def aclose(self) -> None:
+        """Stop early: the request is cancelled and its resources freed."""
+        if not self._req.done.is_set():
+            self._req.cancelled = True
+            self._engine._wake()
+        await self._recv.aclose()
+
+
+class Engine:
+    """See the module contract. Build it with ``open_engine``."""
+
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        *,
+        cache_budget_tokens: int | None = None,
+        cache_budget_bytes: int | None = None,
+        max_batch: int = 4,
+        prefill_chunk: int = 128,
+        solo_chunk: int = 1024,
+        backend: str | Backend = "hf",
+    ) -> None:
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        if prefill_chunk < 1 or solo_chunk < prefill_chunk:
+            raise ValueError("need 1 <= prefill_chunk <= solo_chunk")
+        self.loaded = loaded
+        self.model_id = loaded.model_id
+        self.tokenizer = loaded.tokenizer
+        self.context_length = loaded.context_length
+        self.vocab_size = loaded.vocab_size
+        self.eos_token_ids = frozenset(loaded.eos_token_ids)
+        self.max_batch = max_batch
+        self.prefill_chunk = prefill_chunk
+        self.solo_chunk = solo_chunk
+        self.cost = CostModel()
+        if backend == "hf":
+            self._backend: Backend = HFBackend(loaded.model)
+        elif backend == "emulated":
+            eos = min(self.eos_token_ids) if self.eos_token_ids else None
+            self._backend = EmulatedBackend(self.vocab_size, self.cost, eos)
+        elif isinstance(backend, str):
+            raise ValueError(f"unknown backend {backend!r}: use 'hf' or 'emulated'")
+        else:
+            self._backend = backend
+        self.tree = RadixCache(
+            self.model_id, max_tokens=cache_budget_tokens, max_bytes=cache_budget_bytes
+        )
+        self._events: list[BlockEvent] = []
+        self.tree.add_listener(self._events.append)
+        self._listeners: list[Callable[[BlockEvent], None]] = []
+        self._waiting: deque[_Request] = deque()
+        self._active: list[_Request] = []
+        self._ids = itertools.count(1)
+        self._rr = 0
+        self._wakeup = trio.Event()
+        self._closed = False
+        self.steps = 0
+
+    # ---- text helpers ----------------------------------------------------------------------
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def encode_chat(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
+        """Token ids of a chat (``[{"role": ..., "content": ...}]``) ready for the reply."""
+        text = self.tokenizer.apply_chat_template(
+            list(messages), tokenize=False, add_generation_prompt=True
+        )
+        return self.encode(text)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    # ---- cache views -----------------------------------------------------------------------
+    def cached_prefix_len(self, prompt_ids: Sequence[int]) -> int:
+        return self.tree.prefix_len(prompt_ids)
+
+    def add_block_listener(self, fn: Callable[[BlockEvent], None]) -> None:
+        self._listeners.append(fn)
+
+    def cached_block_hashes(self) -> set[int]:
+        return self.tree.cached_block_hashes()
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self._backend.kv_bytes_per_token
+
+    # ---- load views ------------------------------------------------------------------------
+    @property
+    def queue_depth(self) -> int:
+        """Requests in the engine: waiting for a slot plus running."""
+        return len(self._waiting) + len(self._active)
+
+    def estimated_wait_s(self) -> float:
+        """Rough seconds before a new request would start its own prefill.
+
+        Prefill work ahead of it (remaining prompt tokens of running and waiting requests) plus,
+        when all ``max_batch`` slots are taken, the decode time until enough slots free up.
+        """
+        c = self.cost
+        backlog = sum(len(r.prompt) - r.pos for r in self._active)
+        backlog += sum(len(r.prompt) - self.tree.prefix_len(r.prompt) for r in self._waiting)
+        wait = backlog * c.prefill_s_per_token
+        ahead = len(self._waiting) + len(self._active) - self.max_batch + 1
+        if ahead > 0:
+            left = sorted(r.params.max_tokens - len(r.tokens) for r in self._active)
+            rounds, rest = divmod(ahead - 1, self.max_batch)
+            per_round = max(left) if left else 0
+            slot = left[min(rest, len(left) - 1)] if left else 0
+            wait += (rounds * per_round + slot) * c.decode_s_per_token + ahead * c.overhead_s
+        return wait
+
+    # ---- requests --------------------------------------------------------------------------
+    def _validate(
+        self, prompt_ids: Sequence[int], params: SamplingParams | Mapping | None
+    ) -> tuple[list[int], SamplingParams]:
+        if params is None:
+            params = SamplingParams()
+        elif isinstance(params, Mapping):
+            params = SamplingParams.from_dict(params)
+        elif not isinstance(params, SamplingParams):
+            raise InvalidParams(f"params must be SamplingParams or a dict, got {type(params)}")
+        if isinstance(prompt_ids, str | bytes):
+            raise InvalidToken("prompt_ids must be token ids; use engine.encode(text) first")
+        prompt = list(prompt_ids)
+        if not prompt:
+            raise EmptyPrompt("the prompt has no tokens; send at least one token id")
+        for t in prompt:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
+                raise InvalidToken(f"token id {t!r} is not an int in [0, {self.vocab_size})")
+        if len(prompt) + params.max_tokens > self.context_length:
+            raise PromptTooLong(
+                f"prompt ({len(prompt)}) + max_tokens ({params.max_tokens}) exceeds the "
+                f"context of {self.context_length} tokens; shorten the prompt or max_tokens"
+            )
+        return prompt, params
+
+    def stream(
+        self, prompt_ids: Sequence[int], params: SamplingParams | Mapping | None = None
+    ) -> TokenStream:
+        if self._closed:
+            raise EngineClosed("the engine is closed")
+        prompt, params = self._validate(prompt_ids, params)
+        send, recv = trio.open_memory_channel[int](float("inf"))
+        req = _Request(
+            id=next(self._ids),
+            prompt=prompt,
+            params=params,
+            gen=make_generator(params.seed),
+            send=send,
+            t_submit=time.perf_counter(),
+        )
+        self._waiting.append(req)
+        self._wake()
+        return TokenStream(self, req, recv)
+
+    async def generate(
+        self, prompt_ids: Sequence[int], params: SamplingParams | Mapping | None = None
+    ) -> GenerationResult:
+        stream = self.stream(prompt_ids, params)
+        try:
+            async for _ in stream:
+                pass
+        finally:
+            if stream.result is None:
+                await stream.aclose()
+        assert stream.result is not None
+        return stream.result
+
+    # ---- scheduler -------------------------------------------------------------------------
+    def _wake(self) -> None:
+        self._wakeup.set()
+
+    def _finish(self, req: _Request, error: BaseException | None = None) -> None:
+        if req.handle is not None:
+            req.handle.release()
+            req.handle = None
+        if req.state is not None:
+            self._backend.free(req.state)
+            req.state = None
+        req.error = error
+        if error is None and req.finish_reason is not None:
+            now = time.perf_counter()
+            req.result = GenerationResult(
+                tokens=list(req.tokens),
+                prompt_tokens=len(req.prompt),
+                cached_tokens=req.cached,
+                ttft_s=(req.t_first or now) - req.t_submit,
+                total_s=now - req.t_submit,
+                finish_reason=req.finish_reason,
+                request_id=req.id,
+            )
+        req.send.close()
+        req.done.set()
+
+    def _drop_cancelled(self) -> None:
+        for req in [r for r in self._waiting if r.cancelled]:
+            self._waiting.remove(req)
+            self._finish(req, EngineClosed("cancelled"))
+        for req in [r for r in self._active if r.cancelled]:
+            self._active.remove(req)
+            self._finish(req, EngineClosed("cancelled"))
+
+    def _admit_one(self, req: _Request) -> None:
+        m = self.tree.match(req.prompt)
+        req.handle = self.tree.lock(m)
+        usable = min(m.length, len(req.prompt) - 1)
+        kv = self.tree.gather(m, usable) if usable > 0 else None
+        req.state = self._backend.new_state(kv, usable)
+        req.cached = req.pos = usable
+
+    def _prefill(self, req: _Request, chunk_size: int) -> None:
+        chunk = req.prompt[req.pos : req.pos + chunk_size]
+        t0 = time.perf_counter()
+        logits = self._backend.extend(req.state, chunk)
+        self.cost.observe_prefill(len(chunk), time.perf_counter() - t0)
+        req.pos += len(chunk)
+        if req.prefilling:
+            return
+        state = req.state
+        self.tree.insert(req.prompt, lambda b, e: self._backend.export_kv(state, b, e))
+        old, req.handle = req.handle, self.tree.lock(self.tree.match(req.prompt))
+        if old is not None:
+            old.release()
+        self._accept(req, sample_token(logits, req.params, req.gen))
+
+    def _accept(self, req: _Request, token: int) -> None:
+        req.tokens.append(token)
+        req.fresh.append(token)
+        if token in self.eos_token_ids or token in req.params.stop_token_ids:
+            req.finish_reason = "stop"
+        elif len(req.tokens) >= req.params.max_tokens:
+            req.finish_reason = "length"
+        if req.finish_reason is not None:
+            seq = req.prompt + req.tokens[:-1]
+            state = req.state
+            self.tree.insert(seq, lambda b, e: self._backend.export_kv(state, b, e))
+
+    def _step(
+        self, admit: list[_Request], prefill: _Request | None, decode: list[_Request]
+    ) -> None:
+        """One scheduler iteration's compute (runs in a worker thread)."""
+        with torch.inference_mode():
+            for req in admit:
+                self._admit_one(req)
+            if prefill is not None:
+                chunk = self.prefill_chunk if (decode or len(self._active) > 1) else self.solo_chunk
+                self._prefill(prefill, chunk)
+            if decode:
+                t0 = time.perf_counter()
+                logits = self._backend.decode(
+                    [r.state for r in decode], [r.tokens[-1] for r in decode]
+                )
+                self.cost.observe_decode(time.perf_counter() - t0)
+                for i, req in enumerate(decode):
+                    self._accept(req, sample_token(logits[i], req.params, req.gen))
+
+    async def _run(self) -> None:
+        while True:
+            self._drop_cancelled()
+            admit = []
+            while self._waiting and len(self._active) < self.max_batch:
+                req = self._waiting.popleft()
+                self._active.append(req)
+                admit.append(req)
+            if not self._active:
+                self._wakeup = trio.Event()
+                await self._wakeup.wait()
+                continue
+            decode = [r for r in self._active if not r.prefilling and r not in admit]
+            prefilling = [r for r in self._active if r.prefilling]
+            prefill = None
+            if prefilling:
+                self._rr = (self._rr + 1) % len(prefilling)
+                prefill = prefilling[self._rr]
+            try:
+                await trio.to_thread.run_sync(self._step, admit, prefill, decode)
+            except Exception as exc:  # a failed forward fails its batch, not the engine
+                for req in set(admit + decode + ([prefill] if prefill else [])):
+                    if req in self._active:
+                        self._active.remove(req)
+                    self._finish(req, exc)
+            self.steps += 1
+            self._deliver()
+            await trio.lowlevel.checkpoint()
+
+    def _deliver(self) -> None:
+        now = time.perf_counter()
+        for req in list(self._active):
+            if req.fresh:
+                if req.t_first is None:
+                    req.t_first = now
+                try:
+                    for t in req.fresh:
+                        req.send.send_nowait(t)
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    req.cancelled = True  # the reader went away; dropped next iteration
+                req.fresh.clear()
+            if req.finish_reason is not None:
+                self._active.remove(req)
+                self._finish(req)
+        events, self._events[:] = list(self._events), []
+        for ev in events:
+            for fn in list(self._listeners):
+                fn(ev)
+
+    def _close(self) -> None:
+        self._closed = True
+        for req in list(self._waiting) + self._active:
+            self._finish(req, EngineClosed("the engine shut down before the request finished"))
+        self._waiting.clear()
+        self._active.clear()
+
+
+@asynccontextmanager
+async def open_engine(
+    loaded: LoadedModel,
+    *,
+    cache_budget_tokens: int | None = 20_000,  # ~0.9 GB of fp32 KV for SmolLM2-135M
+    cache_budget_bytes: int | None = None,
+    max_batch: int = 4,
+    prefill_chunk: int = 128,
+    solo_chunk: int = 1024,
+    backend: str | Backend = "hf",
+    calibrate_cost: bool = True,
+    torch_threads: int | None = 2,
+) -> AsyncIterator[Engine]:
+    """Run an ``Engine`` (scheduler task + optional calibration) for the ``async with`` body."""
+    if torch_threads:
+        torch.set_num_threads(torch_threads)
+    engine = Engine(
+        loaded,
+        cache_budget_tokens=cache_budget_tokens,
+        cache_budget_bytes=cache_budget_bytes,
+        max_batch=max_batch,
+        prefill_chunk=prefill_chunk,
+        solo_chunk=solo_chunk,
+        backend=backend,
+    )
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(engine._run)
+            try:
+                if calibrate_cost:
+                    await calibrate(engine)
+                yield engine
+            finally:
+                engine._closed = True
+                nursery.cancel_scope.cancel()
+    finally:
+        # Only after the nursery: the scheduler's worker thread has finished with the states.
+        engine._close()

@@ -1,0 +1,108 @@
+"""Sampling parameters and token sampling (greedy, temperature + top-p), shared with speculation.
+
+Contract:
+- ``SamplingParams`` validates itself on construction and raises ``InvalidParams`` (a
+  ``ValueError``) for max_tokens <= 0, temperature < 0, top_p outside (0, 1], bad seeds or stop
+  ids; ``SamplingParams.from_dict`` also rejects unknown option names.
+- ``probs_from_logits(logits, temperature, top_p)`` is THE distribution the engine samples from:
+  temperature 0 gives a one-hot on the argmax (ties -> lowest id, like ``torch.argmax``);
+  otherwise softmax(logits / temperature) restricted to the smallest top-probability set whose
+  mass reaches ``top_p`` (the most likely token is always kept), renormalised. Works on ``[V]``
+  or ``[B, V]`` and returns fp32. Rejection sampling in speculation must use this same transform.
+- ``sample_token(logits, params, generator)`` draws one id from that distribution with the
+  request's own ``torch.Generator`` (seeded when ``params.seed`` is set), so a seeded request is
+  reproducible whatever else runs in the batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+
+import torch
+
+from p2pnode.inference._errors import InvalidParams
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
+            raise InvalidParams(f"max_tokens must be an int, got {self.max_tokens!r}")
+        if self.max_tokens <= 0:
+            raise InvalidParams(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, int | float):
+            raise InvalidParams(f"temperature must be a number, got {self.temperature!r}")
+        if not self.temperature >= 0.0 or self.temperature == float("inf"):
+            raise InvalidParams(f"temperature must be finite and >= 0, got {self.temperature}")
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, int | float):
+            raise InvalidParams(f"top_p must be a number, got {self.top_p!r}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise InvalidParams(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.seed is not None and (
+            isinstance(self.seed, bool) or not isinstance(self.seed, int)
+        ):
+            raise InvalidParams(f"seed must be an int or None, got {self.seed!r}")
+        stops = self.stop_token_ids
+        if isinstance(stops, int | str | bytes) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in stops
+        ):
+            raise InvalidParams(f"stop_token_ids must be non-negative ints, got {stops!r}")
+        object.__setattr__(self, "stop_token_ids", tuple(stops))
+
+    @classmethod
+    def from_dict(cls, options: Mapping[str, object]) -> SamplingParams:
+        """Build from a JSON-like mapping; unknown option names raise ``InvalidParams``."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise InvalidParams(f"unknown sampling option(s) {unknown}; known: {sorted(known)}")
+        opts = dict(options)
+        if isinstance(opts.get("stop_token_ids"), list):
+            opts["stop_token_ids"] = tuple(opts["stop_token_ids"])
+        return cls(**opts)  # type: ignore[arg-type]
+
+
+def probs_from_logits(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """Sampling distribution after the temperature and top-p transform (see module contract)."""
+    logits = logits.float()
+    if temperature == 0.0:
+        out = torch.zeros_like(logits)
+        out.scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
+        return out
+    probs = torch.softmax(logits / temperature, dim=-1)
+    if top_p >= 1.0:
+        return probs
+    sorted_p, order = probs.sort(dim=-1, descending=True)
+    mass_before = sorted_p.cumsum(dim=-1) - sorted_p
+    # A token stays if the mass of strictly more likely tokens is still below top_p; this keeps
+    # the smallest set reaching top_p and always the argmax.
+    keep_sorted = mass_before < top_p
+    keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+    probs = torch.where(keep, probs, torch.zeros_like(probs))
+    return probs / probs.sum(dim=-1, keepdim=True)
+
+
+def make_generator(seed: int | None) -> torch.Generator:
+    gen = torch.Generator()
+    if seed is None:
+        gen.seed()
+    else:
+        gen.manual_seed(seed)
+    return gen
+
+
+def sample_token(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None
+) -> int:
+    """One token id from ``[V]`` logits under ``params`` (greedy when temperature is 0)."""
+    if params.temperature == 0.0:
+        return int(logits.argmax())
+    probs = probs_from_logits(logits, params.temperature, params.top_p)
+    return int(torch.multinomial(probs, 1, generator=generator))
