@@ -131,6 +131,22 @@ def _node_options(fn):
         click.option(
             "--log-level", default=None, type=click.Choice(["debug", "info", "warning", "error"])
         ),
+        click.option(
+            "--backend",
+            default=None,
+            type=click.Choice(["hf", "emulated"]),
+            help="hf: the real model; emulated: the real cache, each forward replaced by its calibrated delay.",
+        ),
+        click.option("--torch-threads", type=int, default=None, help="CPU threads for the model."),
+        click.option(
+            "--routing/--no-routing",
+            default=None,
+            help="Route requests to the best peer (default), or serve everything locally.",
+        ),
+        click.option(
+            "--wan-spec", default=None, help="Testnet: trial spec whose delays to inject."
+        ),
+        click.option("--region", default=None, help="Testnet: this node's region in --wan-spec."),
         _config_option,
         _home_option,
     ]
@@ -219,6 +235,25 @@ def peers(home: Path | None, as_json: bool) -> None:
 def status(home: Path | None) -> None:
     """Show the running node's status as JSON."""
     click.echo(json.dumps(_fetch_status(home, "/status"), indent=2))
+
+
+@main.command()
+@click.option("--nodes", default=3, show_default=True, help="Serving nodes (plus one bootstrap).")
+@click.option("--subjects", default=3, show_default=True, help="MMLU subjects in the workload.")
+@click.option("--per-subject", default=4, show_default=True, help="Questions per subject.")
+@click.option("--seed", default=0, show_default=True, help="Seed of the request arrival order.")
+def demo(nodes: int, subjects: int, per_subject: int, seed: int) -> None:
+    """A local overlay (bootstrap + serving nodes, separate processes) under an MMLU workload."""
+    from p2pnode.bootstrap.demo import run_demo
+
+    if not 1 <= nodes <= 8 or not 1 <= subjects <= 57 or not 1 <= per_subject <= 100:
+        raise click.UsageError("use 1-8 nodes, 1-57 subjects and 1-100 questions per subject")
+    try:
+        run_demo(nodes=nodes, subjects=subjects, per_subject=per_subject, seed=seed)
+    except KeyboardInterrupt:
+        click.echo("demo interrupted; nodes stopped.", err=True)
+    except RuntimeError as exc:
+        raise click.ClickException(str(exc)) from None
 
 
 if __name__ == "__main__":

@@ -43,6 +43,15 @@ class NodeSettings:
     gossip_interval: float = 1.0
     pushback_threshold: int = 8
     log_level: str = "info"
+    # "hf" runs the real model; "emulated" keeps the real radix tree but replaces each forward
+    # with a delay from the calibrated cost model (testnet trials with many nodes).
+    backend: str = "hf"
+    torch_threads: int = 1
+    # false: serve every request where it arrives (the no-routing baseline of trials)
+    routing: bool = True
+    # testnet: a trial spec (TOML) whose [regions] delays this node injects, and its region
+    wan_spec: str = ""
+    region: str = ""
 
     def validate(self) -> NodeSettings:
         bad_roles = set(self.role) - ROLES
@@ -62,6 +71,12 @@ class NodeSettings:
         for name in ("ping_interval", "gossip_interval"):
             if not 0.05 <= getattr(self, name) <= 600:
                 raise ConfigError(f"{name} must be between 0.05 and 600 seconds")
+        if self.backend not in {"hf", "emulated"}:
+            raise ConfigError(f"backend {self.backend!r}: use hf (real model) or emulated")
+        if not 1 <= self.torch_threads <= 256:
+            raise ConfigError("torch_threads must be between 1 and 256")
+        if self.wan_spec and not self.region:
+            raise ConfigError("wan_spec needs region: the region of this node in that spec")
         if self.log_level.lower() not in {"debug", "info", "warning", "error"}:
             raise ConfigError(f"log_level {self.log_level!r}: use debug, info, warning or error")
         self.home = Path(self.home).expanduser()

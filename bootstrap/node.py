@@ -13,6 +13,7 @@ from contextlib import AsyncExitStack
 from typing import Any
 
 import trio
+from prometheus_client import CollectorRegistry
 
 from p2pnode import __version__
 from p2pnode.bootstrap._runtime import remove_runtime, write_runtime
@@ -45,8 +46,34 @@ async def _load_engine(settings: NodeSettings, stack: AsyncExitStack):
             loaded,
             cache_budget_tokens=settings.cache_budget_tokens,
             max_batch=settings.max_batch,
+            backend=settings.backend,
+            torch_threads=settings.torch_threads,
         )
     )
+
+
+def _routing_status(service) -> dict[str, Any]:
+    if service is None:
+        return {}
+    views = {
+        view.peer_id: {
+            "model": view.model_id,
+            "version": view.version,
+            "blocks": len(view.fingerprints),
+            "queue_depth": view.load.queue_depth,
+            "push_back": view.load.push_back,
+            "age_s": round(service.views.info_age_s(view.peer_id, view.model_id) or 0.0, 3),
+        }
+        for view in service.views.views()
+    }
+    local = service.local_load() if service.engine is not None else None
+    return {
+        "enabled": service.router.config.max_remote_attempts > 0,
+        "views": views,
+        "queue_depth": local.queue_depth if local else None,
+        "push_back": local.push_back if local else None,
+        "cached_tokens": service.engine.tree.num_tokens if service.engine is not None else None,
+    }
 
 
 async def _stop_on_signal(cancel_scope: trio.CancelScope) -> None:
@@ -58,7 +85,12 @@ async def _stop_on_signal(cancel_scope: trio.CancelScope) -> None:
 
 
 async def run_node(settings: NodeSettings, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-    from p2pnode.overlay import OverlayConfig, open_overlay_node
+    from p2pnode.overlay.node import OverlayConfig, open_overlay_node
+
+    if settings.wan_spec:
+        from p2pnode.testnet import wan
+
+        wan.install(settings.wan_spec, settings.region)
 
     try:
         key = NodeKey.load_or_create(settings.home)
@@ -81,6 +113,25 @@ async def run_node(settings: NodeSettings, *, task_status=trio.TASK_STATUS_IGNOR
         except OSError as exc:
             raise NodeStartError(f"cannot listen on {settings.listen}: {exc}") from None
 
+        registry = CollectorRegistry()
+        service = None
+        if engine is not None:
+            from p2pnode.overlay.antientropy import AntiEntropyConfig
+            from p2pnode.overlay.forward import RoutedService
+            from p2pnode.overlay.router import RouterConfig
+
+            service = RoutedService(
+                node,
+                key,
+                engine,
+                router_config=RouterConfig(
+                    max_remote_attempts=RouterConfig.max_remote_attempts if settings.routing else 0
+                ),
+                antientropy_config=AntiEntropyConfig(interval_s=settings.gossip_interval),
+                pushback_high=settings.pushback_threshold,
+                registry=registry,
+            )
+
         def status() -> dict[str, Any]:
             overlay_status = node.status()
             return {
@@ -90,6 +141,7 @@ async def run_node(settings: NodeSettings, *, task_status=trio.TASK_STATUS_IGNOR
                 "roles": sorted(settings.role),
                 "model": engine.model_id if engine is not None else None,
                 **{k: v for k, v in overlay_status.items() if k not in {"peer_id", "addrs"}},
+                "routing": _routing_status(service),
             }
 
         async with trio.open_nursery() as nursery:

@@ -1,1 +1,53 @@
-"""p2pnode.overlay"""
+"""p2pnode.overlay: the libp2p overlay (host, DHT, peer table, node) and the wire format.
+
+Public face (details in each module's docstring):
+- `open_overlay_node(OverlayConfig(key=...))` -> `OverlayNode` (node.py)
+- `PeerTable`, `PeerState`, `PeerEntry` (peers.py)
+- `OverlayDHT`, `NodeRecordValidator`, `record_key`, `model_key` (dht.py)
+- `make_host`, `parse_multiaddr`, `quiet_libp2p_logs` (host.py)
+- errors: `OverlayError`, `BadMultiaddr`, `BootstrapFailed`, `PeerUnreachable`,
+  `InvalidNodeRecord`; framing errors live in `p2pnode.overlay.wire`.
+"""
+
+from p2pnode.overlay._errors import BadMultiaddr, BootstrapFailed, OverlayError, PeerUnreachable
+from p2pnode.overlay.dht import (
+    InvalidNodeRecord,
+    NodeRecordValidator,
+    OverlayDHT,
+    model_key,
+    record_key,
+)
+from p2pnode.overlay.host import make_host, parse_multiaddr, quiet_libp2p_logs
+from p2pnode.overlay.node import (
+    PING_PROTOCOL,
+    VERSION,
+    OverlayConfig,
+    OverlayNode,
+    open_overlay_node,
+    parse_peer_addr,
+)
+from p2pnode.overlay.peers import PeerEntry, PeerState, PeerTable
+
+__all__ = [
+    "PING_PROTOCOL",
+    "VERSION",
+    "BadMultiaddr",
+    "BootstrapFailed",
+    "InvalidNodeRecord",
+    "NodeRecordValidator",
+    "OverlayConfig",
+    "OverlayDHT",
+    "OverlayError",
+    "OverlayNode",
+    "PeerEntry",
+    "PeerState",
+    "PeerTable",
+    "PeerUnreachable",
+    "make_host",
+    "model_key",
+    "open_overlay_node",
+    "parse_multiaddr",
+    "parse_peer_addr",
+    "quiet_libp2p_logs",
+    "record_key",
+]

@@ -1,0 +1,350 @@
+"""Anti-entropy: gossip of cache digests, and direct pulls that repair whatever gossip lost.
+
+Contract:
+- Topic per model: ``digest_topic(model_id) = "p2pnode/digest/<model_id>"``. Every node that
+  routes for a model subscribes to its topic; every node that serves it also publishes there.
+- Publishing (``publish_once``, run every round by ``run``): per served model one sealed digest
+  per round: the delta since the version last published (empty deltas too: they carry fresh load
+  figures and let receivers detect gaps), and the full state every ``full_every``-th round when
+  it fits ``gossip_full_limit`` bytes. The round interval stretches to keep each topic well under
+  gossipsub's spam cap of 10 msg/s per (forwarding peer, topic): a relay forwards every origin's
+  digests, so the interval is at least ``publishers / topic_budget_msgs_per_s`` seconds.
+- Receiving (``ingest``): open and verify the envelope (``overlay.digest.open_digest``), check the
+  topic's model, apply to ``PeerViews``. Every refusal is counted by reason (``drops``, plus the
+  prometheus counter when a registry is given); STALE results are counted as ``stale``.
+- Repair: a GAP (lost delta, restart, new peer) schedules a pull of that (peer, model) over the
+  stream protocol ``/p2pnode/digest/1`` (one ``digest-pull`` frame -> one ``digest-reply`` frame
+  with a sealed digest: a delta when the origin's log still covers our version, else full).
+  Pulls are deduplicated and at most one per ``pull_min_interval`` per (peer, model). Convergence
+  therefore needs only *some* later message from the origin to arrive, not every message.
+- Peers the peer table reports down are dropped from the views; silent views expire.
+- ``drop_filter(topic, data) -> bool`` lets tests discard received gossip on purpose.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import trio
+from prometheus_client import CollectorRegistry, Counter
+
+from p2pnode.overlay import wire
+from p2pnode.overlay.digest import (
+    DEFAULT_MAX_AGE_S,
+    MAX_DIGEST_BYTES,
+    MAX_MODEL_ID_LEN,
+    DigestBuilder,
+    DigestError,
+    open_digest,
+    seal_digest,
+)
+from p2pnode.overlay.peers import PeerState
+from p2pnode.overlay.views import ApplyResult, PeerViews
+
+log = logging.getLogger("p2pnode.overlay.antientropy")
+
+DIGEST_PROTOCOL = "/p2pnode/digest/1"
+TOPIC_PREFIX = "p2pnode/digest/"
+
+
+def digest_topic(model_id: str) -> str:
+    return TOPIC_PREFIX + model_id
+
+
+@wire.message("digest-pull")
+@dataclass(frozen=True)
+class DigestPull:
+    model_id: str = field(metadata=wire.bounded(min_len=1, max_len=MAX_MODEL_ID_LEN))
+    have_epoch: int | None = field(default=None, metadata=wire.bounded(ge=0, le=2**64 - 1))
+    have_version: int | None = field(default=None, metadata=wire.bounded(ge=0, le=2**63 - 1))
+
+
+@wire.message("digest-reply")
+@dataclass(frozen=True)
+class DigestReply:
+    envelope: bytes = field(metadata=wire.bounded(max_len=MAX_DIGEST_BYTES))
+
+
+@wire.message("digest-unavailable")
+@dataclass(frozen=True)
+class DigestUnavailable:
+    model_id: str = field(metadata=wire.bounded(max_len=MAX_MODEL_ID_LEN))
+    reason: str = field(metadata=wire.bounded(max_len=256))
+
+
+class PullFailed(Exception):
+    """A direct digest pull did not produce a usable digest; the message says why."""
+
+
+@dataclass
+class AntiEntropyConfig:
+    interval_s: float = 1.0
+    full_every: int = 10
+    gossip_full_limit: int = 64 * 1024
+    topic_budget_msgs_per_s: float = 5.0  # half of gossipsub's 10 msg/s cap: headroom
+    pull_min_interval_s: float = 2.0
+    pull_timeout_s: float = 5.0
+    max_age_s: float = DEFAULT_MAX_AGE_S
+    publisher_memory_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.interval_s < 0.05 or self.full_every < 1 or self.topic_budget_msgs_per_s <= 0:
+            raise ValueError("anti-entropy needs interval_s >= 0.05, full_every >= 1, budget > 0")
+
+
+class _Metrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.received = Counter(
+            "p2pnode_digest_received",
+            "Digests received, by result",
+            ["result", "source"],
+            registry=registry,
+        )
+        self.dropped = Counter(
+            "p2pnode_digest_dropped", "Digests refused, by reason", ["reason"], registry=registry
+        )
+        self.published = Counter(
+            "p2pnode_digest_published", "Digests published, by kind", ["kind"], registry=registry
+        )
+        self.published_bytes = Counter(
+            "p2pnode_digest_published_bytes", "Bytes of digests published", registry=registry
+        )
+        self.pulls = Counter(
+            "p2pnode_digest_pulls", "Direct digest pulls, by result", ["result"], registry=registry
+        )
+
+
+class AntiEntropy:
+    """Gossip and repair of digests for one node. Start with ``await nursery.start(ae.run)``."""
+
+    def __init__(
+        self,
+        node: Any,
+        key: Any,
+        views: PeerViews,
+        *,
+        builders: dict[str, DigestBuilder] | None = None,
+        models: Iterable[str] = (),
+        config: AntiEntropyConfig | None = None,
+        registry: CollectorRegistry | None = None,
+        drop_filter: Callable[[str, bytes], bool] | None = None,
+    ) -> None:
+        self.node = node
+        self.key = key
+        self.views = views
+        self.builders = dict(builders or {})
+        self.models = sorted(set(models) | set(self.builders))
+        self.config = config or AntiEntropyConfig()
+        self.metrics = _Metrics(registry) if registry is not None else None
+        self.drop_filter = drop_filter
+        self.drops: dict[str, int] = {}
+        self.results: dict[str, int] = {}
+        self.pulls: dict[str, int] = {}
+        self.round = 0
+        self._published: dict[str, int] = {}  # model -> version last gossiped
+        self._last_pull: dict[tuple[str, str], float] = {}
+        self._pending_pulls: set[tuple[str, str]] = set()
+        self._publishers: dict[str, dict[str, float]] = {}  # topic -> origin -> last heard
+        self._nursery: trio.Nursery | None = None
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        """Subscribe, serve pulls, publish every round; runs until cancelled."""
+        self.node.set_stream_handler(DIGEST_PROTOCOL, self._serve_pull)
+        self.node.peers.add_listener(self._on_peer_state)
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            for model in self.models:
+                sub = await self.node.pubsub.subscribe(digest_topic(model))
+                nursery.start_soon(self._receive_loop, model, sub)
+            nursery.start_soon(self._publish_loop)
+            task_status.started()
+
+    def _on_peer_state(self, peer_id: str, old: Any, new: Any) -> None:
+        if new is PeerState.DOWN:
+            self.views.remove_peer(peer_id)
+
+    # -- publishing -------------------------------------------------------------------------
+
+    def effective_interval(self, model: str) -> float:
+        now = trio.current_time()
+        heard = self._publishers.get(digest_topic(model), {})
+        publishers = 1 + sum(1 for t in heard.values() if now - t < self.config.publisher_memory_s)
+        return max(self.config.interval_s, publishers / self.config.topic_budget_msgs_per_s)
+
+    async def _publish_loop(self) -> None:
+        while True:
+            await self.publish_once()
+            # Only peers the table reports down: a peer heard through gossip relays may not be
+            # connected to us directly, so it is legitimately absent from the table.
+            self.views.prune(lambda peer: self.node.peers.state(peer) is not PeerState.DOWN)
+            interval = max(
+                [self.config.interval_s, *(self.effective_interval(m) for m in self.builders)]
+            )
+            await trio.sleep(interval)
+
+    async def publish_once(self) -> None:
+        full_round = self.round % self.config.full_every == 0
+        self.round += 1
+        for model, builder in self.builders.items():
+            data, kind = self._next_message(model, builder, full_round)
+            try:
+                await self.node.pubsub.publish(digest_topic(model), data)
+            except Exception as exc:  # no peers yet, or pubsub shutting down: next round retries
+                log.debug("digest publish on %s failed: %r", model, exc)
+                continue
+            self._published[model] = builder.version
+            if self.metrics is not None:
+                self.metrics.published.labels(kind).inc()
+                self.metrics.published_bytes.inc(len(data))
+
+    def _next_message(
+        self, model: str, builder: DigestBuilder, full_round: bool
+    ) -> tuple[bytes, str]:
+        base = self._published.get(model)
+        if full_round or base is None:
+            data = seal_digest(self.key, builder.full())
+            if len(data) <= self.config.gossip_full_limit:
+                return data, "full"
+        # Deltas from the version last published; receivers that missed one pull.
+        digest = builder.delta_since(builder.version if base is None else base)
+        try:
+            return seal_digest(self.key, digest), "full" if digest.is_full else "delta"
+        except DigestError:
+            # A delta too large for one message: publish an empty delta from the current
+            # version; receivers see the gap and pull the whole state directly.
+            return seal_digest(self.key, builder.delta_since(builder.version)), "delta"
+
+    # -- receiving --------------------------------------------------------------------------
+
+    async def _receive_loop(self, model: str, sub: Any) -> None:
+        topic = digest_topic(model)
+        while True:
+            msg = await sub.get()
+            data = bytes(msg.data)
+            if self.drop_filter is not None and self.drop_filter(topic, data):
+                continue
+            self.ingest(data, model=model, source="gossip")
+
+    def _count_drop(self, reason: str) -> None:
+        self.drops[reason] = self.drops.get(reason, 0) + 1
+        if self.metrics is not None:
+            self.metrics.dropped.labels(reason).inc()
+
+    def ingest(
+        self, data: bytes, *, model: str, source: str, expected_peer: str | None = None
+    ) -> ApplyResult | None:
+        """Verify and apply one sealed digest received for ``model``; None when dropped."""
+        try:
+            digest = open_digest(data, max_age=self.config.max_age_s, expected_peer=expected_peer)
+        except DigestError as exc:
+            self._count_drop(exc.reason)
+            log.debug("digest dropped (%s): %s", exc.reason, exc)
+            return None
+        if digest.peer_id == self.node.peer_id:
+            return None  # our own publication, echoed by gossipsub
+        if digest.model_id != model:
+            self._count_drop("wrong_model")
+            return None
+        topic = digest_topic(model)
+        self._publishers.setdefault(topic, {})[digest.peer_id] = trio.current_time()
+        result = self.views.apply(digest)
+        self.results[result.value] = self.results.get(result.value, 0) + 1
+        if self.metrics is not None:
+            self.metrics.received.labels(result.value, source).inc()
+        if result is ApplyResult.STALE:
+            self._count_drop("stale")
+        elif result is ApplyResult.GAP and source == "gossip":
+            self.request_pull(digest.peer_id, model)
+        return result
+
+    # -- pulls --------------------------------------------------------------------------------
+
+    def request_pull(self, peer_id: str, model: str) -> None:
+        """Schedule a (deduplicated, rate-limited) pull of ``peer_id``'s digest for ``model``."""
+        key = (peer_id, model)
+        if key in self._pending_pulls or self._nursery is None:
+            return
+        self._pending_pulls.add(key)
+        self._nursery.start_soon(self._pull_task, peer_id, model)
+
+    async def _pull_task(self, peer_id: str, model: str) -> None:
+        key = (peer_id, model)
+        try:
+            wait = (
+                self._last_pull.get(key, -math.inf)
+                + self.config.pull_min_interval_s
+                - trio.current_time()
+            )
+            if wait > 0:
+                await trio.sleep(wait)
+            self._last_pull[key] = trio.current_time()
+            try:
+                await self.pull(peer_id, model)
+            except PullFailed as exc:
+                log.info("digest pull from %s failed: %s", peer_id, exc)
+        finally:
+            self._pending_pulls.discard(key)
+
+    def _count_pull(self, result: str) -> None:
+        self.pulls[result] = self.pulls.get(result, 0) + 1
+        if self.metrics is not None:
+            self.metrics.pulls.labels(result).inc()
+
+    async def pull(self, peer_id: str, model: str) -> ApplyResult | None:
+        """Fetch ``peer_id``'s digest for ``model`` over a direct stream and apply it."""
+        have = self.views.version_of(peer_id, model)
+        request = DigestPull(model, *(have or (None, None)))
+        limit = wire.limit_for(DIGEST_PROTOCOL)
+        try:
+            with trio.fail_after(self.config.pull_timeout_s):
+                stream = await self.node.open_stream(
+                    peer_id, DIGEST_PROTOCOL, timeout=self.config.pull_timeout_s
+                )
+                try:
+                    await wire.write_frame(stream, wire.to_wire(request), limit=limit)
+                    reply = wire.from_wire(
+                        await wire.read_frame(stream, limit=limit), DigestReply, DigestUnavailable
+                    )
+                finally:
+                    with trio.move_on_after(1):
+                        await _close_quietly(stream)
+        except trio.TooSlowError:
+            self._count_pull("timeout")
+            raise PullFailed(f"no reply within {self.config.pull_timeout_s:.1f} s") from None
+        except Exception as exc:  # unreachable peer, reset stream, malformed frame
+            self._count_pull("error")
+            raise PullFailed(f"{type(exc).__name__}: {exc}") from None
+        if isinstance(reply, DigestUnavailable):
+            self._count_pull("unavailable")
+            raise PullFailed(f"peer has no digest for {model}: {reply.reason}")
+        result = self.ingest(reply.envelope, model=model, source="pull", expected_peer=peer_id)
+        self._count_pull("ok" if result is ApplyResult.APPLIED else "not_applied")
+        return result
+
+    async def _serve_pull(self, stream: Any) -> None:
+        limit = wire.limit_for(DIGEST_PROTOCOL)
+        with trio.fail_after(self.config.pull_timeout_s):
+            request = wire.from_wire(await wire.read_frame(stream, limit=limit), DigestPull)
+            builder = self.builders.get(request.model_id)
+            if builder is None:
+                reply: Any = DigestUnavailable(request.model_id, "model not served here")
+            else:
+                if request.have_epoch == builder.epoch and request.have_version is not None:
+                    digest = builder.delta_since(request.have_version)
+                else:
+                    digest = builder.full()
+                reply = DigestReply(seal_digest(self.key, digest))
+            await wire.write_frame(stream, wire.to_wire(reply), limit=limit)
+
+
+async def _close_quietly(stream: Any) -> None:
+    # A stream the peer already reset cannot be closed cleanly; nothing is left to do then.
+    with contextlib.suppress(Exception):
+        await stream.close()

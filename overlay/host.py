@@ -1,0 +1,93 @@
+"""Build the libp2p host of a p2pnode: Ed25519 identity, Noise only, yamux only.
+
+Contract:
+- `make_host(key, listen_addrs)` returns an un-started `IHost` whose peer id equals
+  `key.peer_id` (checked; `OverlayError` otherwise). Start it with
+  `async with host.run(parse_multiaddrs(listen_addrs)): ...`.
+- Security: only `/noise` is offered and accepted; a dialer that offers only plaintext
+  (py-libp2p's default list includes `/plaintext/2.0.0`) fails the handshake.
+- Muxer: only yamux (mplex is 5-10x slower for large frames on these machines).
+- One connection per peer (avoids py-libp2p's ~250 ms happy-eyeballs dial delay) and
+  health monitoring that closes a connection after a failed 2 s ping probe (every 2 s), so a
+  hung (SIGSTOP) peer's connection is dropped within ~4-6 s. The node's own ping loop
+  (`node.py`) marks such a peer down sooner; this only frees the connection.
+- `quiet_libp2p_logs()` silences libp2p's WARNING on every clean stream close.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import multiaddr
+from libp2p import new_host
+from libp2p.abc import IHost
+from libp2p.crypto.ed25519 import create_new_key_pair
+from libp2p.crypto.x25519 import create_new_key_pair as create_x25519_key_pair
+from libp2p.custom_types import TProtocol
+from libp2p.network.config import ConnectionConfig
+from libp2p.peer.id import ID
+from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
+from libp2p.security.noise.transport import Transport as NoiseTransport
+from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
+from libp2p.stream_muxer.yamux.yamux import Yamux
+
+from p2pnode.overlay._errors import BadMultiaddr, OverlayError
+
+if TYPE_CHECKING:
+    from p2pnode.identity import NodeKey
+
+__all__ = ["connection_config", "make_host", "parse_multiaddr", "quiet_libp2p_logs"]
+
+
+def quiet_libp2p_logs(level: int = logging.ERROR) -> None:
+    """Raise the `libp2p` logger's level: it logs a WARNING on every clean stream close."""
+    logging.getLogger("libp2p").setLevel(level)
+
+
+def connection_config() -> ConnectionConfig:
+    """Connection settings used by every p2pnode host (see the module docstring)."""
+    return ConnectionConfig(
+        max_connections_per_peer=1,
+        # libp2p's auto-connector redials every known peer every 30 s while below 50
+        # connections; the node's discovery loop decides whom to dial instead.
+        min_connections=0,
+        low_watermark=0,
+        enable_health_monitoring=True,
+        health_initial_delay=1.0,
+        health_warmup_window=0.0,
+        health_check_interval=2.0,  # every probe is a new negotiated stream: not free
+        ping_timeout=2.0,  # 1 s gave false failures (and dropped healthy links) on 2 busy cores
+        abort_connection_on_ping_failure=True,
+        dial_timeout=5.0,
+    )
+
+
+def parse_multiaddr(addr: str) -> multiaddr.Multiaddr:
+    """Parse a multiaddr string; `BadMultiaddr` (with the offending text) when malformed."""
+    if not isinstance(addr, str) or not addr.startswith("/"):
+        raise BadMultiaddr(f"not a multiaddr (must start with '/'): {addr!r}")
+    try:
+        return multiaddr.Multiaddr(addr)
+    except Exception as exc:  # the multiaddr package raises several unrelated types
+        raise BadMultiaddr(f"malformed multiaddr {addr!r}: {exc}") from None
+
+
+def make_host(key: NodeKey, listen_addrs: list[str]) -> IHost:
+    """Create (not start) a Noise-only, yamux-only host for `key`."""
+    key_pair = create_new_key_pair(key.seed)
+    peer_id = ID.from_pubkey(key_pair.public_key).to_base58()
+    if peer_id != key.peer_id:
+        raise OverlayError(
+            f"libp2p derives peer id {peer_id} from this key but NodeKey says {key.peer_id}; "
+            "identity and overlay disagree on the peer id encoding"
+        )
+    noise = NoiseTransport(key_pair, noise_privkey=create_x25519_key_pair().private_key)
+    quiet_libp2p_logs()
+    return new_host(
+        key_pair=key_pair,
+        sec_opt={TProtocol(NOISE_PROTOCOL_ID): noise},
+        muxer_opt={TProtocol(YAMUX_PROTOCOL_ID): Yamux},
+        listen_addrs=[parse_multiaddr(a) for a in listen_addrs],
+        connection_config=connection_config(),
+    )

@@ -1,0 +1,129 @@
+"""The ``p2pnode`` CLI across real OS processes: a bootstrap and three ``join`` processes.
+
+They discover each other through the bootstrap only; then one is killed (SIGKILL) and one is
+hung (SIGSTOP), and both must be marked down by the survivors within 5 s. Nodes run with
+``--model none`` because this test is about membership, not inference (it keeps 4 processes
+from loading torch on 2 cores).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+P2PNODE = [sys.executable, "-m", "p2pnode.bootstrap.cli"]
+DETECTION_LIMIT_S = 5.0
+
+
+def _spawn(args: list[str], home: Path) -> subprocess.Popen:
+    home.mkdir(parents=True, exist_ok=True)
+    log = open(home / "node.log", "wb")  # noqa: SIM115 - closed with the process in _stop
+    return subprocess.Popen(
+        [
+            *P2PNODE,
+            *args,
+            "--home",
+            str(home),
+            "--api-port",
+            "0",
+            "--listen",
+            "/ip4/127.0.0.1/tcp/0",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+
+
+def _runtime(home: Path, proc: subprocess.Popen, timeout: float = 30.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"node exited early:\n{(home / 'node.log').read_text()}")
+        try:
+            return json.loads((home / "runtime.json").read_text())
+        except (FileNotFoundError, json.JSONDecodeError):
+            time.sleep(0.1)
+    raise AssertionError(
+        f"node did not start within {timeout} s:\n{(home / 'node.log').read_text()}"
+    )
+
+
+def _peer_states(api: str) -> dict[str, str]:
+    return {p["peer_id"]: p["state"] for p in httpx.get(api + "/peers", timeout=2.0).json()}
+
+
+def _wait_until(predicate, timeout: float, what: str) -> float:
+    started = time.monotonic()
+    while time.monotonic() - started < timeout:
+        if predicate():
+            return time.monotonic() - started
+        time.sleep(0.1)
+    raise AssertionError(f"{what}: not within {timeout} s")
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGCONT)
+            proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=5)
+
+
+@pytest.mark.slow
+def test_join_discover_and_detect_kill_and_hang(tmp_path: Path) -> None:
+    procs: list[subprocess.Popen] = []
+    try:
+        boot = _spawn(["bootstrap"], tmp_path / "boot")
+        procs.append(boot)
+        boot_info = _runtime(tmp_path / "boot", boot)
+        joiners = []
+        for i in range(3):
+            home = tmp_path / f"n{i}"
+            proc = _spawn(["join", "--model", "none", "--bootstrap", boot_info["addrs"][0]], home)
+            procs.append(proc)
+            joiners.append((proc, home))
+        infos = [_runtime(home, proc) for proc, home in joiners]
+        ids = [info["peer_id"] for info in infos]
+
+        def everyone_sees_everyone() -> bool:
+            for info in infos:
+                states = _peer_states(info["api"])
+                others = set(ids) - {info["peer_id"]}
+                if not all(states.get(pid) == "up" for pid in others):
+                    return False
+            return True
+
+        _wait_until(everyone_sees_everyone, 30.0, "3 joined nodes seeing each other as up")
+
+        (killed, _), (hung, _) = joiners[0], joiners[1]
+        killed.send_signal(signal.SIGKILL)
+        hung.send_signal(signal.SIGSTOP)
+        survivor_api = infos[2]["api"]
+
+        def both_down() -> bool:
+            states = _peer_states(survivor_api)
+            # "down" exactly: a merely "suspect" peer would still be tried by the router.
+            return all(states.get(pid) == "down" for pid in ids[:2])
+
+        seconds = _wait_until(both_down, DETECTION_LIMIT_S, "killed and hung peers marked down")
+        print(f"killed + hung peers marked down after {seconds:.2f} s")
+        assert _peer_states(boot_info["api"]).get(ids[2]) == "up", "the survivor must stay up"
+    finally:
+        _stop(procs)
+        for proc in procs:
+            if proc.returncode not in (0, -signal.SIGKILL, -signal.SIGTERM):
+                print(f"pid {proc.pid} exited with {proc.returncode}")
+    assert os.path.exists(tmp_path / "n2" / "node_key")
