@@ -158,13 +158,14 @@ def _send_workload(serving, workload, rng, names) -> list[dict]:
         console=console,
     )
     with progress, httpx.Client(timeout=120) as client:
+        model = client.get(serving[0].api + "/v1/models").json()["data"][0]["id"]
         task = progress.add_task("requests", total=len(workload))
         for q in workload:
             entry = rng.choice(serving)
             t0 = time.perf_counter()
             response = client.post(
                 entry.api + "/v1/completions",
-                json={"model": "default", "prompt": q.prompt, "max_tokens": 1, "temperature": 0},
+                json={"model": model, "prompt": q.prompt, "max_tokens": 1, "temperature": 0},
             )
             elapsed = time.perf_counter() - t0
             if response.status_code != 200:
@@ -185,9 +186,8 @@ def _send_workload(serving, workload, rng, names) -> list[dict]:
             )
             progress.advance(task)
             progress.console.print(
-                f"  {q.subject[:28]:28} arrived at {entry.name}, served by {rows[-1]['served_by']:6} "
-                f"cached {rows[-1]['cached_tokens']:4}/{rows[-1]['prompt_tokens']:4} tokens  "
-                f"{elapsed:5.2f} s"
+                f"  {q.subject[:22]:22} {entry.name} -> {rows[-1]['served_by']:6} "
+                f"cached {rows[-1]['cached_tokens']:3}/{rows[-1]['prompt_tokens']:3}  {elapsed:5.2f} s"
             )
     return rows
 
@@ -228,7 +228,7 @@ def _summarize(rows: list[dict], serving) -> dict:
         "accuracy": sum(r["correct"] for r in rows) / len(rows),
     }
     console.print(
-        f"{summary['requests']} requests, {forwarded} forwarded to the node holding their prefix, "
+        f"{summary['requests']} requests, {forwarded} forwarded to a peer by the router, "
         f"prompt-token cache hit rate {hit:.0%}, mean latency {summary['mean_latency_s']:.2f} s "
         f"(median {summary['p50_latency_s']:.2f} s), MMLU accuracy {summary['accuracy']:.0%} "
         "(a 135M model: near chance is expected)"

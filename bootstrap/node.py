@@ -145,9 +145,10 @@ async def run_node(settings: NodeSettings, *, task_status=trio.TASK_STATUS_IGNOR
             }
 
         async with trio.open_nursery() as nursery:
-            api = await nursery.start(
-                serve_api, build_app(status), settings.api_host, settings.api_port
-            )
+            if service is not None:
+                await nursery.start(service.run)
+            app = build_app(status, service=service, engine=engine, registry=registry)
+            api = await nursery.start(serve_api, app, settings.api_host, settings.api_port)
             nursery.start_soon(_stop_on_signal, nursery.cancel_scope)
             write_runtime(
                 settings.home, {"peer_id": node.peer_id, "addrs": list(node.addrs), "api": api}
