@@ -1,0 +1,208 @@
+"""Speculative decoding bench: W4A16 draft quality/speed, edge tokens/s under WAN delay, verifier
+throughput with several tenants batched vs unbatched. Prints a summary and writes
+bench/results/speculation.json.
+
+Everything runs in ONE process on this machine: the draft (edge) and the target (verifier) share
+the same CPU cores, so speculative figures here include that contention; on separate machines
+the draft's time would overlap the verifier's for real.
+
+    python bench/speculation_bench.py [--new-tokens 32] [--delays 0,25,100] [--gamma 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import trio
+from transformers import DynamicCache
+
+from p2pnode.inference.models import load_model
+from p2pnode.speculation.client import inprocess_transport, speculative_generate, target_generate
+from p2pnode.speculation.draft import draft_stats, load_draft
+from p2pnode.speculation.verify import BatchedVerifier, Block, SamplingOptions
+
+PROMPTS = [
+    "Explain why the sky is blue.",
+    "Write a short poem about the sea.",
+    "What is the capital of France? Answer with details.",
+    "List three uses of Python.",
+]
+
+
+def chat_ids(tok, text: str) -> list[int]:
+    msgs = [{"role": "user", "content": text}]
+    return list(
+        tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)["input_ids"]
+    )
+
+
+@torch.inference_mode()
+def decode_ms(model, prompt: list[int], steps: int = 24) -> float:
+    cache, x, times = DynamicCache(), torch.tensor([prompt]), []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        logits = model(input_ids=x, past_key_values=cache, use_cache=True).logits[0, -1]
+        times.append(time.perf_counter() - t0)
+        x = torch.tensor([[int(logits.argmax())]])
+    return statistics.median(times[1:]) * 1000
+
+
+@torch.inference_mode()
+def agreement(target, draft, seqs: list[tuple[int, list[int]]]) -> tuple[float, int]:
+    hit = total = 0
+    for n, s in seqs:
+        ids = torch.tensor([s])
+        a = target.model(input_ids=ids).logits[0, n - 1 : -1].argmax(-1)
+        b = draft.model(input_ids=ids).logits[0, n - 1 : -1].argmax(-1)
+        hit, total = hit + int((a == b).sum()), total + len(a)
+    return hit / total, total
+
+
+async def edge_runs(target, draft, prompts, delays, gamma, new_tokens) -> list[dict]:
+    eos = target.eos_token_ids
+    rows = []
+    verifier = BatchedVerifier(target)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(verifier.run)
+        for delay_ms in delays:
+            d = delay_ms / 1000
+            t0, n = time.perf_counter(), 0
+            for p in prompts:  # cloud only: prompt up, tokens streamed down (one RTT in total)
+                n += len(target_generate(target, p, new_tokens, eos_token_ids=eos))
+            secs = time.perf_counter() - t0 + 2 * d * len(prompts)
+            rows.append({"delay_ms": delay_ms, "mode": "target_alone", "tokens_per_s": n / secs})
+            for mode, depth in (("sync", 1), ("async", 2)):
+                n, secs, acc, drafted, stale = 0, 0.0, 0, 0, 0
+                for p in prompts:
+                    async with inprocess_transport(verifier, one_way_delay_s=d) as tr:
+                        r = await speculative_generate(
+                            draft, tr, p, new_tokens, gamma=gamma, depth=depth, eos_token_ids=eos
+                        )
+                    n, secs = n + len(r.tokens), secs + r.stats.seconds
+                    acc, drafted = acc + r.stats.accepted, drafted + r.stats.drafted
+                    stale += r.stats.blocks_stale
+                rows.append(
+                    {
+                        "delay_ms": delay_ms,
+                        "mode": mode,
+                        "gamma": gamma,
+                        "tokens_per_s": n / secs,
+                        "acceptance": acc / max(drafted, 1),
+                        "accepted_per_block": acc / max(drafted // gamma, 1),
+                        "stale_blocks": stale,
+                    }
+                )
+            for r in rows[-3:]:
+                print(
+                    f"  delay {delay_ms:>4} ms {r['mode']:>12}: {r['tokens_per_s']:6.2f} tok/s"
+                    + (f"  acceptance {r['acceptance']:.2f}" if "acceptance" in r else "")
+                )
+        nursery.cancel_scope.cancel()
+    return rows
+
+
+async def tenant_runs(target, prompt, tenants_list, gamma, blocks_per_tenant) -> list[dict]:
+    """Tenants replaying fixed draft blocks (no draft model: isolate the verifier's cost)."""
+    rows = []
+    for batched in (False, True):
+        for tenants in tenants_list:
+            v = BatchedVerifier(target, max_batch=8 if batched else 1, max_wait_ms=2.0)
+            done = 0
+
+            async def tenant(sid: str, start: int, v: BatchedVerifier = v) -> None:
+                nonlocal done
+                length, last = start, prompt[-1]
+                for b in range(blocks_per_tenant):
+                    r = await v.verify(sid, Block(b, length, last, tuple(range(100, 100 + gamma))))
+                    length, last, done = r.committed_len, r.next_token, done + 1
+
+            async with trio.open_nursery() as nursery:
+                await nursery.start(v.run)
+                # prefill outside the timed part; distinct prompts so no tenant shares a cache
+                sids = [
+                    await v.open_session([i, *prompt], SamplingOptions()) for i in range(tenants)
+                ]
+                t0 = time.perf_counter()
+                async with trio.open_nursery() as runs:
+                    for sid in sids:
+                        runs.start_soon(tenant, sid, len(prompt) + 1)
+                secs = time.perf_counter() - t0
+                nursery.cancel_scope.cancel()
+            row = {
+                "tenants": tenants,
+                "batched": batched,
+                "blocks_per_s": done / secs,
+                "positions_per_s": done * (gamma + 1) / secs,
+                "forwards": v.stats["batches"],
+            }
+            rows.append(row)
+            print(
+                f"  {tenants} tenants {'batched  ' if batched else 'unbatched'}: "
+                f"{row['blocks_per_s']:6.2f} blocks/s, {row['positions_per_s']:6.1f} positions/s, "
+                f"{row['forwards']} forwards"
+            )
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--delays", default="0,25,100")
+    ap.add_argument("--gamma", type=int, default=4)
+    ap.add_argument("--prompts", type=int, default=2)
+    ap.add_argument("--tenants", default="1,4,8")
+    ap.add_argument("--blocks-per-tenant", type=int, default=6)
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    target, draft = load_model(None), load_draft()
+    prompts = [chat_ids(target.tokenizer, p) for p in PROMPTS]
+    print(f"torch threads: {torch.get_num_threads()} (draft and target share them)")
+
+    seqs = [(len(p), p + target_generate(target, p, 64)) for p in prompts]
+    agree, positions = agreement(target, draft, seqs)
+    stats = draft_stats(draft.path)
+    draft_info = {
+        "group_size": draft.group_size,
+        "act_dtype": str(draft.act_dtype),
+        "decoder_linear_bytes_fp32": stats["decoder_linear_bytes_fp32"],
+        "decoder_linear_bytes_int4": stats["decoder_linear_bytes_int4"],
+        "greedy_agreement": agree,
+        "agreement_positions": positions,
+        "decode_ms_per_token_draft": decode_ms(draft.model, prompts[0]),
+        "decode_ms_per_token_target": decode_ms(target.model, prompts[0]),
+    }
+    print(
+        f"draft W4A16 g{draft.group_size}: decoder linears {stats['decoder_linear_bytes_fp32'] / 1e6:.0f} MB fp32 -> "
+        f"{stats['decoder_linear_bytes_int4'] / 1e6:.0f} MB int4; greedy agreement {agree:.3f} over "
+        f"{positions} positions; decode {draft_info['decode_ms_per_token_draft']:.1f} ms/token vs "
+        f"target {draft_info['decode_ms_per_token_target']:.1f}"
+    )
+    delays = [int(x) for x in args.delays.split(",")]
+    print(
+        f"edge generation, {args.prompts} prompts x {args.new_tokens} tokens, gamma {args.gamma}:"
+    )
+    edge = trio.run(
+        edge_runs, target, draft, prompts[: args.prompts], delays, args.gamma, args.new_tokens
+    )
+    print(f"verifier throughput, gamma {args.gamma}, {args.blocks_per_tenant} blocks per tenant:")
+    tenants = [int(x) for x in args.tenants.split(",")]
+    tput = trio.run(tenant_runs, target, prompts[0], tenants, args.gamma, args.blocks_per_tenant)
+    out = Path(__file__).parent / "results" / "speculation.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    result = {
+        "threads": torch.get_num_threads(),
+        "draft": draft_info,
+        "edge": edge,
+        "verifier": tput,
+    }
+    out.write_text(json.dumps(result, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,288 @@
+"""Edge client for speculative decoding: a local W4A16 draft, a remote target verifier.
+
+Contract:
+- ``speculative_generate(draft, transport, prompt, max_new_tokens, ...)`` returns the generated
+  ids (at most ``max_new_tokens``, cut after the first EOS) and stats. For greedy options they
+  equal the target's own greedy output token for token; for sampling they follow the target's
+  distribution (the verifier does rejection sampling against the q each draft token came from).
+- ``depth=1`` is the synchronous baseline: draft gamma tokens, send, wait for the verdict.
+  ``depth>=2`` is the asynchronous (PicoSpec-style) pipeline: right after sending block k the edge
+  guesses the target's bonus token (the draft's argmax), drafts block k+1 on top and sends it too,
+  so drafting and the WAN trip overlap verification. When block k is not fully accepted, or the
+  bonus differs from the guess, every block in flight is dead: the draft's cache is cropped back to
+  the committed tokens and drafting resumes from the target's token. The verifier answers dead
+  blocks "stale" without computing (each block names the committed length and token it builds on).
+- The verifier is reached through ``VerifierTransport`` (open / send_block / receive_result /
+  close; results come back in order). ``inprocess_transport(verifier, one_way_delay_s=...)`` is the
+  in-process one, with a userspace one-way delay (trio.sleep) on each direction, FIFO like a
+  stream; ``p2pnode.speculation.protocol`` provides the libp2p one.
+- Draft and target forwards run in worker threads (``trio.to_thread``) so the event loop keeps
+  moving frames and timers while torch computes.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+import trio
+from transformers import DynamicCache
+
+from p2pnode.inference.models import LoadedModel
+from p2pnode.inference.sampling import make_generator, probs_from_logits
+from p2pnode.speculation.draft import DraftModel
+from p2pnode.speculation.verify import (
+    BatchedVerifier,
+    Block,
+    BlockResult,
+    SamplingOptions,
+    VerifierError,
+    truncate_probs,
+)
+
+GREEDY = SamplingOptions()
+DEFAULT_PROBS_TOP_K = 64  # draft distributions are cut to 64 tokens: exact, and cheap on the wire
+
+
+class VerifierTransport(Protocol):
+    async def open(self, prompt: list[int], options: SamplingOptions) -> None: ...
+    async def send_block(self, block: Block) -> None: ...
+    async def receive_result(self) -> BlockResult: ...
+    async def close(self) -> None: ...
+
+
+async def verify_block(transport: VerifierTransport, block: Block) -> BlockResult:
+    await transport.send_block(block)
+    return await transport.receive_result()
+
+
+# ---------------------------------------------------------------- the draft's own state
+
+
+class DraftRunner:
+    """The draft's token list (committed + speculative) and a KV cache covering a prefix of it."""
+
+    def __init__(
+        self, draft: DraftModel, options: SamplingOptions, *, top_k: int, seed: int | None
+    ):
+        self.model = draft.model
+        self.options = options
+        self.top_k = top_k
+        self.generator = make_generator(seed)
+        self.tokens: list[int] = []
+        self.cache = DynamicCache()
+        self.cache_len = 0
+
+    def follows(self, committed: list[int]) -> bool:
+        return self.tokens[: len(committed)] == committed
+
+    def reset_to(self, committed: list[int]) -> None:
+        """Drop speculative tokens that disagree with ``committed``; crop the cache to match."""
+        same = 0
+        for a, b in zip(self.tokens, committed, strict=False):
+            if a != b:
+                break
+            same += 1
+        if self.cache_len > same:
+            self.cache.crop(same - self.cache_len)
+            self.cache_len = same
+        self.tokens = list(committed)
+
+    @torch.inference_mode()
+    def extend(self, n: int, *, argmax: bool = False) -> tuple[list[int], torch.Tensor | None]:
+        """Draft ``n`` tokens after ``self.tokens``; returns them and their q rows (sampling)."""
+        out: list[int] = []
+        rows: list[torch.Tensor] = []
+        for _ in range(n):
+            x = torch.tensor([self.tokens[self.cache_len :]])
+            logits = self.model(
+                input_ids=x, past_key_values=self.cache, use_cache=True, logits_to_keep=1
+            ).logits[0, -1]
+            self.cache_len = len(self.tokens)
+            if argmax or self.options.greedy:
+                token = int(logits.argmax())
+            else:
+                q = probs_from_logits(logits.float(), self.options.temperature, self.options.top_p)
+                q = truncate_probs(q, self.top_k)
+                token = int(torch.multinomial(q, 1, generator=self.generator))
+                rows.append(q)
+            self.tokens.append(token)
+            out.append(token)
+        return out, (torch.stack(rows) if rows else None)
+
+
+# ---------------------------------------------------------------- the speculative loop
+
+
+@dataclass
+class SpecStats:
+    blocks_sent: int = 0
+    blocks_verified: int = 0
+    blocks_stale: int = 0
+    drafted: int = 0  # draft tokens in verified blocks
+    accepted: int = 0
+    seconds: float = 0.0
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+
+@dataclass
+class SpecResult:
+    tokens: list[int]
+    stats: SpecStats = field(default_factory=SpecStats)
+
+
+def _finished(out: list[int], max_new: int, eos: frozenset[int]) -> bool:
+    return len(out) >= max_new or any(t in eos for t in out)
+
+
+def _trim(out: list[int], max_new: int, eos: frozenset[int]) -> list[int]:
+    out = out[:max_new]
+    for i, t in enumerate(out):
+        if t in eos:
+            return out[: i + 1]
+    return out
+
+
+async def speculative_generate(
+    draft: DraftModel,
+    transport: VerifierTransport,
+    prompt: list[int],
+    max_new_tokens: int,
+    *,
+    gamma: int = 4,
+    depth: int = 1,
+    options: SamplingOptions | None = None,
+    eos_token_ids: tuple[int, ...] | list[int] = (),
+    probs_top_k: int = DEFAULT_PROBS_TOP_K,
+) -> SpecResult:
+    options = options or GREEDY
+    if not prompt or max_new_tokens < 1 or gamma < 1 or depth < 1:
+        raise ValueError("need a non-empty prompt, max_new_tokens >= 1, gamma >= 1, depth >= 1")
+    eos, stats, started = frozenset(eos_token_ids), SpecStats(), time.perf_counter()
+    d = DraftRunner(draft, options, top_k=probs_top_k, seed=options.seed)
+    d.tokens = list(prompt)
+    committed = list(prompt)
+    inflight: deque[Block] = deque()
+    number = live_from = 0
+    await transport.open(prompt, options)
+    try:
+        while not _finished(committed[len(prompt) :], max_new_tokens, eos):
+            while len(inflight) < depth and len(d.tokens) - len(prompt) < max_new_tokens:
+                if inflight:  # guess the bonus token of the block in flight, build on top of it
+                    await trio.to_thread.run_sync(lambda: d.extend(1, argmax=True))
+                base = len(d.tokens)
+                toks, q = await trio.to_thread.run_sync(d.extend, gamma)
+                block = Block(number, base, d.tokens[base - 1], tuple(toks), q)
+                await transport.send_block(block)
+                inflight.append(block)
+                number += 1
+                stats.blocks_sent += 1
+            res = await transport.receive_result()
+            if res.number < live_from:  # built on a wrong guess; the verifier skipped it
+                stats.blocks_stale += 1
+                continue
+            block = inflight.popleft()
+            if not res.stale:
+                committed += [*block.tokens[: res.accepted], res.next_token]
+                stats.blocks_verified += 1
+                stats.drafted += len(block.tokens)
+                stats.accepted += res.accepted
+            if res.stale or not d.follows(committed):  # misprediction: all in flight are dead
+                d.reset_to(committed)
+                inflight.clear()
+                live_from = number
+    finally:
+        with trio.CancelScope(shield=True):
+            await transport.close()
+    stats.seconds = time.perf_counter() - started
+    return SpecResult(_trim(committed[len(prompt) :], max_new_tokens, eos), stats)
+
+
+# ---------------------------------------------------------------- baselines and transports
+
+
+@torch.inference_mode()
+def target_generate(
+    target: LoadedModel,
+    prompt: list[int],
+    max_new_tokens: int,
+    *,
+    options: SamplingOptions | None = None,
+    eos_token_ids: tuple[int, ...] | list[int] = (),
+) -> list[int]:
+    """The target alone: a plain KV-cached decoding loop (the reference speculation must match)."""
+    options = options or GREEDY
+    eos, gen, cache = frozenset(eos_token_ids), make_generator(options.seed), DynamicCache()
+    x, out = torch.tensor([prompt]), []
+    while not _finished(out, max_new_tokens, eos):
+        logits = target.model(input_ids=x, past_key_values=cache, use_cache=True).logits[0, -1]
+        if options.greedy:
+            token = int(logits.argmax())
+        else:
+            p = probs_from_logits(logits, options.temperature, options.top_p)
+            token = int(torch.multinomial(p, 1, generator=gen))
+        out.append(token)
+        x = torch.tensor([[token]])
+    return out
+
+
+class InProcessTransport:
+    """A verifier in this process behind a FIFO link with a one-way delay in each direction."""
+
+    def __init__(self, verifier: BatchedVerifier, nursery: trio.Nursery, one_way_delay_s: float):
+        self.verifier = verifier
+        self.delay = one_way_delay_s
+        self._nursery = nursery
+        self._up_send, self._up_recv = trio.open_memory_channel[tuple[float, Block]](math.inf)
+        self._down_send, self._down_recv = trio.open_memory_channel[tuple[float, object]](math.inf)
+        self._sid: str | None = None
+        self._server = trio.CancelScope()
+
+    async def open(self, prompt: list[int], options: SamplingOptions) -> None:
+        await trio.sleep(self.delay)
+        self._sid = await self.verifier.open_session(prompt, options, self.verifier.model_id)
+        await trio.sleep(self.delay)
+        self._nursery.start_soon(self._serve)
+
+    async def _serve(self) -> None:
+        with self._server:
+            async for arrive_at, block in self._up_recv:
+                await trio.sleep_until(arrive_at)
+                try:
+                    answer: object = await self.verifier.verify(self._sid, block)
+                except VerifierError as exc:
+                    answer = exc
+                self._down_send.send_nowait((trio.current_time() + self.delay, answer))
+
+    async def send_block(self, block: Block) -> None:
+        self._up_send.send_nowait((trio.current_time() + self.delay, block))
+
+    async def receive_result(self) -> BlockResult:
+        arrive_at, answer = await self._down_recv.receive()
+        await trio.sleep_until(arrive_at)
+        if isinstance(answer, VerifierError):
+            raise answer
+        return answer  # type: ignore[return-value]
+
+    async def close(self) -> None:
+        self._server.cancel()
+        if self._sid is not None:
+            self.verifier.close_session(self._sid)
+
+
+@asynccontextmanager
+async def inprocess_transport(
+    verifier: BatchedVerifier, *, one_way_delay_s: float = 0.0
+) -> AsyncIterator[InProcessTransport]:
+    async with trio.open_nursery() as nursery:
+        yield InProcessTransport(verifier, nursery, one_way_delay_s)
+        nursery.cancel_scope.cancel()

@@ -1,0 +1,276 @@
+"""W4A16 draft model built from the target on the edge.
+
+Contract:
+- ``build_draft(target, folder, group_size=64)`` quantizes every decoder linear of ``target`` (not
+  the embeddings nor the tied lm_head) to symmetric int4 with round-to-nearest, one fp16 scale per
+  ``group_size`` input columns, and writes a GPTQ checkpoint: ``qweight`` (int32, 8 nibbles packed
+  along the input dim), ``qzeros`` (int32, GPTQ v1 "zero - 1" = 7 for symmetric), ``scales``
+  (fp16), ``g_idx`` (int32), ``quantize_config.json`` (bits=4, sym=true, desc_act=false) and the
+  same block as ``quantization_config`` in ``config.json``, so vLLM/GPTQ readers take the folder.
+- ``load_draft(folder=None)`` builds the default draft once under ``models.cache_dir()`` and then
+  loads it: the int4 weights are repacked into torch's CPU int4 kernel layout and executed by
+  ``torch.ops.aten._weight_int4pack_mm_for_cpu`` (a private op: torch is pinned and
+  tests/test_speculation.py keeps a test on it). Activations run in ``act_dtype`` (bf16 default).
+- Group size: SmolLM2's hidden size is 576 = 4.5 x 128, so group 128 cannot tile its q/k/v/gate/up
+  inputs; 64 is the largest size the kernel accepts that divides every input width. Group 32 is
+  avoided on purpose: the GGUF weights are already 4-bit in blocks of 32, so a group-32 draft
+  would reproduce the target and prove nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from p2pnode.inference.models import LoadedModel, cache_dir, load_model
+
+DEFAULT_GROUP_SIZE = 64
+LINEAR_NAMES = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)
+_MARKER = "p2pnode-draft.json"
+_KERNEL_GROUPS = (32, 64, 128, 256)
+
+
+class DraftError(RuntimeError):
+    """The draft could not be built or loaded; the message says what to fix."""
+
+
+@dataclass
+class DraftModel:
+    model: nn.Module
+    tokenizer: object
+    path: Path
+    target_model_id: str
+    group_size: int
+    act_dtype: torch.dtype
+
+
+# ---------------------------------------------------------------- quantization and GPTQ layout
+
+
+def quantize_sym_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """RTN symmetric int4 as GPTQ defines it: q in 0..15, w ~ (q - 8) * scale, per group of inputs.
+
+    Returns ``q`` int32 [out, in] and ``scales`` fp16 [in / group, out].
+    """
+    n, k = w.shape
+    if k % group_size:
+        raise DraftError(f"input width {k} is not a multiple of group size {group_size}")
+    wg = w.float().reshape(n, k // group_size, group_size)
+    scale = (2 * wg.abs().amax(-1, keepdim=True) / 15).clamp_min(1e-8).half().float()
+    q = torch.clamp(torch.round(wg / scale) + 8, 0, 15).to(torch.int32).reshape(n, k)
+    return q, scale.squeeze(-1).t().contiguous().half()
+
+
+def _pack_nibbles(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """Pack int values 0..15 eight per int32 along ``dim`` (lowest nibble first), GPTQ style."""
+    x = x.movedim(dim, -1).to(torch.int64)
+    x = x.reshape(*x.shape[:-1], -1, 8)
+    shifts = torch.arange(0, 32, 4, dtype=torch.int64)
+    packed = (x << shifts).sum(-1)
+    packed = torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+    return packed.movedim(-1, dim).contiguous()
+
+
+def _unpack_nibbles(x: torch.Tensor, dim: int) -> torch.Tensor:
+    x = x.movedim(dim, -1).to(torch.int64) & 0xFFFFFFFF
+    shifts = torch.arange(0, 32, 4, dtype=torch.int64)
+    out = (x.unsqueeze(-1) >> shifts) & 0xF
+    return out.reshape(*x.shape[:-1], -1).to(torch.int32).movedim(-1, dim).contiguous()
+
+
+def to_gptq(q: torch.Tensor, scales: torch.Tensor, group_size: int) -> dict[str, torch.Tensor]:
+    """GPTQ v1 tensors for one linear from ``q`` [out, in] and ``scales`` [in / group, out]."""
+    n, k = q.shape
+    zeros = torch.full((k // group_size, n), 8 - 1, dtype=torch.int32)  # v1 stores zero - 1
+    return {
+        "qweight": _pack_nibbles(q.t(), 0),
+        "qzeros": _pack_nibbles(zeros, 1),
+        "scales": scales,
+        "g_idx": (torch.arange(k, dtype=torch.int32) // group_size),
+    }
+
+
+def from_gptq(t: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Inverse of ``to_gptq`` for symmetric, act-order-free checkpoints: (q [out,in], scales, group)."""
+    q = _unpack_nibbles(t["qweight"], 0).t().contiguous()
+    k = q.shape[1]
+    groups = t["scales"].shape[0]
+    group_size = k // groups
+    if not torch.equal(t["g_idx"].to(torch.int64), torch.arange(k) // group_size):
+        raise DraftError("g_idx is not contiguous groups: act-order (desc_act) is not supported")
+    if not bool((_unpack_nibbles(t["qzeros"], 1) == 7).all()):
+        raise DraftError("qzeros are not the symmetric value: only sym=true checkpoints load here")
+    return q, t["scales"], group_size
+
+
+class Int4Linear(nn.Module):
+    """y = x @ dequant(W).T with W int4 in torch's CPU int4pack layout (no bias)."""
+
+    def __init__(self, q: torch.Tensor, scales: torch.Tensor, group_size: int, dtype: torch.dtype):
+        super().__init__()
+        if group_size not in _KERNEL_GROUPS:
+            raise DraftError(f"group size {group_size} not in {_KERNEL_GROUPS} (CPU int4 kernel)")
+        self.out_features, self.in_features = q.shape
+        self.group_size = group_size
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 2)
+        sz = torch.stack([scales.float(), torch.zeros_like(scales, dtype=torch.float32)], -1)
+        self.register_buffer("weight_packed", packed, persistent=False)
+        self.register_buffer("scales_and_zeros", sz.to(dtype).contiguous(), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x.reshape(-1, shape[-1]), self.weight_packed, self.group_size, self.scales_and_zeros
+        )
+        return y.reshape(*shape[:-1], self.out_features)
+
+
+# ---------------------------------------------------------------- build and load
+
+
+def quantize_config(group_size: int) -> dict:
+    return {
+        "quant_method": "gptq",
+        "bits": 4,
+        "group_size": group_size,
+        "sym": True,
+        "desc_act": False,
+        "static_groups": False,
+        "true_sequential": True,
+        "damp_percent": 0.01,
+        "checkpoint_format": "gptq",
+        "model_file_base_name": "model",
+    }
+
+
+def build_draft(target: LoadedModel, folder: Path, group_size: int = DEFAULT_GROUP_SIZE) -> Path:
+    """Quantize ``target``'s decoder linears and write a GPTQ folder at ``folder`` (atomic)."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    tmp = folder.with_name(folder.name + f".tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    started = time.monotonic()
+    tensors: dict[str, torch.Tensor] = {}
+    quantized: set[str] = set()
+    fp32_bytes = int4_bytes = 0
+    for i, layer in enumerate(target.model.model.layers):
+        for name in LINEAR_NAMES:
+            lin = layer.get_submodule(name)
+            if lin.bias is not None:
+                raise DraftError(f"layer {i} {name} has a bias: not supported by this draft")
+            q, scales = quantize_sym_int4(lin.weight.data, group_size)
+            prefix = f"model.layers.{i}.{name}"
+            for key, value in to_gptq(q, scales, group_size).items():
+                tensors[f"{prefix}.{key}"] = value
+            quantized.add(f"{prefix}.weight")
+            fp32_bytes += lin.weight.numel() * 4
+            int4_bytes += lin.weight.numel() // 2 + scales.numel() * 2
+    for key, value in target.model.state_dict().items():
+        if key not in quantized and key != "lm_head.weight":  # lm_head is tied to embed_tokens
+            tensors[key] = value.detach().half().contiguous()
+    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    config = target.model.config.to_dict()
+    config["quantization_config"] = quantize_config(group_size)
+    config["torch_dtype"] = "float16"
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    (tmp / "quantize_config.json").write_text(json.dumps(quantize_config(group_size), indent=2))
+    target.tokenizer.save_pretrained(tmp)
+    target.model.generation_config.save_pretrained(tmp)
+    stats = {
+        "target_model_id": target.model_id,
+        "group_size": group_size,
+        "decoder_linear_bytes_fp32": fp32_bytes,
+        "decoder_linear_bytes_int4": int4_bytes,
+        "build_seconds": round(time.monotonic() - started, 2),
+    }
+    (tmp / _MARKER).write_text(json.dumps(stats, indent=2))
+    if folder.exists():
+        shutil.rmtree(folder)
+    tmp.rename(folder)
+    return folder
+
+
+def default_draft_path(group_size: int = DEFAULT_GROUP_SIZE) -> Path:
+    return cache_dir() / "models" / f"SmolLM2-135M-Instruct-W4A16-g{group_size}"
+
+
+def ensure_default_draft(group_size: int = DEFAULT_GROUP_SIZE) -> Path:
+    """Build the default draft from the default target once; later calls only return its path."""
+    folder = default_draft_path(group_size)
+    if not (folder / _MARKER).is_file():
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        build_draft(load_model(None), folder, group_size)
+    return folder
+
+
+def draft_stats(folder: Path) -> dict:
+    return json.loads((Path(folder) / _MARKER).read_text())
+
+
+def load_draft(
+    folder: str | Path | None = None, *, act_dtype: torch.dtype = torch.bfloat16
+) -> DraftModel:
+    """Load a symmetric GPTQ int4 folder for CPU execution (``None``: the default draft)."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    folder = Path(folder) if folder is not None else ensure_default_draft()
+    if not (folder / "quantize_config.json").is_file():
+        raise DraftError(f"{folder} has no quantize_config.json: not a GPTQ draft folder")
+    qcfg = json.loads((folder / "quantize_config.json").read_text())
+    if qcfg.get("bits") != 4 or not qcfg.get("sym") or qcfg.get("desc_act"):
+        raise DraftError(f"{folder}: only bits=4, sym=true, desc_act=false load here, got {qcfg}")
+    config = AutoConfig.from_pretrained(folder)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # we execute the int4 weights ourselves
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=act_dtype)
+    state = load_file(str(folder / "model.safetensors"))
+    group_size = int(qcfg["group_size"])
+    for i, layer in enumerate(model.model.layers):
+        for name in LINEAR_NAMES:
+            prefix = f"model.layers.{i}.{name}"
+            parts = {
+                k: state.pop(f"{prefix}.{k}") for k in ("qweight", "qzeros", "scales", "g_idx")
+            }
+            q, scales, gs = from_gptq(parts)
+            parent, child = name.split(".")
+            setattr(layer.get_submodule(parent), child, Int4Linear(q, scales, gs, act_dtype))
+    plain = {k: v.to(act_dtype) for k, v in state.items()}
+    missing, unexpected = model.load_state_dict(plain, strict=False, assign=True)
+    if unexpected or [m for m in missing if m != "lm_head.weight"]:
+        raise DraftError(f"{folder}: unexpected {unexpected[:3]} / missing {missing[:3]} tensors")
+    model.tie_weights()
+    # Non-persistent buffers (rotary inv_freq) stay on meta after a meta init: rebuild them.
+    model.model.rotary_emb = type(model.model.rotary_emb)(config=model.config)
+    meta = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if meta:
+        raise DraftError(f"{folder}: tensors left uninitialized: {meta[:3]}")
+    model.eval()
+    marker = folder / _MARKER
+    target_id = json.loads(marker.read_text())["target_model_id"] if marker.is_file() else ""
+    return DraftModel(
+        model=model,
+        tokenizer=AutoTokenizer.from_pretrained(folder),
+        path=folder,
+        target_model_id=target_id,
+        group_size=group_size,
+        act_dtype=act_dtype,
+    )

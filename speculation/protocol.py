@@ -1,0 +1,275 @@
+"""The verifier protocol over a libp2p stream: ``/p2pnode/verify/1``.
+
+Contract (one stream = one session; frames and schemas from ``p2pnode.overlay.wire``):
+- edge -> verifier ``verify-open`` {model_id, prompt, temperature, top_p, seed}; the verifier
+  answers ``verify-opened`` {committed_len, max_tokens, max_block} or ``verify-refused``
+  {code, message} and closes. ``code`` is the name of the ``VerifierError`` subclass
+  (``VerifierFull``, ``SessionLimit``, ``WrongModel``, ...) or ``BadMessage``.
+- then any number of ``verify-block`` {number, base_len, base_token, tokens, q_width, q_ids,
+  q_vals}, each answered in order by ``verify-result`` {number, accepted, next_token,
+  committed_len} (accepted = -1: stale). The edge may send the next block before the previous
+  result arrives (pipelining). For sampling, each draft token's q row travels sparse: ``q_width``
+  entries per row, ids as little-endian int32 and probabilities as little-endian float32 bytes,
+  so the verifier rebuilds the very q the edge drew from (exact; rows must sum to 1).
+- ``verify-close`` {} (or the edge closing its side) ends the session. On an error the verifier
+  sends ``verify-error`` {code, message} and ends it. A reset stream, a block slower than
+  ``verifier.idle_timeout_s`` or a malformed frame also end it: the session is always released.
+- ``serve_verifier(node, verifier)`` registers the handler; the caller runs ``verifier.run`` in
+  a nursery. ``P2PVerifierTransport(node, peer_id, model_id)`` is the edge side, a
+  ``VerifierTransport`` for ``speculative_generate``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import field
+
+import numpy as np
+import torch
+import trio
+
+from p2pnode.overlay import wire
+from p2pnode.speculation import verify as v
+from p2pnode.speculation.verify import (
+    BatchedVerifier,
+    Block,
+    BlockResult,
+    SamplingOptions,
+    VerifierError,
+)
+
+VERIFY_PROTOCOL = "/p2pnode/verify/1"
+LIMIT = wire.PROTOCOL_LIMITS[VERIFY_PROTOCOL]
+MAX_PROMPT = 8192
+MAX_BLOCK = 64
+MAX_Q_WIDTH = 256  # 2 KiB per draft token on the wire
+OPEN_TIMEOUT_S = 30.0
+_I32 = {"ge": 0, "le": 2**31 - 1}
+
+
+@wire.message("verify-open")
+class VerifyOpen:
+    model_id: str = field(metadata=wire.bounded(min_len=1, max_len=200))
+    prompt: list[int] = field(
+        metadata=wire.bounded(min_len=1, max_len=MAX_PROMPT, item_ge=0, item_le=2**31 - 1)
+    )
+    temperature: float = field(default=0.0, metadata=wire.bounded(ge=0, le=100))
+    top_p: float = field(default=1.0, metadata=wire.bounded(ge=0, le=1))
+    seed: int | None = field(default=None, metadata=wire.bounded(ge=-(2**63), le=2**63 - 1))
+
+
+@wire.message("verify-opened")
+class VerifyOpened:
+    committed_len: int = field(metadata=wire.bounded(**_I32))
+    max_tokens: int = field(metadata=wire.bounded(**_I32))
+    max_block: int = field(metadata=wire.bounded(**_I32))
+
+
+@wire.message("verify-refused")
+class VerifyRefused:
+    code: str = field(metadata=wire.bounded(max_len=32))
+    message: str = field(metadata=wire.bounded(max_len=1024))
+
+
+@wire.message("verify-block")
+class VerifyBlock:
+    number: int = field(metadata=wire.bounded(**_I32))
+    base_len: int = field(metadata=wire.bounded(**_I32))
+    base_token: int = field(metadata=wire.bounded(**_I32))
+    tokens: list[int] = field(
+        metadata=wire.bounded(max_len=MAX_BLOCK, item_ge=0, item_le=2**31 - 1)
+    )
+    q_width: int = field(default=0, metadata=wire.bounded(ge=0, le=MAX_Q_WIDTH))
+    q_ids: bytes = field(default=b"", metadata=wire.bounded(max_len=MAX_BLOCK * MAX_Q_WIDTH * 4))
+    q_vals: bytes = field(default=b"", metadata=wire.bounded(max_len=MAX_BLOCK * MAX_Q_WIDTH * 4))
+
+
+@wire.message("verify-result")
+class VerifyResult:
+    number: int = field(metadata=wire.bounded(**_I32))
+    accepted: int = field(metadata=wire.bounded(ge=-1, le=MAX_BLOCK))
+    next_token: int = field(metadata=wire.bounded(ge=-1, le=2**31 - 1))
+    committed_len: int = field(metadata=wire.bounded(**_I32))
+
+
+@wire.message("verify-error")
+class VerifyError:
+    code: str = field(metadata=wire.bounded(max_len=32))
+    message: str = field(metadata=wire.bounded(max_len=1024))
+
+
+@wire.message("verify-close")
+class VerifyClose:
+    pass
+
+
+# ---------------------------------------------------------------- sparse q rows
+
+
+def encode_q(q: torch.Tensor | None) -> tuple[int, bytes, bytes]:
+    """(width, ids, vals) of rows with at most ``MAX_Q_WIDTH`` non-zeros; exact, or BadBlock."""
+    if q is None:
+        return 0, b"", b""
+    width = min(MAX_Q_WIDTH, q.shape[-1])
+    vals, ids = q.topk(width, dim=-1)
+    if bool((q > 0).sum(-1).gt(width).any()):
+        raise v.BadBlock(f"a q row has more than {MAX_Q_WIDTH} non-zeros: truncate the draft's q")
+    return (
+        width,
+        ids.to(torch.int32).numpy().astype("<i4").tobytes(),
+        vals.float().numpy().astype("<f4").tobytes(),
+    )
+
+
+def decode_q(msg: VerifyBlock, vocab: int) -> torch.Tensor | None:
+    k, w = len(msg.tokens), msg.q_width
+    if w == 0:
+        if msg.q_ids or msg.q_vals:
+            raise v.BadBlock("q_ids/q_vals given with q_width 0")
+        return None
+    if len(msg.q_ids) != 4 * k * w or len(msg.q_vals) != 4 * k * w:
+        raise v.BadBlock(f"q_ids and q_vals must hold {k} x {w} 4-byte entries each")
+    ids = torch.from_numpy(np.frombuffer(msg.q_ids, dtype="<i4").astype(np.int64)).view(k, w)
+    vals = torch.from_numpy(np.frombuffer(msg.q_vals, dtype="<f4").astype(np.float32)).view(k, w)
+    if bool(((ids < 0) | (ids >= vocab)).any()):
+        raise v.BadBlock(f"q ids must lie in [0, {vocab})")
+    if not bool(torch.isfinite(vals).all()) or bool((vals < 0).any()):
+        raise v.BadBlock("q probabilities must be finite and >= 0")
+    q = torch.zeros(k, vocab).scatter_add_(1, ids, vals)
+    if bool(((q.sum(-1) - 1).abs() > 1e-3).any()):
+        raise v.BadBlock("each q row must sum to 1")
+    return q
+
+
+# ---------------------------------------------------------------- verifier side
+
+
+def serve_verifier(node, verifier: BatchedVerifier) -> None:
+    """Serve ``/p2pnode/verify/1`` on ``node`` (an overlay node with ``set_stream_handler``)."""
+
+    async def handle(stream) -> None:
+        await _serve_stream(stream, verifier)
+
+    node.set_stream_handler(VERIFY_PROTOCOL, handle)
+
+
+async def _send(stream, msg: object) -> None:
+    await wire.write_frame(stream, wire.to_wire(msg), limit=LIMIT)
+
+
+async def _serve_stream(stream, verifier: BatchedVerifier) -> None:
+    with trio.move_on_after(OPEN_TIMEOUT_S):
+        obj = await wire.read_frame(stream, limit=LIMIT)
+    try:
+        if obj is None:
+            return
+        req = wire.from_wire(obj, VerifyOpen)
+        opts = SamplingOptions(req.temperature, req.top_p, req.seed)
+        sid = await verifier.open_session(list(req.prompt), opts, req.model_id)
+    except (wire.WireError, VerifierError) as exc:
+        await _send(stream, VerifyRefused(_code(exc), str(exc)[:1024]))
+        return
+    try:
+        s = verifier.sessions[sid]
+        await _send(stream, VerifyOpened(s.committed_len, verifier.max_tokens, verifier.max_block))
+        await _serve_blocks(stream, verifier, sid)
+    except (wire.WireError, VerifierError) as exc:
+        with trio.move_on_after(1):
+            await _send(stream, VerifyError(_code(exc), str(exc)[:1024]))
+    finally:
+        verifier.close_session(sid)
+
+
+async def _serve_blocks(stream, verifier: BatchedVerifier, sid: str) -> None:
+    while True:
+        with trio.move_on_after(verifier.idle_timeout_s):
+            obj = await wire.read_frame(stream, limit=LIMIT)
+            if obj is None:
+                return
+            msg = wire.from_wire(obj, VerifyBlock, VerifyClose)
+            if isinstance(msg, VerifyClose):
+                return
+            q = decode_q(msg, verifier.vocab_size)
+            block = Block(msg.number, msg.base_len, msg.base_token, tuple(msg.tokens), q)
+            r = await verifier.verify(sid, block)
+            await _send(stream, VerifyResult(r.number, r.accepted, r.next_token, r.committed_len))
+            continue
+        raise v.UnknownSession(f"no block for {verifier.idle_timeout_s:.0f} s: session closed")
+
+
+def _code(exc: Exception) -> str:
+    return type(exc).__name__ if isinstance(exc, VerifierError) else "BadMessage"
+
+
+def _error(code: str, message: str) -> VerifierError:
+    cls = getattr(v, code, None)
+    if isinstance(cls, type) and issubclass(cls, VerifierError):
+        return cls(f"verifier: {message}")
+    return VerifierError(f"verifier ({code}): {message}")
+
+
+# ---------------------------------------------------------------- edge side
+
+
+class P2PVerifierTransport:
+    """``VerifierTransport`` over one ``/p2pnode/verify/1`` stream to ``peer_id``."""
+
+    def __init__(self, node, peer_id: str, model_id: str, *, result_timeout_s: float = 120.0):
+        self.node, self.peer_id, self.model_id = node, peer_id, model_id
+        self.result_timeout_s = result_timeout_s
+        self.stream = None
+        self.opened: VerifyOpened | None = None
+
+    async def open(self, prompt: list[int], options: SamplingOptions) -> None:
+        self.stream = await self.node.open_stream(self.peer_id, VERIFY_PROTOCOL)
+        req = VerifyOpen(
+            self.model_id, list(prompt), options.temperature, options.top_p, options.seed
+        )
+        await _send(self.stream, req)
+        with trio.fail_after(OPEN_TIMEOUT_S):
+            obj = await wire.read_frame(self.stream, limit=LIMIT)
+        if obj is None:
+            raise VerifierError("verifier closed the stream before answering the open")
+        reply = wire.from_wire(obj, VerifyOpened, VerifyRefused)
+        if isinstance(reply, VerifyRefused):
+            raise _error(reply.code, reply.message)
+        self.opened = reply
+
+    async def send_block(self, block: Block) -> None:
+        width, ids, vals = encode_q(block.draft_probs)
+        msg = VerifyBlock(
+            block.number, block.base_len, block.base_token, list(block.tokens), width, ids, vals
+        )
+        await _send(self.stream, msg)
+
+    async def receive_result(self) -> BlockResult:
+        with trio.move_on_after(self.result_timeout_s):
+            obj = await wire.read_frame(self.stream, limit=LIMIT)
+            if obj is None:
+                raise VerifierError("verifier closed the stream: open a new session")
+            msg = wire.from_wire(obj, VerifyResult, VerifyError)
+            if isinstance(msg, VerifyError):
+                raise _error(msg.code, msg.message)
+            return BlockResult(msg.number, msg.accepted, msg.next_token, msg.committed_len)
+        raise VerifierError(f"no verification result within {self.result_timeout_s:.0f} s")
+
+    async def close(self) -> None:
+        if self.stream is None:
+            return
+        stream, self.stream = self.stream, None
+        with trio.move_on_after(2):
+            try:
+                await _send(stream, VerifyClose())
+                await stream.close()
+            except Exception:  # the peer may already be gone; reset to release our side
+                with contextlib.suppress(Exception):
+                    await stream.reset()
+
+
+__all__ = [
+    "VERIFY_PROTOCOL",
+    "P2PVerifierTransport",
+    "serve_verifier",
+    "encode_q",
+    "decode_q",
+]
