@@ -6,6 +6,7 @@ p2pnode bootstrap  run a discovery-only node others can join through
 p2pnode peers      what the running node sees (peer table)
 p2pnode status     the running node's status (JSON)
 p2pnode demo       a local overlay of four processes serving an MMLU-style workload
+p2pnode edge       generate with a local W4A16 draft, verified by a remote verifier
 """
 
 from __future__ import annotations
@@ -139,6 +140,12 @@ def _node_options(fn):
         ),
         click.option("--torch-threads", type=int, default=None, help="CPU threads for the model."),
         click.option(
+            "--ping-timeout", type=float, default=None, help="Seconds before a ping fails."
+        ),
+        click.option(
+            "--connect-timeout", type=float, default=None, help="Seconds before a dial fails."
+        ),
+        click.option(
             "--routing/--no-routing",
             default=None,
             help="Route requests to the best peer (default), or serve everything locally.",
@@ -189,6 +196,10 @@ def join(config_file: Path | None, **flags: Any) -> None:
     "--api-port", type=int, default=None, help="Port of the local HTTP API (0: any free port)."
 )
 @click.option("--log-level", default=None, type=click.Choice(["debug", "info", "warning", "error"]))
+@click.option("--ping-timeout", type=float, default=None, help="Seconds before a ping fails.")
+@click.option("--connect-timeout", type=float, default=None, help="Seconds before a dial fails.")
+@click.option("--wan-spec", default=None, help="Testnet: trial spec whose delays to inject.")
+@click.option("--region", default=None, help="Testnet: this node's region in --wan-spec.")
 @_config_option
 @_home_option
 def run_bootstrap(config_file: Path | None, **flags: Any) -> None:
@@ -237,6 +248,22 @@ def status(home: Path | None) -> None:
     click.echo(json.dumps(_fetch_status(home, "/status"), indent=2))
 
 
+@main.command(
+    context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False},
+    add_help_option=False,
+)
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def testnet(args: tuple[str, ...]) -> None:
+    """Run a testnet trial: `p2pnode testnet SPEC [--arms routing,baseline] [--out DIR]`.
+
+    SPEC is a trial TOML file or a built-in name (lan-2ms, zipf-2ms, wan-200ms, wan-1000ms,
+    smoke); `p2pnode testnet --help` lists every option.
+    """
+    from p2pnode.testnet.run_trial import main as run_trial_main
+
+    sys.exit(run_trial_main(list(args)))
+
+
 @main.command()
 @click.option("--nodes", default=3, show_default=True, help="Serving nodes (plus one bootstrap).")
 @click.option("--subjects", default=3, show_default=True, help="MMLU subjects in the workload.")
@@ -253,6 +280,30 @@ def demo(nodes: int, subjects: int, per_subject: int, seed: int) -> None:
     except KeyboardInterrupt:
         click.echo("demo interrupted; nodes stopped.", err=True)
     except RuntimeError as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+@main.command()
+@click.option("--bootstrap", multiple=True, required=True, help="Multiaddr to join through.")
+@click.option("--prompt", required=True, help="User message (wrapped in the chat template).")
+@click.option("--max-tokens", default=64, show_default=True, type=int)
+@click.option("--mode", default="async", show_default=True, type=click.Choice(["async", "sync"]))
+@click.option("--temperature", default=0.0, show_default=True, type=float)
+@click.option("--timeout", default=300.0, show_default=True, help="Give up after this many s.")
+def edge(
+    bootstrap: tuple[str, ...],
+    prompt: str,
+    max_tokens: int,
+    mode: str,
+    temperature: float,
+    timeout: float,
+) -> None:
+    """Speculative generation: local W4A16 draft, verified by a verifier peer of the overlay."""
+    from p2pnode.speculation.edge import run_edge_cli
+
+    try:
+        click.echo(run_edge_cli(list(bootstrap), prompt, max_tokens, mode, temperature, timeout))
+    except Exception as exc:  # our errors carry the message to show; no traceback
         raise click.ClickException(str(exc)) from None
 
 

@@ -40,6 +40,10 @@ class NodeSettings:
     cache_budget_tokens: int = 32768
     max_batch: int = 4
     ping_interval: float = 1.0
+    # Liveness and dial limits; raise them on long links (a dial is ~5 round trips, a ping ~3).
+    # With wan_spec set, the trial's worst round trip raises them automatically.
+    ping_timeout: float = 1.0
+    connect_timeout: float = 3.0
     gossip_interval: float = 1.0
     pushback_threshold: int = 8
     log_level: str = "info"
@@ -68,7 +72,7 @@ class NodeSettings:
         for name in ("cache_budget_tokens", "max_batch", "pushback_threshold"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
-        for name in ("ping_interval", "gossip_interval"):
+        for name in ("ping_interval", "gossip_interval", "ping_timeout", "connect_timeout"):
             if not 0.05 <= getattr(self, name) <= 600:
                 raise ConfigError(f"{name} must be between 0.05 and 600 seconds")
         if self.backend not in {"hf", "emulated"}:

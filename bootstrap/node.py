@@ -87,10 +87,21 @@ async def _stop_on_signal(cancel_scope: trio.CancelScope) -> None:
 async def run_node(settings: NodeSettings, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
     from p2pnode.overlay.node import OverlayConfig, open_overlay_node
 
+    timeouts = {
+        "ping_timeout": settings.ping_timeout,
+        "connect_timeout": settings.connect_timeout,
+        "dial_timeout": settings.connect_timeout + 2.0,
+        "health_ping_timeout": 2.0 * settings.ping_timeout,
+    }
     if settings.wan_spec:
         from p2pnode.testnet import wan
 
-        wan.install(settings.wan_spec, settings.region)
+        try:
+            wan.install(settings.wan_spec, settings.region)
+            suggested = wan.suggested_timeouts(settings.wan_spec, settings.region)
+        except (wan.WanError, OSError, ValueError) as exc:
+            raise NodeStartError(f"cannot emulate the WAN of {settings.wan_spec}: {exc}") from None
+        timeouts = {k: max(v, suggested.get(k, 0.0)) for k, v in timeouts.items()}
 
     try:
         key = NodeKey.load_or_create(settings.home)
@@ -107,6 +118,7 @@ async def run_node(settings: NodeSettings, *, task_status=trio.TASK_STATUS_IGNOR
             capacity={"max_batch": float(settings.max_batch)},
             ping_interval=settings.ping_interval,
             gossip_heartbeat=settings.gossip_interval,
+            **timeouts,
         )
         try:
             node = await stack.enter_async_context(open_overlay_node(config))
@@ -147,6 +159,13 @@ async def run_node(settings: NodeSettings, *, task_status=trio.TASK_STATUS_IGNOR
         async with trio.open_nursery() as nursery:
             if service is not None:
                 await nursery.start(service.run)
+            if engine is not None and "verifier" in settings.role:
+                from p2pnode.speculation.protocol import serve_verifier
+                from p2pnode.speculation.verify import BatchedVerifier
+
+                verifier = BatchedVerifier(engine.loaded)  # the engine's model, not a 2nd load
+                await nursery.start(verifier.run)
+                serve_verifier(node, verifier)
             app = build_app(status, service=service, engine=engine, registry=registry)
             api = await nursery.start(serve_api, app, settings.api_host, settings.api_port)
             nursery.start_soon(_stop_on_signal, nursery.cancel_scope)

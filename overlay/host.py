@@ -45,8 +45,14 @@ def quiet_libp2p_logs(level: int = logging.ERROR) -> None:
     logging.getLogger("libp2p").setLevel(level)
 
 
-def connection_config() -> ConnectionConfig:
-    """Connection settings used by every p2pnode host (see the module docstring)."""
+def connection_config(
+    *, dial_timeout: float = 5.0, health_ping_timeout: float = 2.0
+) -> ConnectionConfig:
+    """Connection settings used by every p2pnode host (see the module docstring).
+
+    The timeouts must grow with the round trip: a dial is ~5 round trips (TCP, multistream,
+    Noise XX, yamux) and a health probe ~3 (it negotiates a new stream each time).
+    """
     return ConnectionConfig(
         max_connections_per_peer=1,
         # libp2p's auto-connector redials every known peer every 30 s while below 50
@@ -57,9 +63,10 @@ def connection_config() -> ConnectionConfig:
         health_initial_delay=1.0,
         health_warmup_window=0.0,
         health_check_interval=2.0,  # every probe is a new negotiated stream: not free
-        ping_timeout=2.0,  # 1 s gave false failures (and dropped healthy links) on 2 busy cores
+        # 1 s gave false failures (and dropped healthy links) on 2 busy cores
+        ping_timeout=health_ping_timeout,
         abort_connection_on_ping_failure=True,
-        dial_timeout=5.0,
+        dial_timeout=dial_timeout,
     )
 
 
@@ -73,7 +80,13 @@ def parse_multiaddr(addr: str) -> multiaddr.Multiaddr:
         raise BadMultiaddr(f"malformed multiaddr {addr!r}: {exc}") from None
 
 
-def make_host(key: NodeKey, listen_addrs: list[str]) -> IHost:
+def make_host(
+    key: NodeKey,
+    listen_addrs: list[str],
+    *,
+    dial_timeout: float = 5.0,
+    health_ping_timeout: float = 2.0,
+) -> IHost:
     """Create (not start) a Noise-only, yamux-only host for `key`."""
     key_pair = create_new_key_pair(key.seed)
     peer_id = ID.from_pubkey(key_pair.public_key).to_base58()
@@ -89,5 +102,7 @@ def make_host(key: NodeKey, listen_addrs: list[str]) -> IHost:
         sec_opt={TProtocol(NOISE_PROTOCOL_ID): noise},
         muxer_opt={TProtocol(YAMUX_PROTOCOL_ID): Yamux},
         listen_addrs=[parse_multiaddr(a) for a in listen_addrs],
-        connection_config=connection_config(),
+        connection_config=connection_config(
+            dial_timeout=dial_timeout, health_ping_timeout=health_ping_timeout
+        ),
     )

@@ -79,6 +79,8 @@ class OverlayConfig:
     gossip_heartbeat: float = 1.0
     ping_timeout: float = 1.0
     connect_timeout: float = 3.0
+    dial_timeout: float = 5.0  # libp2p's own dial limit; keep it above connect_timeout
+    health_ping_timeout: float = 2.0
     bootstrap_attempts: int = 4
     bootstrap_backoff: float = 0.2  # first retry delay; doubles per attempt
     require_bootstrap: bool = False
@@ -546,7 +548,12 @@ async def open_overlay_node(config: OverlayConfig) -> AsyncIterator[OverlayNode]
     """Start an overlay node (see module docstring); stops it on exit."""
     bootstrap = [parse_peer_addr(a) for a in config.bootstrap]  # malformed -> BadMultiaddr now
     listen = [parse_multiaddr(a) for a in config.listen_addrs]
-    host = make_host(config.key, config.listen_addrs)
+    host = make_host(
+        config.key,
+        config.listen_addrs,
+        dial_timeout=config.dial_timeout,
+        health_ping_timeout=config.health_ping_timeout,
+    )
     gossipsub = GossipSub(
         protocols=[PROTOCOL_ID_V12, PROTOCOL_ID_V11],
         degree=6,

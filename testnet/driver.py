@@ -1,0 +1,390 @@
+"""Workload driver and collector: MMLU requests to nodes through their public HTTP API only.
+
+Contract:
+- ``build_requests(workload, seed, n_nodes) -> list[PlannedRequest]``: the trial's request
+  sequence, a pure function of (workload, seed, n_nodes): subject by popularity (``uniform``, or
+  ``zipf``: rank k of the listed subjects has weight ``1 / k**s``), question uniform in that
+  subject's pool, arrival node uniform, and for ``poisson`` the send time (exponential gaps at
+  ``rate_per_s``). Both arms of a trial replay the same sequence.
+- ``await drive(apis, requests, workload, ...) -> list[dict]``: sends each request to its
+  arrival node's ``POST /v1/completions`` (``apis`` = base URLs, e.g. nodes started by hand in
+  several regions), at most ``concurrency`` in flight, within ``max_duration_s`` in all; returns
+  exactly one record per planned request, in plan order, including the ones that failed or were
+  never sent (``status`` "ok" | "error" | "timeout" | "not_sent"). Record fields: ``i,
+  subject, question, arrival_node, served_by (peer id), served_node (index or None),
+  forwarded, prompt_tokens, cached_tokens, latency_s, ttft_s (streamed requests only),
+  scheduled_s, sent_s, client_wait_s, correct, routing_reason, error``.
+- ``await node_ids(apis)`` maps each API to its peer id (``GET /status``); with ``model=None``
+  each request names the model its arrival node lists first in ``GET /v1/models``.
+- ``summarize(records, n_nodes) -> dict``: counts, mean/p50/p90/p95/p99 latency, hit rate
+  (cached / prompt tokens over answered requests), load share per node and the busiest node's
+  share, forwarded fraction, accuracy, throughput.
+- ``write_jsonl(path, records)``; ``on_record`` is called after each record (progress bars).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import trio
+
+from p2pnode.testnet.spec import Workload
+
+STATUS_TIMEOUT_S = 10.0
+
+
+class DriverError(RuntimeError):
+    """The workload cannot be driven (a node does not answer /status, bad plan)."""
+
+
+@dataclass(frozen=True)
+class PlannedRequest:
+    i: int
+    subject: str
+    question: int
+    prompt: str
+    answer: str
+    arrival_node: int
+    at_s: float | None  # send time from the start (poisson); None: as soon as a slot frees
+
+
+def subject_list(workload: Workload) -> list[str]:
+    from p2pnode.testnet import mmlu
+
+    if isinstance(workload.subjects, int):
+        return mmlu.subjects()[: workload.subjects]
+    known = set(mmlu.subjects())
+    unknown = [s for s in workload.subjects if s not in known]
+    if unknown:
+        raise DriverError(f"unknown MMLU subject(s) {unknown}; see p2pnode.testnet.mmlu.subjects()")
+    return list(workload.subjects)
+
+
+def popularity_weights(workload: Workload, n: int) -> list[float]:
+    if workload.popularity == "zipf":
+        return [1.0 / (k**workload.zipf_s) for k in range(1, n + 1)]
+    return [1.0] * n
+
+
+def build_requests(workload: Workload, seed: int, n_nodes: int) -> list[PlannedRequest]:
+    from p2pnode.testnet import mmlu
+
+    if n_nodes < 1:
+        raise DriverError("the workload needs at least one node API")
+    rng = random.Random(seed)
+    subjects = subject_list(workload)
+    pools = {s: list(mmlu.questions([s], workload.per_subject)) for s in subjects}
+    weights = popularity_weights(workload, len(subjects))
+    t = 0.0
+    out = []
+    for i in range(workload.requests):
+        subject = rng.choices(subjects, weights)[0]
+        q = rng.choice(pools[subject])
+        node = rng.randrange(n_nodes)
+        at: float | None = None
+        if workload.arrival == "poisson":
+            t += rng.expovariate(workload.rate_per_s)
+            at = t
+        out.append(PlannedRequest(i, subject, q.index, q.prompt, q.answer, node, at))
+    return out
+
+
+async def node_ids(apis: Sequence[str], client: httpx.AsyncClient | None = None) -> list[str]:
+    """Peer id of each API's node, in order (`DriverError` naming the node that fails)."""
+    own = client is None
+    client = client or httpx.AsyncClient(timeout=STATUS_TIMEOUT_S)
+    try:
+        ids = []
+        for api in apis:
+            try:
+                response = await client.get(api.rstrip("/") + "/status")
+                response.raise_for_status()
+                ids.append(str(response.json()["peer_id"]))
+            except (httpx.HTTPError, KeyError, ValueError) as exc:
+                raise DriverError(f"node API {api} did not give its peer id: {exc!r}") from None
+        return ids
+    finally:
+        if own:
+            await client.aclose()
+
+
+async def model_names(apis: Sequence[str], client: httpx.AsyncClient) -> list[str]:
+    """The model id each node serves (first of ``GET /v1/models``), in API order."""
+    names = []
+    for api in apis:
+        try:
+            response = await client.get(api.rstrip("/") + "/v1/models")
+            response.raise_for_status()
+            names.append(str(response.json()["data"][0]["id"]))
+        except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
+            raise DriverError(f"node API {api} lists no model in /v1/models: {exc!r}") from None
+    return names
+
+
+def _record(p: PlannedRequest, status: str, **fields: Any) -> dict[str, Any]:
+    base = {
+        "i": p.i,
+        "subject": p.subject,
+        "question": p.question,
+        "arrival_node": p.arrival_node,
+        "status": status,
+        "served_by": None,
+        "served_node": None,
+        "forwarded": None,
+        "prompt_tokens": None,
+        "cached_tokens": None,
+        "latency_s": None,
+        "ttft_s": None,
+        "scheduled_s": p.at_s,
+        "sent_s": None,
+        "client_wait_s": None,
+        "correct": None,
+        "routing_reason": None,
+        "error": None,
+    }
+    base.update(fields)
+    return base
+
+
+async def _send_plain(client: httpx.AsyncClient, url: str, body: dict) -> tuple[dict, None]:
+    response = await client.post(url, json=body)
+    if response.status_code != 200:
+        raise _HttpStatus(response.status_code, response.text[:300])
+    return response.json(), None
+
+
+async def _send_streamed(
+    client: httpx.AsyncClient, url: str, body: dict, t0: float
+) -> tuple[dict, float | None]:
+    """OpenAI SSE chunks -> a body shaped like the non-streamed one, plus time to first token."""
+    ttft = None
+    text = ""
+    merged: dict[str, Any] = {}
+    async with client.stream(
+        "POST", url, json={**body, "stream": True, "stream_options": {"include_usage": True}}
+    ) as response:
+        if response.status_code != 200:
+            raise _HttpStatus(response.status_code, (await response.aread()).decode()[:300])
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise _HttpStatus(200, json.dumps(chunk["error"])[:300])
+            for choice in chunk.get("choices", []):
+                if choice.get("text"):
+                    ttft = ttft if ttft is not None else time.perf_counter() - t0
+                    text += choice["text"]
+            for key in ("usage", "p2pnode"):
+                if chunk.get(key):
+                    merged[key] = chunk[key]
+    merged["choices"] = [{"text": text}]
+    return merged, ttft
+
+
+class _HttpStatus(Exception):
+    def __init__(self, status: int, text: str) -> None:
+        super().__init__(f"HTTP {status}: {text}")
+
+
+async def drive(
+    apis: Sequence[str],
+    requests: Sequence[PlannedRequest],
+    workload: Workload,
+    *,
+    max_duration_s: float,
+    peer_ids: Sequence[str] | None = None,
+    stream: bool = False,
+    model: str | None = None,
+    on_record: Callable[[dict[str, Any]], None] | None = None,
+) -> list[dict[str, Any]]:
+    """Send the planned requests; one record per request, in plan order (see module doc)."""
+    if any(not 0 <= p.arrival_node < len(apis) for p in requests):
+        raise DriverError(f"a planned request arrives at a node beyond the {len(apis)} APIs")
+    limits = httpx.Limits(max_connections=workload.concurrency * 2 + 8)
+    timeout = httpx.Timeout(workload.request_timeout_s, connect=10.0)
+    records: list[dict[str, Any] | None] = [None] * len(requests)
+    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+        ids = list(peer_ids) if peer_ids is not None else await node_ids(apis, client)
+        index_of = {pid: k for k, pid in enumerate(ids)}
+        models = [model] * len(apis) if model else await model_names(apis, client)
+        # a Semaphore, not a CapacityLimiter: in closed loop the sender takes the slot and the
+        # request's task gives it back
+        slots = trio.Semaphore(workload.concurrency)
+        start = trio.current_time()
+
+        async def one(p: PlannedRequest, ready: float, holding: bool) -> None:
+            url = apis[p.arrival_node].rstrip("/") + "/v1/completions"
+            body = {
+                "model": models[p.arrival_node],
+                "prompt": p.prompt,
+                "max_tokens": workload.max_tokens,
+                "temperature": workload.temperature,
+            }
+            acquired = holding
+            try:
+                if not holding:
+                    await slots.acquire()
+                    acquired = True
+                sent = trio.current_time()
+                t0 = time.perf_counter()
+                try:
+                    with trio.fail_after(workload.request_timeout_s + 5):
+                        if stream:
+                            answer, ttft = await _send_streamed(client, url, body, t0)
+                        else:
+                            answer, ttft = await _send_plain(client, url, body)
+                    latency = time.perf_counter() - t0
+                    rec = _answered(p, answer, ttft, latency, ids, index_of)
+                except (trio.TooSlowError, httpx.TimeoutException):
+                    rec = _record(p, "timeout", error="no answer in time")
+                except (httpx.HTTPError, _HttpStatus, ValueError, KeyError, TypeError) as exc:
+                    rec = _record(p, "error", error=str(exc)[:300])
+            finally:
+                if acquired:
+                    slots.release()
+            rec["sent_s"] = round(sent - start, 4)
+            rec["client_wait_s"] = round(sent - ready, 4)
+            records[p.i] = rec
+            if on_record is not None:
+                on_record(rec)
+
+        with trio.move_on_after(max_duration_s):
+            async with trio.open_nursery() as nursery:
+                for p in requests:
+                    holding = False
+                    if p.at_s is not None:
+                        await trio.sleep_until(start + p.at_s)
+                    else:
+                        # closed loop: the next request starts when a slot frees
+                        await slots.acquire()
+                        holding = True
+                    nursery.start_soon(one, p, trio.current_time(), holding)
+    out = []
+    for p, rec in zip(requests, records, strict=True):
+        if rec is None:
+            rec = _record(p, "not_sent", error=f"trial stopped after {max_duration_s:g} s")
+            if on_record is not None:
+                on_record(rec)
+        out.append(rec)
+    return out
+
+
+def _answered(
+    p: PlannedRequest,
+    answer: dict[str, Any],
+    ttft: float | None,
+    latency: float,
+    ids: Sequence[str],
+    index_of: dict[str, int],
+) -> dict[str, Any]:
+    info = answer.get("p2pnode") or {}
+    usage = answer.get("usage") or {}
+    served_by = info.get("served_by")
+    served_node = index_of.get(served_by) if isinstance(served_by, str) else None
+    text = ""
+    choices = answer.get("choices") or []
+    if choices:
+        text = str(choices[0].get("text", ""))
+    routing = info.get("routing") or {}
+    return _record(
+        p,
+        "ok",
+        served_by=served_by,
+        served_node=served_node,
+        forwarded=(served_by != ids[p.arrival_node]) if served_by else None,
+        prompt_tokens=usage.get("prompt_tokens"),
+        cached_tokens=info.get("cached_tokens"),
+        latency_s=round(latency, 5),
+        ttft_s=round(ttft, 5) if ttft is not None else None,
+        correct=text.strip()[:1] == p.answer,
+        routing_reason=routing.get("reason") if isinstance(routing, dict) else None,
+    )
+
+
+# --------------------------------------------------------------------------- summary
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """Linear-interpolated percentile (q in [0, 100]); None for no values."""
+    if not values:
+        return None
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100.0
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def summarize(records: Sequence[dict[str, Any]], n_nodes: int) -> dict[str, Any]:
+    ok = [r for r in records if r["status"] == "ok"]
+    lat = [r["latency_s"] for r in ok]
+    prompt = sum(r["prompt_tokens"] or 0 for r in ok)
+    cached = sum(r["cached_tokens"] or 0 for r in ok)
+    served = [0] * n_nodes
+    unknown_server = 0
+    for r in ok:
+        if r["served_node"] is None:
+            unknown_server += 1
+        else:
+            served[r["served_node"]] += 1
+    shares = [s / len(ok) if ok else 0.0 for s in served]
+    known_fwd = [r for r in ok if r["forwarded"] is not None]
+    span = max((r["sent_s"] + r["latency_s"] for r in ok), default=0.0)
+    statuses: dict[str, int] = {}
+    for r in records:
+        statuses[r["status"]] = statuses.get(r["status"], 0) + 1
+
+    def rnd(x: float | None, nd: int = 4) -> float | None:
+        return round(x, nd) if x is not None else None
+
+    ttft = [r["ttft_s"] for r in ok if r["ttft_s"] is not None]
+    return {
+        "requests": len(records),
+        "answered": len(ok),
+        "statuses": statuses,
+        "latency_s": {
+            "mean": rnd(sum(lat) / len(lat)) if lat else None,
+            "p50": rnd(percentile(lat, 50)),
+            "p90": rnd(percentile(lat, 90)),
+            "p95": rnd(percentile(lat, 95)),
+            "p99": rnd(percentile(lat, 99)),
+            "max": rnd(max(lat, default=None)),
+        },
+        "ttft_s": {"mean": rnd(sum(ttft) / len(ttft)) if ttft else None},
+        "prompt_tokens": prompt,
+        "cached_tokens": cached,
+        "hit_rate": rnd(cached / prompt) if prompt else None,
+        "served_per_node": served,
+        "load_share": [rnd(s) for s in shares],
+        "max_share": rnd(max(shares, default=0.0)),
+        "unknown_server": unknown_server,
+        "forwarded_fraction": (
+            rnd(sum(bool(r["forwarded"]) for r in known_fwd) / len(known_fwd))
+            if known_fwd
+            else None
+        ),
+        "accuracy": rnd(sum(bool(r["correct"]) for r in ok) / len(ok)) if ok else None,
+        "throughput_rps": rnd(len(ok) / span) if span > 0 else None,
+        "client_wait_s_mean": rnd(sum(r["client_wait_s"] or 0 for r in ok) / len(ok))
+        if ok
+        else None,
+    }
+
+
+def write_jsonl(path: Path, records: Sequence[dict[str, Any]]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as f:
+        for r in records:
+            f.write(json.dumps(r) + "\n")
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

@@ -1,0 +1,379 @@
+"""Start a trial's nodes as separate OS processes on this machine, and stop them all.
+
+Contract:
+- ``with launch_trial(spec, arm, workdir) as trial:`` starts one bootstrap node and
+  ``spec.node_count`` serving nodes (``python -m p2pnode.bootstrap.cli``), each in its own home
+  under ``workdir/<arm>/``, each listening on its own loopback IP of its region (``wan.node_ip``)
+  with ``--wan-spec``/``--region`` so its libp2p connections carry the spec's delays, the
+  spec's ``[node]`` settings, ``--backend`` from the compute mode and ``--routing`` or
+  ``--no-routing`` by arm. It waits for every ``runtime.json`` and for the overlay to form
+  (every serving node sees every other one up in ``GET /status``, and for the routing arm
+  holds a cache view of each), all bounded by ``start_timeout_s`` (``LaunchError`` with the
+  tail of the failing node's log otherwise). Leaving the block (also on Ctrl-C or an error)
+  sends SIGTERM to every process, SIGKILL after ``STOP_GRACE_S``, and copies each node's log
+  to ``workdir/<arm>/logs/``.
+- ``trial.apis`` (base URLs, node order), ``trial.peer_ids``, ``trial.nodes`` (``NodeProc``),
+  ``trial.leave(i)`` / ``trial.join(i)`` for churn (a joining node reuses its home, so its
+  peer id).
+- ``node_cmd`` (default ``python -m p2pnode.bootstrap.cli``) is the command line a node's
+  arguments are appended to (another build of the node, a profiler wrapper).
+- Emulated compute still loads the tokenizer and weights once per process (~2 s, ~0.6 GB
+  each on the default model); real compute pins ``torch_threads`` via the flag and
+  ``OMP_NUM_THREADS``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from p2pnode.testnet import wan
+from p2pnode.testnet.spec import TrialSpec
+
+STOP_GRACE_S = 15.0
+NODE_CMD = (sys.executable, "-m", "p2pnode.bootstrap.cli")
+POLL_S = 0.25
+
+
+class LaunchError(RuntimeError):
+    """A trial's processes did not come up; the message holds the reason and log tail."""
+
+
+@dataclass
+class NodeProc:
+    name: str
+    region: str
+    ip: str
+    home: Path
+    args: list[str]
+    env: dict[str, str]
+    cmd: list[str] = field(default_factory=lambda: list(NODE_CMD))
+    proc: subprocess.Popen | None = None
+    info: dict[str, Any] | None = None
+    log_files: list[Path] = field(default_factory=list)
+
+    @property
+    def api(self) -> str:
+        if self.info is None:
+            raise LaunchError(f"{self.name} has not started")
+        return str(self.info["api"])
+
+    @property
+    def peer_id(self) -> str:
+        if self.info is None:
+            raise LaunchError(f"{self.name} has not started")
+        return str(self.info["peer_id"])
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def log_tail(self, n: int = 3000) -> str:
+        path = self.log_files[-1] if self.log_files else None
+        try:
+            return path.read_text(errors="replace")[-n:] if path else ""
+        except FileNotFoundError:
+            return ""
+
+
+def _spawn(node: NodeProc) -> None:
+    node.home.mkdir(parents=True, exist_ok=True)
+    (node.home / "runtime.json").unlink(missing_ok=True)
+    log_path = node.home / f"node-{len(node.log_files)}.log"
+    node.log_files.append(log_path)
+    with log_path.open("wb") as log:
+        node.proc = subprocess.Popen(
+            [*node.cmd, *node.args],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=node.env,
+            start_new_session=True,  # Ctrl-C reaches only the launcher, which stops them in order
+        )
+    node.info = None
+
+
+def _wait_runtime(node: NodeProc, deadline: float) -> None:
+    path = node.home / "runtime.json"
+    while time.monotonic() < deadline:
+        if node.proc is None or node.proc.poll() is not None:
+            code = node.proc.returncode if node.proc else None
+            raise LaunchError(f"{node.name} exited with {code}:\n{node.log_tail()}")
+        try:
+            info = json.loads(path.read_text())
+            if info.get("pid") == node.proc.pid and info.get("api"):
+                node.info = info
+                return
+        except (FileNotFoundError, json.JSONDecodeError):
+            pass
+        time.sleep(POLL_S)
+    raise LaunchError(f"{node.name} wrote no runtime.json in time; log tail:\n{node.log_tail()}")
+
+
+def _stop(nodes: list[NodeProc]) -> None:
+    for node in nodes:
+        if node.alive():
+            node.proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + STOP_GRACE_S
+    for node in nodes:
+        if node.proc is None:
+            continue
+        try:
+            node.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            node.proc.kill()
+            node.proc.wait(timeout=5)
+
+
+def node_env(threads: int) -> dict[str, str]:
+    env = dict(os.environ)
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        env[var] = str(threads)
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def _free_port(ip: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((ip, 0))
+        return sock.getsockname()[1]
+
+
+def _prepare_bootstrap(bootstrap: NodeProc) -> str:
+    """Create the bootstrap's key and pick its port; returns its full multiaddr."""
+    from p2pnode.identity import NodeKey
+
+    key = NodeKey.load_or_create(bootstrap.home)
+    port = _free_port(bootstrap.ip)
+    listen = bootstrap.args.index("--listen") + 1
+    bootstrap.args[listen] = f"/ip4/{bootstrap.ip}/tcp/{port}"
+    return f"/ip4/{bootstrap.ip}/tcp/{port}/p2p/{key.peer_id}"
+
+
+@dataclass
+class RunningTrial:
+    spec: TrialSpec
+    arm: str
+    root: Path
+    bootstrap: NodeProc
+    nodes: list[NodeProc]
+    formed_s: float = 0.0
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def apis(self) -> list[str]:
+        return [n.api for n in self.nodes]
+
+    @property
+    def peer_ids(self) -> list[str]:
+        return [n.peer_id for n in self.nodes]
+
+    def leave(self, i: int) -> None:
+        """Node i leaves (SIGTERM, then SIGKILL after the grace period)."""
+        _stop([self.nodes[i]])
+
+    def join(self, i: int, timeout_s: float = 120.0) -> None:
+        """Node i (re)joins with its old home (same peer id); waits for its runtime file."""
+        node = self.nodes[i]
+        if node.alive():
+            return
+        _spawn(node)
+        _wait_runtime(node, time.monotonic() + timeout_s)
+
+    def statuses(self) -> list[dict[str, Any] | None]:
+        out: list[dict[str, Any] | None] = []
+        for node in self.nodes:
+            try:
+                out.append(httpx.get(node.api + "/status", timeout=5.0).json())
+            except (httpx.HTTPError, ValueError, LaunchError):
+                out.append(None)
+        return out
+
+
+def _mesh_missing(trial: RunningTrial, need_views: bool) -> list[str]:
+    """What is still missing for the overlay to count as formed (empty list: formed)."""
+    ids = set(trial.peer_ids)
+    missing = []
+    for node, status in zip(trial.nodes, trial.statuses(), strict=True):
+        if status is None:
+            missing.append(f"{node.name}: /status does not answer")
+            continue
+        others = ids - {node.peer_id}
+        up = {p.get("peer_id") for p in status.get("peers", []) if p.get("state") == "up"}
+        if not others <= up:
+            missing.append(f"{node.name} does not see {len(others - up)} peer(s) up")
+        views = (status.get("routing") or {}).get("views")
+        if need_views and isinstance(views, dict) and not others <= set(views):
+            missing.append(f"{node.name} holds no cache view of {len(others - set(views))}")
+    return missing
+
+
+def _wait_mesh(trial: RunningTrial, deadline: float, limit_s: float) -> None:
+    """Every node sees every other up; for the routing arm also holds a cache view of each.
+
+    Views depend on gossip (empty caches publish small digests), so they get a bounded grace
+    period after the peers are up; a trial that starts without them says so in ``warnings``.
+    """
+    need_views = trial.arm == "routing"
+    view_grace_s = 5.0 + 4 * trial.spec.node.gossip_interval + 4 * trial.spec.max_delay_ms() / 1e3
+    peers_up_at: float | None = None
+    missing = ["not checked yet"]
+    while time.monotonic() < deadline:
+        missing = _mesh_missing(trial, need_views)
+        if not missing:
+            return
+        if all("cache view" in m for m in missing):
+            peers_up_at = peers_up_at or time.monotonic()
+            if time.monotonic() - peers_up_at > view_grace_s:
+                trial.warnings.append(
+                    f"started without full cache views after {view_grace_s:.0f} s: "
+                    + "; ".join(missing)
+                )
+                return
+        for node in trial.nodes:
+            if not node.alive():
+                raise LaunchError(f"{node.name} died while the overlay formed:\n{node.log_tail()}")
+        time.sleep(0.5)
+    raise LaunchError(f"the overlay did not form within {limit_s:.0f} s: {'; '.join(missing)}")
+
+
+def plan_nodes(
+    spec: TrialSpec,
+    arm: str,
+    root: Path,
+    *,
+    log_level: str = "info",
+    node_cmd: Sequence[str] = NODE_CMD,
+):
+    """The bootstrap and serving node definitions of one arm (not started)."""
+    spec_path = str(spec.path) if spec.path else ""
+    if not spec_path:
+        raise LaunchError(
+            "the spec must come from a file (load_spec): nodes read it for --wan-spec"
+        )
+    per_region: dict[str, int] = {}
+
+    def next_ip(region: str) -> str:
+        k = per_region.get(region, 0)
+        per_region[region] = k + 1
+        return wan.node_ip(spec, region, k)
+
+    base = root / arm
+    boot_ip = next_ip(spec.bootstrap_region)
+    boot_home = base / "bootstrap"
+    boot_home.mkdir(parents=True, exist_ok=True)
+    boot_cfg = boot_home / "bootstrap.toml"
+    # `p2pnode bootstrap` has no --wan-spec flag: the same keys work through --config.
+    boot_cfg.write_text(
+        f"wan_spec = {json.dumps(spec_path)}\nregion = {json.dumps(spec.bootstrap_region)}\n"
+    )
+    bootstrap = NodeProc(
+        name="bootstrap",
+        region=spec.bootstrap_region,
+        ip=boot_ip,
+        home=boot_home,
+        args=[
+            "bootstrap",
+            "--home",
+            str(boot_home),
+            "--listen",
+            f"/ip4/{boot_ip}/tcp/0",
+            "--api-port",
+            "0",
+            "--log-level",
+            log_level,
+            "--config",
+            str(boot_cfg),
+        ],  # fmt: skip
+        env=node_env(1),
+        cmd=list(node_cmd),
+    )
+    s = spec.node
+    nodes = []
+    for i, region in enumerate(spec.placement):
+        ip = next_ip(region)
+        home = base / f"node{i}"
+        args = [
+            "join",
+            "--home", str(home),
+            "--listen", f"/ip4/{ip}/tcp/0",
+            "--api-port", "0",
+            "--model", spec.model,
+            "--backend", spec.backend,
+            "--torch-threads", str(s.torch_threads),
+            "--routing" if arm == "routing" else "--no-routing",
+            "--pushback-threshold", str(s.pushback_threshold),
+            "--gossip-interval", str(s.gossip_interval),
+            "--cache-budget-tokens", str(s.cache_budget_tokens),
+            "--max-batch", str(s.max_batch),
+            "--ping-interval", str(s.ping_interval),
+            "--wan-spec", spec_path,
+            "--region", region,
+            "--log-level", log_level,
+        ]  # fmt: skip
+        env = node_env(s.torch_threads)
+        nodes.append(NodeProc(f"node{i}", region, ip, home, args, env, list(node_cmd)))
+    return bootstrap, nodes
+
+
+@contextmanager
+def launch_trial(
+    spec: TrialSpec,
+    arm: str,
+    workdir: Path,
+    *,
+    start_timeout_s: float | None = None,
+    log_level: str = "info",
+    node_cmd: Sequence[str] = NODE_CMD,
+) -> Iterator[RunningTrial]:
+    """Start one arm's processes, wait for the overlay, stop everything on exit (module doc)."""
+    if arm not in ("routing", "baseline"):
+        raise LaunchError(f"arm {arm!r}: use routing or baseline")
+    if start_timeout_s is None:
+        # many round trips per dial (multistream, Noise, yamux): scale with the worst link
+        start_timeout_s = 90.0 + 10 * spec.node_count + 40 * spec.max_delay_ms() / 1000.0
+    from p2pnode.inference.models import default_model_path
+
+    if spec.model == "default":
+        default_model_path()  # convert once here, not in every node at the same time
+    bootstrap, nodes = plan_nodes(spec, arm, workdir, log_level=log_level, node_cmd=node_cmd)
+    everyone = [bootstrap, *nodes]
+    trial = RunningTrial(spec, arm, workdir / arm, bootstrap, nodes)
+    started = time.monotonic()
+    deadline = started + start_timeout_s
+    try:
+        # The bootstrap's address is known before it runs (its key is made here, its port
+        # picked free), so every process starts at once: start-up is mostly imports and
+        # model loading, and nodes retry the bootstrap until it listens.
+        addr = _prepare_bootstrap(bootstrap)
+        _spawn(bootstrap)
+        for node in nodes:
+            node.args[1:1] = ["--bootstrap", addr]
+            _spawn(node)
+        _wait_runtime(bootstrap, deadline)
+        for node in nodes:
+            _wait_runtime(node, deadline)
+        _wait_mesh(trial, deadline, start_timeout_s)
+        trial.formed_s = time.monotonic() - started
+        yield trial
+    finally:
+        _stop(everyone)
+        logs = workdir / arm / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        for node in everyone:
+            for k, path in enumerate(node.log_files):
+                if path.is_file():
+                    suffix = "" if k == 0 else f".{k}"
+                    shutil.copyfile(path, logs / f"{node.name}{suffix}.log")

@@ -1,0 +1,258 @@
+"""Trial report: consistency checks, a Markdown table next to the paper's figures, PNG plots.
+
+Contract:
+- ``check_consistency(records, summary, planned) -> list[str]``: the problems found (empty list:
+  consistent): one record per planned request (indices 0..planned-1, none twice), status counts
+  add up to the requests, per-node served counts plus unknown servers equal the answered ones,
+  cached <= prompt tokens for every answer, hit rate and shares recomputed from the records.
+- ``write_report(results, out_dir) -> Path`` writes ``report.md`` from a trial's
+  ``results.json`` content (per-arm summaries) and the plots from each arm's
+  ``<arm>/requests.jsonl``: ``latency_cdf.png``, ``load_share.png``, ``hit_rate.png``,
+  ``share_over_time.png`` (per node, sliding window of requests: the specialization-eviction
+  cycle). Plotting uses matplotlib's Agg backend (no display).
+- ``plot_forwarded_vs_delay(results_list, path)``: forwarded fraction of the routing arm
+  against the trial's one-way delay, over several trials' results.
+- ``python -m p2pnode.testnet.report RESULTS_DIR [...]`` re-renders reports, and with several
+  directories also ``forwarded_vs_delay.png`` in the first one.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from p2pnode.testnet.driver import read_jsonl
+
+# The routing paper (4 nodes, 0.5B model, MMLU): mean latency in s, cache hit rate.
+PAPER = {
+    "lan-2ms": {"routing": {"mean": 0.310}, "baseline": {"mean": 0.323}},
+    "zipf-2ms": {
+        "routing": {"mean": 0.206, "hit_rate": 0.914},
+        "baseline": {"mean": 0.266, "hit_rate": 0.85},
+    },
+    "wan-200ms": {"note": "routing slower than baseline"},
+    "wan-1000ms": {"note": "routing slower than baseline"},
+}
+WINDOW = 20  # requests per point of the share-over-time plot
+
+
+def check_consistency(
+    records: Sequence[dict[str, Any]], summary: dict[str, Any], planned: int
+) -> list[str]:
+    problems = []
+    idx = [r["i"] for r in records]
+    if sorted(idx) != list(range(planned)):
+        dup = len(idx) - len(set(idx))
+        problems.append(f"{len(records)} records for {planned} planned requests ({dup} twice)")
+    if sum(summary["statuses"].values()) != summary["requests"]:
+        problems.append(f"status counts {summary['statuses']} do not add up to the requests")
+    if summary["requests"] != len(records):
+        problems.append("summary.requests differs from the record count")
+    ok = [r for r in records if r["status"] == "ok"]
+    if summary["answered"] != len(ok):
+        problems.append("summary.answered differs from the ok records")
+    if sum(summary["served_per_node"]) + summary["unknown_server"] != len(ok):
+        problems.append(
+            f"served per node {summary['served_per_node']} + unknown "
+            f"{summary['unknown_server']} != answered {len(ok)}"
+        )
+    for r in ok:
+        if r["prompt_tokens"] is None or r["cached_tokens"] is None:
+            problems.append(f"request {r['i']}: answer without token counts")
+        elif not 0 <= r["cached_tokens"] <= r["prompt_tokens"]:
+            problems.append(
+                f"request {r['i']}: {r['cached_tokens']} cached of {r['prompt_tokens']} tokens"
+            )
+    prompt = sum(r["prompt_tokens"] or 0 for r in ok)
+    cached = sum(r["cached_tokens"] or 0 for r in ok)
+    if (
+        prompt
+        and summary["hit_rate"] is not None
+        and abs(cached / prompt - summary["hit_rate"]) > 1e-3
+    ):
+        problems.append("hit rate does not match the records")
+    if ok and abs(sum(summary["load_share"]) + summary["unknown_server"] / len(ok) - 1) > 1e-2:
+        problems.append("load shares do not add up to 1")
+    return problems
+
+
+def _fmt(x: Any, pct: bool = False) -> str:
+    if x is None:
+        return "-"
+    return f"{100 * x:.1f} %" if pct else f"{x:.3f}"
+
+
+def markdown(results: dict[str, Any]) -> str:
+    name = results["spec"]["name"]
+    lines = [
+        f"# Trial {name}",
+        "",
+        f"- compute mode: **{results['spec']['compute']}** "
+        f"({'model forward replaced by calibrated delays' if results['spec']['compute'] == 'emulated' else 'real model'})",
+        f"- nodes: {results['spec']['nodes']} in regions {results['spec']['placement']}; "
+        f"max one-way delay {results['spec']['max_delay_ms']:g} ms",
+        f"- workload: {results['spec']['workload']}",
+        f"- command: `{results.get('command', '')}`",
+        f"- machine: {results.get('machine', {})}",
+        "",
+        "| arm | answered | mean s | p50 s | p90 s | p95 s | hit rate | busiest node | forwarded | accuracy |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    emulated = results["spec"]["compute"] == "emulated"
+    for arm, a in results["arms"].items():
+        s = a.get("summary")
+        if s is None:
+            lines.append(f"| {arm} | failed: {a.get('error', '?')} |")
+            continue
+        lat = s["latency_s"]
+        # emulated compute returns placeholder tokens: its answers say nothing about the model
+        accuracy = "n/a" if emulated else _fmt(s["accuracy"], True)
+        lines.append(
+            f"| {arm} | {s['answered']}/{s['requests']} | {_fmt(lat['mean'])} | "
+            f"{_fmt(lat['p50'])} | {_fmt(lat['p90'])} | {_fmt(lat['p95'])} | "
+            f"{_fmt(s['hit_rate'], True)} | {_fmt(s['max_share'], True)} | "
+            f"{_fmt(s['forwarded_fraction'], True)} | {accuracy} |"
+        )
+    arms = results["arms"]
+    r, b = (arms.get(k, {}).get("summary") for k in ("routing", "baseline"))
+    if r and b and r["latency_s"]["mean"] and b["latency_s"]["mean"]:
+        ratio = r["latency_s"]["mean"] / b["latency_s"]["mean"]
+        lines += ["", f"routing / baseline mean latency: **{ratio:.3f}**"]
+    paper = PAPER.get(name)
+    if paper:
+        lines += ["", f"Paper ({name}): {json.dumps(paper)}"]
+    for arm, a in arms.items():
+        for w in a.get("warnings", []):
+            lines.append(f"- warning ({arm}): {w}")
+        for p in a.get("consistency", []):
+            lines.append(f"- INCONSISTENT ({arm}): {p}")
+    return "\n".join(lines) + "\n"
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_arms(arm_records: dict[str, list[dict[str, Any]]], n_nodes: int, out: Path) -> list[Path]:
+    plt = _plt()
+    written = []
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for arm, recs in arm_records.items():
+        lat = sorted(r["latency_s"] for r in recs if r["status"] == "ok")
+        if lat:
+            ax.step(lat, [(k + 1) / len(lat) for k in range(len(lat))], where="post", label=arm)
+    ax.set_xlabel("latency (s)")
+    ax.set_ylabel("fraction of requests")
+    ax.set_title("latency CDF")
+    ax.grid(alpha=0.3)
+    if ax.get_lines():
+        ax.legend()
+    written.append(_save(fig, out / "latency_cdf.png", plt))
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    width = 0.8 / max(1, len(arm_records))
+    for k, (arm, recs) in enumerate(arm_records.items()):
+        ok = [r for r in recs if r["status"] == "ok"]
+        shares = [sum(r["served_node"] == n for r in ok) / max(1, len(ok)) for n in range(n_nodes)]
+        ax.bar([n + k * width for n in range(n_nodes)], shares, width, label=arm)
+    ax.set_xlabel("node")
+    ax.set_ylabel("share of requests served")
+    ax.set_title("load share per node")
+    if arm_records:
+        ax.legend()
+    written.append(_save(fig, out / "load_share.png", plt))
+
+    fig, ax = plt.subplots(figsize=(5, 4))
+    rates = []
+    for recs in arm_records.values():
+        ok = [r for r in recs if r["status"] == "ok"]
+        prompt = sum(r["prompt_tokens"] or 0 for r in ok)
+        rates.append(sum(r["cached_tokens"] or 0 for r in ok) / prompt if prompt else 0.0)
+    ax.bar(list(arm_records), rates)
+    ax.set_ylim(0, 1)
+    ax.set_ylabel("cached / prompt tokens")
+    ax.set_title("cache hit rate")
+    written.append(_save(fig, out / "hit_rate.png", plt))
+
+    fig, axes = plt.subplots(
+        len(arm_records), 1, figsize=(7, 2.6 * len(arm_records)), squeeze=False
+    )
+    for ax, (arm, recs) in zip(axes[:, 0], arm_records.items(), strict=True):
+        ok = sorted((r for r in recs if r["status"] == "ok"), key=lambda r: r["sent_s"])
+        w = min(WINDOW, max(1, len(ok) // 4))  # small trials still get several points
+        for n in range(n_nodes):
+            xs, ys = [], []
+            for end in range(w, len(ok) + 1):
+                window = ok[end - w : end]
+                xs.append(window[-1]["sent_s"])
+                ys.append(sum(r["served_node"] == n for r in window) / w)
+            ax.plot(xs, ys, ".-", markersize=3, label=f"node{n}")
+        ax.set_title(f"{arm}: share of the last {w} requests served per node")
+        ax.set_ylim(0, 1)
+        ax.set_xlabel("time (s)")
+    if axes[0, 0].get_lines():
+        axes[0, 0].legend(fontsize=7, ncol=min(n_nodes, 8))
+    written.append(_save(fig, out / "share_over_time.png", plt))
+    return written
+
+
+def _save(fig: Any, path: Path, plt: Any) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_forwarded_vs_delay(results_list: Sequence[dict[str, Any]], path: Path) -> Path:
+    plt = _plt()
+    pts = sorted(
+        (r["spec"]["max_delay_ms"], r["arms"]["routing"]["summary"]["forwarded_fraction"] or 0.0)
+        for r in results_list
+        if r["arms"].get("routing", {}).get("summary")
+    )
+    fig, ax = plt.subplots(figsize=(5, 4))
+    ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-")
+    ax.set_xscale("symlog", linthresh=1)
+    ax.set_xlabel("one-way delay between nodes (ms)")
+    ax.set_ylabel("forwarded fraction (routing arm)")
+    ax.set_ylim(0, 1)
+    return _save(fig, path, plt)
+
+
+def write_report(results: dict[str, Any], out_dir: Path) -> Path:
+    arm_records = {}
+    for arm in results["arms"]:
+        path = out_dir / arm / "requests.jsonl"
+        if path.is_file():
+            arm_records[arm] = read_jsonl(path)
+    if arm_records:
+        plot_arms(arm_records, results["spec"]["nodes"], out_dir)
+    report = out_dir / "report.md"
+    report.write_text(markdown(results))
+    return report
+
+
+def main(argv: Sequence[str]) -> int:
+    if not argv:
+        print("usage: python -m p2pnode.testnet.report RESULTS_DIR [RESULTS_DIR ...]")
+        return 2
+    loaded = []
+    for d in map(Path, argv):
+        results = json.loads((d / "results.json").read_text())
+        print(write_report(results, d))
+        loaded.append(results)
+    if len(loaded) > 1:
+        print(plot_forwarded_vs_delay(loaded, Path(argv[0]) / "forwarded_vs_delay.png"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,492 @@
+"""Trial specs: one TOML file describes a testnet trial (nodes, regions, links, workload, arms).
+
+Contract:
+- ``load_spec(path) -> TrialSpec`` / ``parse_spec(data, source=...) -> TrialSpec`` read a spec
+  with ``tomllib`` into frozen dataclasses, validating everything; every problem raises
+  ``SpecError`` naming the file and the key and saying what to write instead. Unknown keys are
+  refused (a typo never silently falls back to a default).
+- ``builtin_spec_path(name)`` finds a shipped spec (``specs/<name>.toml``); ``builtin_specs()``
+  lists them.
+- Layout of a spec (every table but ``[network]`` and ``[nodes]`` optional)::
+
+    name = "lan-2ms"            # default: the file's stem
+    seed = 0
+    compute = "emulated"        # "real" (the model runs) | "emulated" (calibrated delays)
+    model = "default"
+    arms = ["routing", "baseline"]   # routing on / off; each arm gets fresh nodes
+    max_duration_s = 600        # hard bound of one arm's workload
+
+    [network]
+    regions = ["eu", "us"]
+    bandwidth_mbps = 0          # default of every link; 0 = unshaped
+    [[network.links]]
+    between = ["eu", "us"]      # unordered pair; same-region pairs default to 0 ms
+    delay_ms = 40.0             # ONE-WAY delay; a round trip costs twice this
+    bandwidth_mbps = 100        # optional, per connection
+
+    [nodes]
+    count = 4
+    placement = ["eu", "us", "eu", "us"]   # or: distribution = {eu = 3, us = 1} (weights)
+    bootstrap_region = "eu"                # default: the first region
+
+    [node]                      # settings every node gets (p2pnode join flags)
+    pushback_threshold = 8
+    gossip_interval = 1.0
+    cache_budget_tokens = 32768
+    max_batch = 4
+    torch_threads = 1
+    ping_interval = 1.0
+
+    [workload]
+    subjects = 8                # the first N subjects (sorted), or a list of names
+    per_subject = 20            # question pool of each subject (MMLU test split, <= 100)
+    popularity = "uniform"      # or "zipf" with zipf_s (> 0)
+    zipf_s = 1.1
+    requests = 200
+    arrival = "poisson"         # "poisson" (rate_per_s) or "closed" (concurrency in flight)
+    rate_per_s = 4.0
+    concurrency = 8             # bound on requests in flight (both arrival modes)
+    max_tokens = 1
+    temperature = 0.0
+    request_timeout_s = 120
+
+    [[churn]]                   # optional (issue 8): node index leaves or joins at a time
+    at_s = 30.0
+    action = "leave"            # "leave" | "join"
+    node = 2
+- With ``distribution`` nodes are placed deterministically (largest remainder, then region
+  order), so the same spec always yields the same placement.
+"""
+
+from __future__ import annotations
+
+import math
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+COMPUTE_MODES = ("real", "emulated")
+ARMS = ("routing", "baseline")
+POPULARITY = ("uniform", "zipf")
+ARRIVALS = ("poisson", "closed")
+CHURN_ACTIONS = ("leave", "join")
+MAX_NODES = 256
+MAX_REGIONS = 200  # each region gets its own 127.x.0.0/16 (see wan.py)
+
+
+class SpecError(ValueError):
+    """A trial spec is malformed; the message names the file and the key."""
+
+
+@dataclass(frozen=True)
+class Link:
+    a: str
+    b: str
+    delay_ms: float
+    bandwidth_mbps: float  # 0: unshaped
+
+
+@dataclass(frozen=True)
+class Network:
+    regions: tuple[str, ...]
+    links: tuple[Link, ...]
+    bandwidth_mbps: float = 0.0
+
+    def link(self, a: str, b: str) -> Link:
+        """The link between regions `a` and `b` (either order); same region: 0 ms default."""
+        for link in self.links:
+            if {link.a, link.b} == {a, b}:
+                return link
+        if a == b and a in self.regions:
+            return Link(a, a, 0.0, self.bandwidth_mbps)
+        raise SpecError(f"no link between regions {a!r} and {b!r}")
+
+    def delay_ms(self, a: str, b: str) -> float:
+        return self.link(a, b).delay_ms
+
+
+@dataclass(frozen=True)
+class NodeSettingsSpec:
+    pushback_threshold: int = 8
+    gossip_interval: float = 1.0
+    cache_budget_tokens: int = 32768
+    max_batch: int = 4
+    torch_threads: int = 1
+    ping_interval: float = 1.0
+
+
+@dataclass(frozen=True)
+class Workload:
+    subjects: tuple[str, ...] | int = 8
+    per_subject: int = 20
+    popularity: str = "uniform"
+    zipf_s: float = 1.1
+    requests: int = 200
+    arrival: str = "poisson"
+    rate_per_s: float = 4.0
+    concurrency: int = 8
+    max_tokens: int = 1
+    temperature: float = 0.0
+    request_timeout_s: float = 120.0
+
+
+@dataclass(frozen=True)
+class ChurnEvent:
+    at_s: float
+    action: str
+    node: int
+
+
+@dataclass(frozen=True)
+class TrialSpec:
+    name: str
+    path: Path | None
+    seed: int
+    compute: str
+    model: str
+    arms: tuple[str, ...]
+    max_duration_s: float
+    network: Network
+    placement: tuple[str, ...]  # region of node i
+    bootstrap_region: str
+    node: NodeSettingsSpec
+    workload: Workload
+    churn: tuple[ChurnEvent, ...] = field(default=())
+
+    @property
+    def node_count(self) -> int:
+        return len(self.placement)
+
+    @property
+    def backend(self) -> str:
+        """The node's --backend for this spec's compute mode."""
+        return "hf" if self.compute == "real" else "emulated"
+
+    def max_delay_ms(self) -> float:
+        return max((link.delay_ms for link in self.network.links), default=0.0)
+
+
+# --------------------------------------------------------------------------- parsing helpers
+
+
+class _Table:
+    """A TOML table being consumed: typed getters that name the key on error."""
+
+    def __init__(self, data: Any, where: str, source: str) -> None:
+        if not isinstance(data, Mapping):
+            raise SpecError(f"{source}: [{where}] must be a table, got {type(data).__name__}")
+        self.data = dict(data)
+        self.where = where
+        self.source = source
+        self.used: set[str] = set()
+
+    def _key(self, key: str) -> str:
+        return f"{self.where}.{key}" if self.where else key
+
+    def fail(self, key: str, message: str) -> SpecError:
+        return SpecError(f"{self.source}: {self._key(key)}: {message}")
+
+    def has(self, key: str) -> bool:
+        return key in self.data
+
+    def raw(self, key: str, default: Any = None) -> Any:
+        self.used.add(key)
+        return self.data.get(key, default)
+
+    def str_(self, key: str, default: str | None = None, choices: tuple[str, ...] = ()) -> str:
+        value = self.raw(key, default)
+        if value is None:
+            raise self.fail(key, "is required")
+        if not isinstance(value, str) or not value:
+            raise self.fail(key, f"must be a non-empty string, got {value!r}")
+        if choices and value not in choices:
+            raise self.fail(key, f"{value!r} is not one of {', '.join(choices)}")
+        return value
+
+    def int_(self, key: str, default: int | None = None, lo: int = 0, hi: int = 2**31) -> int:
+        value = self.raw(key, default)
+        if value is None:
+            raise self.fail(key, "is required")
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise self.fail(key, f"must be an integer, got {value!r}")
+        if not lo <= value <= hi:
+            raise self.fail(key, f"must be between {lo} and {hi}, got {value}")
+        return value
+
+    def float_(
+        self, key: str, default: float | None = None, lo: float = 0.0, hi: float = math.inf
+    ) -> float:
+        value = self.raw(key, default)
+        if value is None:
+            raise self.fail(key, "is required")
+        if not isinstance(value, int | float) or isinstance(value, bool):
+            raise self.fail(key, f"must be a number, got {value!r}")
+        value = float(value)
+        if not math.isfinite(value) or not lo <= value <= hi:
+            raise self.fail(key, f"must be between {lo:g} and {hi:g}, got {value:g}")
+        return value
+
+    def str_list(self, key: str, default: list[str] | None = None) -> tuple[str, ...]:
+        value = self.raw(key, default)
+        if value is None:
+            raise self.fail(key, "is required")
+        if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+            raise self.fail(key, f"must be a list of non-empty strings, got {value!r}")
+        return tuple(value)
+
+    def finish(self) -> None:
+        unknown = sorted(set(self.data) - self.used)
+        if unknown:
+            known = ", ".join(sorted(self.used))
+            raise SpecError(
+                f"{self.source}: unknown key(s) {', '.join(self._key(k) for k in unknown)}"
+                f" (known here: {known})"
+            )
+
+
+def _network(table: _Table) -> Network:
+    regions = table.str_list("regions")
+    if not 1 <= len(regions) <= MAX_REGIONS:
+        raise table.fail("regions", f"give 1 to {MAX_REGIONS} regions")
+    if len(set(regions)) != len(regions):
+        raise table.fail("regions", f"duplicate region names in {list(regions)}")
+    default_bw = table.float_("bandwidth_mbps", 0.0, 0.0, 1e6)
+    raw_links = table.raw("links", [])
+    if not isinstance(raw_links, list):
+        raise table.fail("links", "must be an array of tables ([[network.links]])")
+    links: list[Link] = []
+    seen: set[frozenset[str]] = set()
+    for i, raw in enumerate(raw_links):
+        t = _Table(raw, f"network.links[{i}]", table.source)
+        between = t.str_list("between")
+        if len(between) != 2:
+            raise t.fail("between", f"must name exactly two regions, got {list(between)}")
+        for region in between:
+            if region not in regions:
+                raise t.fail("between", f"{region!r} is not in network.regions {list(regions)}")
+        pair = frozenset(between)
+        if pair in seen:
+            raise t.fail("between", f"link {sorted(pair)} is given twice")
+        seen.add(pair)
+        delay = t.float_("delay_ms", None, 0.0, 60_000.0)
+        bandwidth = t.float_("bandwidth_mbps", default_bw, 0.0, 1e6)
+        t.finish()
+        links.append(Link(between[0], between[1], delay, bandwidth))
+    missing = [
+        f"{a}-{b}"
+        for i, a in enumerate(regions)
+        for b in regions[i + 1 :]
+        if frozenset((a, b)) not in seen
+    ]
+    if missing:
+        raise table.fail(
+            "links",
+            f"no delay given between {', '.join(missing)}: add a [[network.links]] with "
+            "between = [A, B] and delay_ms for every pair of different regions",
+        )
+    table.finish()
+    return Network(regions, tuple(links), default_bw)
+
+
+def _placement(table: _Table, regions: tuple[str, ...]) -> tuple[tuple[str, ...], str]:
+    count = table.int_("count", None, 1, MAX_NODES)
+    has_list, has_dist = table.has("placement"), table.has("distribution")
+    if has_list and has_dist:
+        raise table.fail("placement", "give either placement or distribution, not both")
+    if has_list:
+        placement = table.str_list("placement")
+        if len(placement) != count:
+            raise table.fail(
+                "placement", f"lists {len(placement)} regions but nodes.count is {count}"
+            )
+    elif has_dist:
+        placement = _distribute(table, count, regions)
+    elif len(regions) == 1:
+        placement = (regions[0],) * count
+    else:
+        raise table.fail(
+            "placement",
+            "with several regions, say where nodes go: placement = [one region per node] or "
+            "distribution = {region = weight, ...}",
+        )
+    for region in placement:
+        if region not in regions:
+            raise table.fail("placement", f"{region!r} is not in network.regions {list(regions)}")
+    bootstrap_region = table.str_("bootstrap_region", regions[0])
+    if bootstrap_region not in regions:
+        raise table.fail("bootstrap_region", f"{bootstrap_region!r} is not in network.regions")
+    table.finish()
+    return placement, bootstrap_region
+
+
+def _distribute(table: _Table, count: int, regions: tuple[str, ...]) -> tuple[str, ...]:
+    dist = table.raw("distribution")
+    if not isinstance(dist, Mapping) or not dist:
+        raise table.fail("distribution", "must be a table {region = weight, ...}")
+    weights: dict[str, float] = {}
+    for region, weight in dist.items():
+        if region not in regions:
+            raise table.fail("distribution", f"{region!r} is not in network.regions")
+        if not isinstance(weight, int | float) or isinstance(weight, bool) or weight < 0:
+            raise table.fail("distribution", f"weight of {region!r} must be a number >= 0")
+        weights[region] = float(weight)
+    total = sum(weights.values())
+    if total <= 0:
+        raise table.fail("distribution", "weights must not all be zero")
+    exact = {r: count * w / total for r, w in weights.items()}
+    counts = {r: int(math.floor(x)) for r, x in exact.items()}
+    order = sorted(exact, key=lambda r: (-(exact[r] - counts[r]), regions.index(r)))
+    for r in order[: count - sum(counts.values())]:
+        counts[r] += 1
+    # Interleave regions so node i's region does not depend on which indices churn touches.
+    out: list[str] = []
+    while len(out) < count:
+        for r in regions:
+            if counts.get(r, 0) > 0:
+                out.append(r)
+                counts[r] -= 1
+    return tuple(out)
+
+
+def _node_settings(table: _Table) -> NodeSettingsSpec:
+    d = NodeSettingsSpec()
+    out = NodeSettingsSpec(
+        pushback_threshold=table.int_("pushback_threshold", d.pushback_threshold, 1, 100_000),
+        gossip_interval=table.float_("gossip_interval", d.gossip_interval, 0.05, 600.0),
+        cache_budget_tokens=table.int_("cache_budget_tokens", d.cache_budget_tokens, 16, 1 << 30),
+        max_batch=table.int_("max_batch", d.max_batch, 1, 1024),
+        torch_threads=table.int_("torch_threads", d.torch_threads, 1, 256),
+        ping_interval=table.float_("ping_interval", d.ping_interval, 0.05, 600.0),
+    )
+    table.finish()
+    return out
+
+
+def _workload(table: _Table) -> Workload:
+    d = Workload()
+    raw_subjects = table.raw("subjects", d.subjects)
+    subjects: tuple[str, ...] | int
+    if isinstance(raw_subjects, int) and not isinstance(raw_subjects, bool):
+        if not 1 <= raw_subjects <= 57:
+            raise table.fail("subjects", f"MMLU has 57 subjects, got {raw_subjects}")
+        subjects = raw_subjects
+    elif isinstance(raw_subjects, list) and raw_subjects:
+        subjects = table.str_list("subjects")
+        if len(set(subjects)) != len(subjects):
+            raise table.fail("subjects", "lists a subject twice")
+    else:
+        raise table.fail("subjects", "must be a count (1-57) or a list of MMLU subject names")
+    out = Workload(
+        subjects=subjects,
+        per_subject=table.int_("per_subject", d.per_subject, 1, 100),
+        popularity=table.str_("popularity", d.popularity, POPULARITY),
+        zipf_s=table.float_("zipf_s", d.zipf_s, 0.0, 10.0),
+        requests=table.int_("requests", d.requests, 1, 1_000_000),
+        arrival=table.str_("arrival", d.arrival, ARRIVALS),
+        rate_per_s=table.float_("rate_per_s", d.rate_per_s, 1e-3, 10_000.0),
+        concurrency=table.int_("concurrency", d.concurrency, 1, 4096),
+        max_tokens=table.int_("max_tokens", d.max_tokens, 1, 4096),
+        temperature=table.float_("temperature", d.temperature, 0.0, 2.0),
+        request_timeout_s=table.float_("request_timeout_s", d.request_timeout_s, 0.1, 3600.0),
+    )
+    if out.popularity == "zipf" and out.zipf_s <= 0:
+        raise table.fail("zipf_s", "must be > 0 for popularity = 'zipf'")
+    table.finish()
+    return out
+
+
+def _churn(raw: Any, source: str, count: int) -> tuple[ChurnEvent, ...]:
+    if not isinstance(raw, list):
+        raise SpecError(f"{source}: churn must be an array of tables ([[churn]])")
+    events = []
+    for i, item in enumerate(raw):
+        t = _Table(item, f"churn[{i}]", source)
+        event = ChurnEvent(
+            at_s=t.float_("at_s", None, 0.0, 86_400.0),
+            action=t.str_("action", None, CHURN_ACTIONS),
+            node=t.int_("node", None, 0, count - 1),
+        )
+        t.finish()
+        events.append(event)
+    return tuple(sorted(events, key=lambda e: e.at_s))
+
+
+def parse_spec(data: Mapping[str, Any], *, source: str = "<spec>", path: Path | None = None):
+    """Validate an already-parsed TOML document into a `TrialSpec` (`SpecError` when bad)."""
+    top = _Table(data, "", source)
+    name = top.str_("name", path.stem if path else "trial")
+    seed = top.int_("seed", 0, 0, 2**63 - 1)
+    compute = top.str_("compute", "emulated", COMPUTE_MODES)
+    model = top.str_("model", "default")
+    arms = top.str_list("arms", list(ARMS))
+    if not arms or len(set(arms)) != len(arms) or any(a not in ARMS for a in arms):
+        raise top.fail("arms", f"must be a non-empty subset of {list(ARMS)}, got {list(arms)}")
+    max_duration_s = top.float_("max_duration_s", 600.0, 1.0, 86_400.0)
+    if "network" not in data:
+        raise SpecError(f"{source}: missing [network] table (regions and their links)")
+    network = _network(_Table(top.raw("network"), "network", source))
+    if "nodes" not in data:
+        raise SpecError(f"{source}: missing [nodes] table (count = N)")
+    placement, bootstrap_region = _placement(
+        _Table(top.raw("nodes"), "nodes", source), network.regions
+    )
+    node = _node_settings(_Table(top.raw("node", {}), "node", source))
+    workload = _workload(_Table(top.raw("workload", {}), "workload", source))
+    churn = _churn(top.raw("churn", []), source, len(placement))
+    top.finish()
+    if compute == "real" and len(placement) > 8:
+        raise SpecError(
+            f"{source}: compute = 'real' with {len(placement)} nodes will not fit on a few "
+            "shared cores; use compute = 'emulated' or at most 8 nodes"
+        )
+    return TrialSpec(
+        name=name,
+        path=path,
+        seed=seed,
+        compute=compute,
+        model=model,
+        arms=arms,
+        max_duration_s=max_duration_s,
+        network=network,
+        placement=placement,
+        bootstrap_region=bootstrap_region,
+        node=node,
+        workload=workload,
+        churn=churn,
+    )
+
+
+def load_spec(path: str | Path) -> TrialSpec:
+    """Read and validate a trial spec file (`SpecError` with file and key when bad)."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        names = ", ".join(builtin_specs())
+        raise SpecError(f"trial spec {path} does not exist (shipped specs: {names})") from None
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise SpecError(f"{path}: not valid TOML: {exc}") from None
+    return parse_spec(data, source=str(path), path=path.resolve())
+
+
+def _specs_dir() -> Path:
+    return Path(str(resources.files("p2pnode.testnet") / "specs"))
+
+
+def builtin_specs() -> list[str]:
+    return sorted(p.stem for p in _specs_dir().glob("*.toml"))
+
+
+def builtin_spec_path(name: str) -> Path:
+    """Path of a shipped spec by name (``lan-2ms``) or the given path when it is a file."""
+    if Path(name).is_file():
+        return Path(name)
+    path = _specs_dir() / f"{Path(name).stem}.toml"
+    if not path.is_file():
+        raise SpecError(f"no spec {name!r}; shipped specs: {', '.join(builtin_specs())}")
+    return path
