@@ -6,13 +6,18 @@ Everything runs in ONE process on this machine: the draft (edge) and the target 
 the same CPU cores, so speculative figures here include that contention; on separate machines
 the draft's time would overlap the verifier's for real.
 
-    python bench/speculation_bench.py [--new-tokens 32] [--delays 0,25,100] [--gamma 4]
+    python bench/speculation_bench.py [--new-tokens 24] [--rtts 0,50,100,200] [--gamma 4]
+        [--tenants 1,4,16] [--draft FOLDER]
+
+RTT r is injected as r/2 one-way delay on each direction of the edge-verifier link. Target-only
+remote generation = the verifier generating alone and streaming tokens (one RTT added once).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -63,19 +68,40 @@ def agreement(target, draft, seqs: list[tuple[int, list[int]]]) -> tuple[float, 
     return hit / total, total
 
 
-async def edge_runs(target, draft, prompts, delays, gamma, new_tokens) -> list[dict]:
+def resident_bytes(model: torch.nn.Module) -> int:
+    """Bytes of parameters + buffers, each storage once (tied embeddings count once)."""
+    seen: dict[int, int] = {}
+    for t in [*model.parameters(), *model.buffers()]:
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+def expected_accepted(alpha: float, gamma: int) -> float:
+    """E[A] = (1 - a^(g+1)) / (1 - a): expected tokens per block (accepted + the target's)."""
+    return gamma + 1 if alpha >= 1 else (1 - alpha ** (gamma + 1)) / (1 - alpha)
+
+
+async def edge_runs(target, draft, prompts, rtts, gamma, new_tokens) -> list[dict]:
     eos = target.eos_token_ids
     rows = []
     verifier = BatchedVerifier(target)
+    local_t0, local_n = time.perf_counter(), 0
+    for p in prompts:  # the target's own decoding speed, measured once
+        local_n += len(target_generate(target, p, new_tokens, eos_token_ids=eos))
+    local_s = time.perf_counter() - local_t0
     async with trio.open_nursery() as nursery:
         await nursery.start(verifier.run)
-        for delay_ms in delays:
-            d = delay_ms / 1000
-            t0, n = time.perf_counter(), 0
-            for p in prompts:  # cloud only: prompt up, tokens streamed down (one RTT in total)
-                n += len(target_generate(target, p, new_tokens, eos_token_ids=eos))
-            secs = time.perf_counter() - t0 + 2 * d * len(prompts)
-            rows.append({"delay_ms": delay_ms, "mode": "target_alone", "tokens_per_s": n / secs})
+        for rtt_ms in rtts:
+            d = rtt_ms / 2000
+            secs = local_s + 2 * d * len(prompts)  # prompt up, tokens streamed down: one RTT
+            rows.append(
+                {
+                    "rtt_ms": rtt_ms,
+                    "mode": "target_alone",
+                    "tokens_per_s": local_n / secs,
+                    "inter_token_ms": 1000 * local_s / local_n,
+                }
+            )
             for mode, depth in (("sync", 1), ("async", 2)):
                 n, secs, acc, drafted, stale = 0, 0.0, 0, 0, 0
                 for p in prompts:
@@ -86,21 +112,30 @@ async def edge_runs(target, draft, prompts, delays, gamma, new_tokens) -> list[d
                     n, secs = n + len(r.tokens), secs + r.stats.seconds
                     acc, drafted = acc + r.stats.accepted, drafted + r.stats.drafted
                     stale += r.stats.blocks_stale
+                alpha = acc / max(drafted, 1)
                 rows.append(
                     {
-                        "delay_ms": delay_ms,
+                        "rtt_ms": rtt_ms,
                         "mode": mode,
                         "gamma": gamma,
                         "tokens_per_s": n / secs,
-                        "acceptance": acc / max(drafted, 1),
-                        "accepted_per_block": acc / max(drafted // gamma, 1),
+                        "inter_token_ms": 1000 * secs / max(n, 1),
+                        "acceptance": alpha,
+                        "tokens_per_block": (acc + drafted // gamma) / max(drafted // gamma, 1),
+                        "expected_tokens_per_block": expected_accepted(alpha, gamma),
                         "stale_blocks": stale,
                     }
                 )
             for r in rows[-3:]:
                 print(
-                    f"  delay {delay_ms:>4} ms {r['mode']:>12}: {r['tokens_per_s']:6.2f} tok/s"
-                    + (f"  acceptance {r['acceptance']:.2f}" if "acceptance" in r else "")
+                    f"  RTT {rtt_ms:>4} ms {r['mode']:>12}: {r['tokens_per_s']:6.2f} tok/s, "
+                    f"inter-token {r['inter_token_ms']:6.0f} ms"
+                    + (
+                        f", acceptance {r['acceptance']:.2f}, tokens/block "
+                        f"{r['tokens_per_block']:.2f} (E[A] {r['expected_tokens_per_block']:.2f})"
+                        if "acceptance" in r
+                        else ""
+                    )
                 )
         nursery.cancel_scope.cancel()
     return rows
@@ -111,7 +146,9 @@ async def tenant_runs(target, prompt, tenants_list, gamma, blocks_per_tenant) ->
     rows = []
     for batched in (False, True):
         for tenants in tenants_list:
-            v = BatchedVerifier(target, max_batch=8 if batched else 1, max_wait_ms=2.0)
+            v = BatchedVerifier(
+                target, max_batch=max(tenants_list) if batched else 1, max_wait_ms=2.0
+            )
             done = 0
 
             async def tenant(sid: str, start: int, v: BatchedVerifier = v) -> None:
@@ -151,22 +188,34 @@ async def tenant_runs(target, prompt, tenants_list, gamma, blocks_per_tenant) ->
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--new-tokens", type=int, default=32)
-    ap.add_argument("--delays", default="0,25,100")
+    ap.add_argument("--new-tokens", type=int, default=24)
+    ap.add_argument("--rtts", default="0,50,100,200")
     ap.add_argument("--gamma", type=int, default=4)
-    ap.add_argument("--prompts", type=int, default=2)
-    ap.add_argument("--tenants", default="1,4,8")
-    ap.add_argument("--blocks-per-tenant", type=int, default=6)
+    ap.add_argument("--prompts", type=int, default=1)
+    ap.add_argument("--tenants", default="1,4,16")
+    ap.add_argument("--blocks-per-tenant", type=int, default=4)
+    ap.add_argument("--draft", default=None, help="draft folder (default: the default draft)")
+    ap.add_argument("--skip-edge", action="store_true")
+    ap.add_argument("--skip-verifier", action="store_true")
     args = ap.parse_args()
     torch.manual_seed(0)
-    target, draft = load_model(None), load_draft()
+    target, draft = load_model(None), load_draft(args.draft)
+    print(f"load average at start: {os.getloadavg()}")
     prompts = [chat_ids(target.tokenizer, p) for p in PROMPTS]
     print(f"torch threads: {torch.get_num_threads()} (draft and target share them)")
 
     seqs = [(len(p), p + target_generate(target, p, 64)) for p in prompts]
     agree, positions = agreement(target, draft, seqs)
     stats = draft_stats(draft.path)
+    target_bytes, draft_bytes = resident_bytes(target.model), resident_bytes(draft.model)
+    print(
+        f"memory: target fp32 {target_bytes / 1e6:.0f} MB, draft W4A16 {draft_bytes / 1e6:.0f} MB"
+    )
     draft_info = {
+        "path": str(draft.path),
+        "method": stats.get("method", "rtn"),
+        "target_bytes": target_bytes,
+        "draft_bytes_resident": draft_bytes,
         "group_size": draft.group_size,
         "act_dtype": str(draft.act_dtype),
         "decoder_linear_bytes_fp32": stats["decoder_linear_bytes_fp32"],
@@ -182,21 +231,26 @@ def main() -> None:
         f"{positions} positions; decode {draft_info['decode_ms_per_token_draft']:.1f} ms/token vs "
         f"target {draft_info['decode_ms_per_token_target']:.1f}"
     )
-    delays = [int(x) for x in args.delays.split(",")]
-    print(
-        f"edge generation, {args.prompts} prompts x {args.new_tokens} tokens, gamma {args.gamma}:"
-    )
-    edge = trio.run(
-        edge_runs, target, draft, prompts[: args.prompts], delays, args.gamma, args.new_tokens
-    )
-    print(f"verifier throughput, gamma {args.gamma}, {args.blocks_per_tenant} blocks per tenant:")
-    tenants = [int(x) for x in args.tenants.split(",")]
-    tput = trio.run(tenant_runs, target, prompts[0], tenants, args.gamma, args.blocks_per_tenant)
+    rtts = [int(x) for x in args.rtts.split(",")]
+    edge: list[dict] = []
+    if not args.skip_edge:
+        print(f"edge, {args.prompts} prompts x {args.new_tokens} tokens, gamma {args.gamma}:")
+        edge = trio.run(
+            edge_runs, target, draft, prompts[: args.prompts], rtts, args.gamma, args.new_tokens
+        )
+    tput: list[dict] = []
+    if not args.skip_verifier:
+        print(f"verifier, gamma {args.gamma}, {args.blocks_per_tenant} blocks per tenant:")
+        tenants = [int(x) for x in args.tenants.split(",")]
+        tput = trio.run(
+            tenant_runs, target, prompts[0], tenants, args.gamma, args.blocks_per_tenant
+        )
     out = Path(__file__).parent / "results" / "speculation.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     result = {
         "threads": torch.get_num_threads(),
         "draft": draft_info,
+        "load_average_end": os.getloadavg(),
         "edge": edge,
         "verifier": tput,
     }

@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -163,7 +163,10 @@ async def speculative_generate(
     options: SamplingOptions | None = None,
     eos_token_ids: tuple[int, ...] | list[int] = (),
     probs_top_k: int = DEFAULT_PROBS_TOP_K,
+    on_commit: Callable[[list[int]], None] | None = None,
 ) -> SpecResult:
+    """See the module contract. ``on_commit(new_ids)`` is called as tokens become final (for
+    streaming, and so a caller can resume on another verifier from prompt + committed ids)."""
     options = options or GREEDY
     if not prompt or max_new_tokens < 1 or gamma < 1 or depth < 1:
         raise ValueError("need a non-empty prompt, max_new_tokens >= 1, gamma >= 1, depth >= 1")
@@ -192,7 +195,10 @@ async def speculative_generate(
                 continue
             block = inflight.popleft()
             if not res.stale:
-                committed += [*block.tokens[: res.accepted], res.next_token]
+                new = [*block.tokens[: res.accepted], res.next_token]
+                committed += new
+                if on_commit is not None:
+                    on_commit(new)
                 stats.blocks_verified += 1
                 stats.drafted += len(block.tokens)
                 stats.accepted += res.accepted

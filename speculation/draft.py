@@ -1,12 +1,16 @@
 """W4A16 draft model built from the target on the edge.
 
 Contract:
-- ``build_draft(target, folder, group_size=64)`` quantizes every decoder linear of ``target`` (not
-  the embeddings nor the tied lm_head) to symmetric int4 with round-to-nearest, one fp16 scale per
+- ``build_draft(target, folder, group_size=64, method="gptq")`` quantizes every decoder linear of
+  ``target`` (not the embeddings nor the tied lm_head) to symmetric int4, one fp16 scale per
   ``group_size`` input columns, and writes a GPTQ checkpoint: ``qweight`` (int32, 8 nibbles packed
   along the input dim), ``qzeros`` (int32, GPTQ v1 "zero - 1" = 7 for symmetric), ``scales``
   (fp16), ``g_idx`` (int32), ``quantize_config.json`` (bits=4, sym=true, desc_act=false) and the
   same block as ``quantization_config`` in ``config.json``, so vLLM/GPTQ readers take the folder.
+- Method: "gptq" (default; ``_gptq.py``, calibrated on 3072 tokens of MMLU text, ~50 s on 2
+  busy cores) or "rtn" (round-to-nearest; env ``P2PNODE_DRAFT_METHOD=rtn``). Measured greedy
+  agreement with the target over 256 positions: GPTQ 0.727 vs RTN 0.699; acceptance at gamma 4
+  (1 prompt, 24 tokens, sync): 0.44 vs 0.32.
 - ``load_draft(folder=None)`` builds the default draft once under ``models.cache_dir()`` and then
   loads it: the int4 weights are repacked into torch's CPU int4 kernel layout and executed by
   ``torch.ops.aten._weight_int4pack_mm_for_cpu`` (a private op: torch is pinned and
@@ -19,10 +23,14 @@ Contract:
 
 from __future__ import annotations
 
+import copy
 import json
+import logging
 import os
 import shutil
+import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,7 +39,11 @@ from torch import nn
 
 from p2pnode.inference.models import LoadedModel, cache_dir, load_model
 
+log = logging.getLogger(__name__)
+
 DEFAULT_GROUP_SIZE = 64
+METHODS = ("gptq", "rtn")
+DEFAULT_METHOD = os.environ.get("P2PNODE_DRAFT_METHOD", "gptq")
 LINEAR_NAMES = (
     "self_attn.q_proj",
     "self_attn.k_proj",
@@ -43,6 +55,11 @@ LINEAR_NAMES = (
 )
 _MARKER = "p2pnode-draft.json"
 _KERNEL_GROUPS = (32, 64, 128, 256)
+
+
+def _log_progress(msg: str) -> None:
+    log.info("%s", msg)
+    print(msg, file=sys.stderr, flush=True)  # a first build takes minutes: show it's alive
 
 
 class DraftError(RuntimeError):
@@ -158,9 +175,23 @@ def quantize_config(group_size: int) -> dict:
     }
 
 
-def build_draft(target: LoadedModel, folder: Path, group_size: int = DEFAULT_GROUP_SIZE) -> Path:
-    """Quantize ``target``'s decoder linears and write a GPTQ folder at ``folder`` (atomic)."""
+def build_draft(
+    target: LoadedModel,
+    folder: Path,
+    group_size: int = DEFAULT_GROUP_SIZE,
+    *,
+    method: str = DEFAULT_METHOD,
+    progress: Callable[[str], None] = _log_progress,
+) -> Path:
+    """Quantize ``target``'s decoder linears and write a GPTQ folder at ``folder`` (atomic).
+
+    ``method="gptq"``: Hessian-based rounding calibrated on real text (``_gptq``), on a copy of
+    the target (the caller's model is left as is); ``"rtn"``: plain round-to-nearest.
+    """
     from safetensors.torch import save_file
+
+    if method not in METHODS:
+        raise DraftError(f"method must be one of {METHODS}, got {method!r}")
 
     folder = Path(folder)
     tmp = folder.with_name(folder.name + f".tmp-{os.getpid()}")
@@ -170,12 +201,26 @@ def build_draft(target: LoadedModel, folder: Path, group_size: int = DEFAULT_GRO
     tensors: dict[str, torch.Tensor] = {}
     quantized: set[str] = set()
     fp32_bytes = int4_bytes = 0
+    calib_tokens = 0
+    solved: dict = {}
+    if method == "gptq":
+        from p2pnode.speculation._gptq import calibration_ids, gptq_model
+
+        ids = calibration_ids(target.tokenizer)
+        calib_tokens = ids.numel()
+        progress(
+            f"GPTQ: {calib_tokens} calibration tokens, {len(target.model.model.layers)} layers"
+        )
+        solved = gptq_model(copy.deepcopy(target.model), ids, group_size, progress)
     for i, layer in enumerate(target.model.model.layers):
         for name in LINEAR_NAMES:
             lin = layer.get_submodule(name)
             if lin.bias is not None:
                 raise DraftError(f"layer {i} {name} has a bias: not supported by this draft")
-            q, scales = quantize_sym_int4(lin.weight.data, group_size)
+            if solved:
+                q, scales = solved[i][name]
+            else:
+                q, scales = quantize_sym_int4(lin.weight.data, group_size)
             prefix = f"model.layers.{i}.{name}"
             for key, value in to_gptq(q, scales, group_size).items():
                 tensors[f"{prefix}.{key}"] = value
@@ -196,6 +241,8 @@ def build_draft(target: LoadedModel, folder: Path, group_size: int = DEFAULT_GRO
     stats = {
         "target_model_id": target.model_id,
         "group_size": group_size,
+        "method": method,
+        "calibration_tokens": calib_tokens,
         "decoder_linear_bytes_fp32": fp32_bytes,
         "decoder_linear_bytes_int4": int4_bytes,
         "build_seconds": round(time.monotonic() - started, 2),
@@ -207,16 +254,19 @@ def build_draft(target: LoadedModel, folder: Path, group_size: int = DEFAULT_GRO
     return folder
 
 
-def default_draft_path(group_size: int = DEFAULT_GROUP_SIZE) -> Path:
-    return cache_dir() / "models" / f"SmolLM2-135M-Instruct-W4A16-g{group_size}"
+def default_draft_path(group_size: int = DEFAULT_GROUP_SIZE, method: str = DEFAULT_METHOD) -> Path:
+    suffix = "" if method == "rtn" else f"-{method}"  # "rtn" keeps the folder name it always had
+    return cache_dir() / "models" / f"SmolLM2-135M-Instruct-W4A16-g{group_size}{suffix}"
 
 
-def ensure_default_draft(group_size: int = DEFAULT_GROUP_SIZE) -> Path:
+def ensure_default_draft(
+    group_size: int = DEFAULT_GROUP_SIZE, method: str = DEFAULT_METHOD
+) -> Path:
     """Build the default draft from the default target once; later calls only return its path."""
-    folder = default_draft_path(group_size)
+    folder = default_draft_path(group_size, method)
     if not (folder / _MARKER).is_file():
         folder.parent.mkdir(parents=True, exist_ok=True)
-        build_draft(load_model(None), folder, group_size)
+        build_draft(load_model(None), folder, group_size, method=method)
     return folder
 
 

@@ -8,14 +8,18 @@ from __future__ import annotations
 import json
 import math
 from collections import Counter
+from functools import partial
 
 import pytest
 import torch
 import trio
 
+from p2pnode.identity import NodeKey
 from p2pnode.inference.models import load_model
 from p2pnode.inference.sampling import probs_from_logits
+from p2pnode.overlay.node import OverlayConfig, open_overlay_node
 from p2pnode.speculation.client import (
+    DraftRunner,
     inprocess_transport,
     speculative_generate,
     target_generate,
@@ -27,6 +31,7 @@ from p2pnode.speculation.draft import (
     quantize_sym_int4,
     to_gptq,
 )
+from p2pnode.speculation.edge import EdgeClient, NoVerifier, open_edge
 from p2pnode.speculation.protocol import (
     P2PVerifierTransport,
     VerifyBlock,
@@ -242,22 +247,52 @@ async def test_verifier_refusals(target, prompts) -> None:
 # ---------------------------------------------------------------- edge client
 
 
-async def test_greedy_speculation_equals_target_sync_and_async(target, draft, prompts) -> None:
+async def test_greedy_speculation_equals_target_several_tenants_at_once(
+    target, draft, prompts
+) -> None:
+    # Three edges at once on one batched verifier: sync, async over a 20 ms link, async.
     eos = target.eos_token_ids
-    verifier = BatchedVerifier(target)
+    refs = [target_generate(target, p, 8, eos_token_ids=eos) for p in prompts]
+    verifier = BatchedVerifier(target, max_wait_ms=20)
+    got: dict[int, list[int]] = {}
+
+    async def edge(i: int, depth: int, delay: float) -> None:
+        async with inprocess_transport(verifier, one_way_delay_s=delay) as transport:
+            r = await speculative_generate(
+                draft, transport, prompts[i], 8, gamma=3, depth=depth, eos_token_ids=eos
+            )
+        got[i] = r.tokens
+
     async with trio.open_nursery() as nursery:
         await nursery.start(verifier.run)
-        for i, prompt in enumerate(prompts[:2]):
-            ref = target_generate(target, prompt, 12, eos_token_ids=eos)
-            for depth, delay in [((1, 0.0), (2, 0.02)), ((2, 0.0),)][i]:
-                async with inprocess_transport(verifier, one_way_delay_s=delay) as transport:
-                    got = await speculative_generate(
-                        draft, transport, prompt, 12, gamma=3 + i, depth=depth, eos_token_ids=eos
-                    )
-                assert got.tokens == ref, (depth, delay)
-                assert got.stats.blocks_verified >= 1
-        assert not verifier.sessions  # every transport closed its session
+        with trio.fail_after(120):
+            async with trio.open_nursery() as edges:
+                for i, (depth, delay) in enumerate([(1, 0.0), (2, 0.02), (2, 0.0)]):
+                    edges.start_soon(edge, i, depth, delay)
         nursery.cancel_scope.cancel()
+    assert [got[i] for i in range(3)] == refs
+    assert verifier.stats["batches"] < verifier.stats["blocks"]  # tenants shared forwards
+    assert not verifier.sessions  # every transport closed its session
+
+
+def test_draft_rollback_after_rejection_equals_clean_run(draft, prompts) -> None:
+    # A drafts 3 tokens, then the verifier rejects the 2nd: A rolls back to prompt + t1 + X.
+    # B reaches the same tokens without ever drafting past them. Same forwards in the same
+    # grouping on both sides, so caches and next drafts must be bitwise equal.
+    x = 0
+    a = DraftRunner(draft, SamplingOptions(), top_k=64, seed=None)
+    a.tokens = list(prompts[2])
+    t = a.extend(3)[0]
+    x = (t[1] + 1) % 1000
+    a.reset_to([*prompts[2], t[0], x])
+    assert a.cache_len == a.cache.get_seq_length() == len(prompts[2]) + 1
+    b = DraftRunner(draft, SamplingOptions(), top_k=64, seed=None)
+    b.tokens = list(prompts[2])
+    assert b.extend(2)[0] == t[:2]
+    b.reset_to([*prompts[2], t[0], x])
+    assert a.extend(2)[0] == b.extend(2)[0]
+    for la, lb in zip(a.cache.layers, b.cache.layers, strict=True):
+        assert torch.equal(la.keys, lb.keys) and torch.equal(la.values, lb.values)
 
 
 async def test_sampled_speculation_first_token_follows_target(target, draft) -> None:
@@ -345,4 +380,56 @@ async def test_greedy_over_libp2p_equals_target_and_sessions_are_released(
                     break
                 await trio.sleep(0.05)
         assert not verifier.sessions
+        nursery.cancel_scope.cancel()
+
+
+async def _hold_verifier_node(model_id, verifier, stop: trio.Event, *, bootstrap, task_status):
+    cfg = OverlayConfig(
+        key=NodeKey.generate(), bootstrap=bootstrap, models=[model_id], roles={"verifier"}
+    )
+    async with open_overlay_node(cfg) as node, trio.open_nursery() as nursery:
+        await nursery.start(verifier.run)
+        serve_verifier(node, verifier)
+        task_status.started(node)
+        await stop.wait()
+        nursery.cancel_scope.cancel()
+
+
+async def test_edge_discovers_verifiers_fails_over_then_raises_no_verifier(
+    target, draft, prompts
+) -> None:
+    eos = target.eos_token_ids
+    ref = target_generate(target, prompts[0], 12, eos_token_ids=eos)
+    v1, v2 = BatchedVerifier(target), BatchedVerifier(target)
+    stop1, stop2 = trio.Event(), trio.Event()
+    async with trio.open_nursery() as nursery:
+        n1 = await nursery.start(
+            partial(_hold_verifier_node, target.model_id, v1, stop1, bootstrap=[])
+        )
+        n2 = await nursery.start(
+            partial(_hold_verifier_node, target.model_id, v2, stop2, bootstrap=[n1.addrs[0]])
+        )
+        async with open_edge([n1.addrs[0]], draft=draft, result_timeout_s=10) as edge:
+            with trio.fail_after(20):  # DHT provider + node record propagation on loopback
+                for _ in range(100):
+                    if set(await edge.find_verifiers()) == {n1.peer_id, n2.peer_id}:
+                        break
+                    await trio.sleep(0.2)
+            pinned = EdgeClient(edge.node, draft, verifiers=[n1.peer_id, n2.peer_id])
+
+            async def kill_v1_mid_session() -> None:
+                for _ in range(9000):  # bounded: 90 s at most, like the generation below
+                    if v1.stats["blocks"] >= 2:
+                        break
+                    await trio.sleep(0.01)
+                stop1.set()
+
+            nursery.start_soon(kill_v1_mid_session)
+            with trio.fail_after(90):
+                r = await pinned.generate(prompts[0], 12, mode="async")
+            assert r.tokens == ref  # resumed on v2 from prompt + committed: same greedy output
+            assert r.verifiers == [n1.peer_id, n2.peer_id] and v2.stats["blocks"] >= 1
+            stop2.set()
+            with trio.fail_after(30), pytest.raises(NoVerifier):
+                await pinned.generate(prompts[2], 4, mode="sync")
         nursery.cancel_scope.cancel()

@@ -1,0 +1,294 @@
+"""Python API for edge apps: speculative generation against verifiers found through the overlay.
+
+Contract:
+- ``async with open_edge(bootstrap=[MULTIADDR, ...]) as edge:`` joins the overlay as role
+  "edge" (or uses ``node=`` an overlay node you already run), loads the W4A16 draft (building it
+  once if needed, see ``draft.load_draft``) and serves the draft's target model id.
+- ``await edge.find_verifiers()`` -> peer ids that provide the model in the DHT AND whose signed
+  node record has the "verifier" role, lowest ping RTT first (unknown RTT last). ``verifiers=``
+  given to ``open_edge`` fixes the list and order instead (tests, pinned deployments).
+- ``await edge.generate(prompt_or_messages, max_tokens=64, temperature=0.0, mode="async")`` ->
+  ``EdgeResult`` (text, token ids, acceptance, tokens/s, verifiers used). A ``str`` prompt is
+  wrapped in the chat template as one user turn; a list of ``{"role", "content"}`` dicts is
+  used as is; a list of ints is sent as token ids. ``mode="sync"`` drafts, waits, verifies;
+  ``"async"`` pipelines two blocks (see ``client.speculative_generate``).
+- ``edge.stream(...)``: same arguments, an async iterator of text pieces as tokens are committed.
+- Failover: when a verifier dies, hangs past ``result_timeout_s`` or refuses mid-session, the
+  edge opens a new session on the next verifier from prompt + the tokens already committed, so a
+  greedy output is the same as without the failure. With no verifier left it raises
+  ``NoVerifier`` (the message lists what each one answered). Caller mistakes (``BadRequest``,
+  ``BadBlock``, ``SessionLimit``) are raised at once, not retried.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import AsyncIterator, Sequence
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass, field
+
+import trio
+
+from p2pnode.speculation.client import SpecStats, speculative_generate
+from p2pnode.speculation.draft import DraftModel, load_draft
+from p2pnode.speculation.protocol import P2PVerifierTransport
+from p2pnode.speculation.verify import (
+    BadBlock,
+    BadRequest,
+    SamplingOptions,
+    SessionLimit,
+    VerifierError,
+)
+
+log = logging.getLogger(__name__)
+MODES = {"sync": 1, "async": 2}
+_CALLER_ERRORS = (BadRequest, BadBlock, SessionLimit)
+
+
+class NoVerifier(VerifierError):
+    """No verifier of the model could finish the request; the message says who failed how."""
+
+
+@dataclass
+class EdgeResult:
+    text: str
+    tokens: list[int]
+    stats: SpecStats = field(default_factory=SpecStats)
+    verifiers: list[str] = field(default_factory=list)  # in the order they were used
+    seconds: float = 0.0
+
+    @property
+    def failovers(self) -> int:
+        return max(len(self.verifiers) - 1, 0)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return len(self.tokens) / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def acceptance(self) -> float:
+        return self.stats.acceptance
+
+
+class EdgeClient:
+    def __init__(
+        self,
+        node,
+        draft: DraftModel,
+        *,
+        verifiers: Sequence[str] | None = None,
+        gamma: int = 4,
+        result_timeout_s: float = 30.0,
+    ) -> None:
+        self.node = node
+        self.draft = draft
+        self.model_id = draft.target_model_id
+        self.tokenizer = draft.tokenizer
+        self.gamma = gamma
+        self.result_timeout_s = result_timeout_s
+        self._fixed = list(verifiers) if verifiers is not None else None
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        self.eos_token_ids: tuple[int, ...] = (eos,) if isinstance(eos, int) else ()
+
+    async def find_verifiers(self) -> list[str]:
+        if self._fixed is not None:
+            return [p for p in self._fixed if self.node.peers.state(p) != "down"]
+        providers: list[str] = []
+        with trio.move_on_after(10):  # a slow DHT walk must not stall the request forever
+            providers = await self.node.find_providers(self.model_id)
+        found = []
+        for pid in dict.fromkeys(providers):
+            if pid == self.node.peer_id:
+                continue
+            entry = self.node.peers.get(pid)
+            record = entry.record if entry is not None else None
+            if record is None:
+                with trio.move_on_after(5):
+                    record = await self.node.get_node_record(pid)
+            if record is not None and "verifier" in record.roles:
+                rtt = entry.rtt_ms if entry is not None and entry.rtt_ms is not None else math.inf
+                found.append((rtt, pid))
+        return [pid for _, pid in sorted(found)]
+
+    def encode(self, prompt: str | list[dict] | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            prompt = [{"role": "user", "content": prompt}]
+        if prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return list(prompt)  # type: ignore[arg-type]
+        if not prompt or not all(
+            isinstance(m, dict) and {"role", "content"} <= m.keys() for m in prompt
+        ):
+            raise BadRequest("prompt must be text, a list of {role, content} messages or token ids")
+        enc = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
+        return list(enc["input_ids"])
+
+    async def generate(
+        self,
+        prompt: str | list[dict] | list[int],
+        max_tokens: int = 64,
+        temperature: float = 0.0,
+        *,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        mode: str = "async",
+        _sink: trio.MemorySendChannel | None = None,
+    ) -> EdgeResult:
+        if mode not in MODES:
+            raise BadRequest(f"mode must be one of {sorted(MODES)}, got {mode!r}")
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            raise BadRequest(f"max_tokens must be an int >= 1, got {max_tokens!r}")
+        options = SamplingOptions(temperature, top_p, seed)
+        ids = self.encode(prompt)
+        committed: list[int] = []
+        result = EdgeResult("", [])
+        started = time.perf_counter()
+        tried: dict[str, str] = {}
+
+        def on_commit(new: list[int]) -> None:
+            committed.extend(new)
+            if _sink is not None:
+                _sink.send_nowait(list(new))
+
+        while not self._done(committed, max_tokens):
+            candidates = [p for p in await self.find_verifiers() if p not in tried]
+            if not candidates:
+                why = "; ".join(f"{p[-8:]}: {e}" for p, e in tried.items()) or "none found"
+                raise NoVerifier(
+                    f"no verifier for {self.model_id} could serve this request ({why}); "
+                    "start one with `p2pnode join --role verifier` or check --bootstrap"
+                )
+            peer = candidates[0]
+            result.verifiers.append(peer)
+            transport = P2PVerifierTransport(
+                self.node, peer, self.model_id, result_timeout_s=self.result_timeout_s
+            )
+            try:
+                r = await speculative_generate(
+                    self.draft,
+                    transport,
+                    ids + committed,
+                    max_tokens - len(committed),
+                    gamma=self.gamma,
+                    depth=MODES[mode],
+                    options=options,
+                    eos_token_ids=self.eos_token_ids,
+                    on_commit=on_commit,
+                )
+            except _CALLER_ERRORS:
+                raise
+            except (Exception, trio.TooSlowError) as exc:  # dead, hung or refusing verifier
+                log.info("verifier %s failed (%r); failing over", peer, exc)
+                tried[peer] = repr(exc)[:200]
+                continue
+            self._add(result.stats, r.stats)
+            break
+        result.tokens = _trim(committed, max_tokens, self.eos_token_ids)
+        result.text = self.tokenizer.decode(result.tokens, skip_special_tokens=True)
+        result.seconds = time.perf_counter() - started
+        result.stats.seconds = result.seconds
+        return result
+
+    async def stream(
+        self, prompt: str | list[dict] | list[int], max_tokens: int = 64, **kw
+    ) -> AsyncIterator[str]:
+        """Text pieces as they are committed (same arguments as ``generate``)."""
+        send, recv = trio.open_memory_channel[list[int]](math.inf)
+        got: list[int] = []
+        text = ""
+        async with trio.open_nursery() as nursery:
+
+            async def run() -> None:
+                async with send:
+                    await self.generate(prompt, max_tokens, _sink=send, **kw)
+
+            nursery.start_soon(run)
+            async for new in recv:
+                got = _trim(got + new, max_tokens, self.eos_token_ids)
+                full = self.tokenizer.decode(got, skip_special_tokens=True)
+                if len(full) > len(text) and not full.endswith("\ufffd"):
+                    yield full[len(text) :]
+                    text = full
+
+    def _done(self, committed: list[int], max_tokens: int) -> bool:
+        return len(committed) >= max_tokens or any(t in self.eos_token_ids for t in committed)
+
+    @staticmethod
+    def _add(total: SpecStats, part: SpecStats) -> None:
+        for name in ("blocks_sent", "blocks_verified", "blocks_stale", "drafted", "accepted"):
+            setattr(total, name, getattr(total, name) + getattr(part, name))
+
+
+def _trim(ids: list[int], max_tokens: int, eos: tuple[int, ...]) -> list[int]:
+    ids = ids[:max_tokens]
+    for i, t in enumerate(ids):
+        if t in eos:
+            return ids[: i + 1]
+    return ids
+
+
+@asynccontextmanager
+async def open_edge(
+    bootstrap: Sequence[str] = (),
+    *,
+    node=None,
+    draft: DraftModel | None = None,
+    verifiers: Sequence[str] | None = None,
+    listen: Sequence[str] = ("/ip4/127.0.0.1/tcp/0",),
+    gamma: int = 4,
+    result_timeout_s: float = 30.0,
+) -> AsyncIterator[EdgeClient]:
+    """An ``EdgeClient`` on a new overlay node with role "edge" (or on ``node``)."""
+    async with AsyncExitStack() as stack:
+        if draft is None:
+            draft = await trio.to_thread.run_sync(load_draft)
+        if node is None:
+            from p2pnode.identity import NodeKey
+            from p2pnode.overlay.node import OverlayConfig, open_overlay_node
+
+            if not bootstrap:
+                raise BadRequest(
+                    "open_edge needs bootstrap=[MULTIADDR] (or node=) to find verifiers"
+                )
+            cfg = OverlayConfig(
+                key=NodeKey.generate(),
+                listen_addrs=list(listen),
+                bootstrap=list(bootstrap),
+                roles={"edge"},
+            )
+            node = await stack.enter_async_context(open_overlay_node(cfg))
+        yield EdgeClient(
+            node, draft, verifiers=verifiers, gamma=gamma, result_timeout_s=result_timeout_s
+        )
+
+
+def run_edge_cli(
+    bootstrap: list[str],
+    prompt: str,
+    max_tokens: int,
+    mode: str,
+    temperature: float,
+    timeout: float,
+) -> str:
+    """``p2pnode edge``: one generation; returns the text and a stats line (blocking)."""
+
+    async def main() -> str:
+        with trio.fail_after(timeout):
+            async with open_edge(bootstrap) as edge:
+                with trio.move_on_after(min(10.0, timeout / 2)):  # records/providers propagate
+                    for _ in range(20):
+                        if await edge.find_verifiers():
+                            break
+                        await trio.sleep(0.5)
+                r = await edge.generate(prompt, max_tokens, temperature, mode=mode)
+        return (
+            f"{r.text}\n\n[{len(r.tokens)} tokens in {r.seconds:.2f} s = {r.tokens_per_s:.2f} "
+            f"tok/s; acceptance {r.acceptance:.2f} over {r.stats.drafted} drafted; mode {mode}; "
+            f"verifiers {', '.join(p[-8:] for p in r.verifiers)}]"
+        )
+
+    try:
+        return trio.run(main)
+    except trio.TooSlowError:
+        raise NoVerifier(f"no answer within {timeout:.0f} s: is a verifier reachable?") from None
