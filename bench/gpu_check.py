@@ -1,0 +1,327 @@
+"""The ONE prepared GPU check (issue 9): vLLM node, KV events -> digest, CUDA verifier.
+
+Needs an NVIDIA GPU and a venv with the [gpu] extra (docs/gpu.md gives the pip commands; this
+script installs nothing). Budget: about 5-8 minutes on one H200, most of it vLLM's start-up.
+
+    python bench/gpu_check.py [--skip-vllm] [--skip-verifier]
+    python bench/gpu_check.py --skip-vllm --device cpu --section-timeout 900   # CPU dry run
+
+Checks (any failure -> exit 1, with the reason printed):
+1. a vLLM node (inference/vllm_engine.py) serves the default model; its KV events, translated
+   by inference/vllm_events.py, feed a DigestBuilder whose cached length for what was sent
+   equals the full blocks of prompt + output - 1, and equals vLLM's own prefix hit on a resend;
+   a prefix-cache reset empties the digest; no event was refused or orphaned.
+2. a speculation session (the W4A16 draft on CPU, speculation/client.py) verified by
+   speculation/verify.py's BatchedVerifier on CUDA returns the target's greedy output (HF fp32
+   greedy on the same GPU), alone and with 16 sessions batched together.
+Figures printed and written to $OUT/gpu_check.json (if $OUT is set) and bench/results/: vLLM
+prefill and decode throughput, verifier throughput for 1/16/64 tenants.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import trio
+
+RESULTS: dict = {"checks": {}, "figures": {}, "failures": []}
+GAMMA = 4
+
+
+def check(name: str, ok: bool, detail: object) -> None:
+    RESULTS["checks"][name] = {"ok": bool(ok), "detail": detail}
+    print(f"[{'PASS' if ok else 'FAIL'}] {name}: {detail}", flush=True)
+    if not ok:
+        RESULTS["failures"].append(name)
+
+
+def figure(name: str, value: float, unit: str) -> None:
+    RESULTS["figures"][name] = {"value": value, "unit": unit}
+    print(f"  {name}: {value:,.1f} {unit}", flush=True)
+
+
+# ------------------------------------------------------------------ 1. vLLM node
+
+
+async def wait_until(cond, timeout_s: float) -> bool:
+    """KV events arrive asynchronously (engine core -> ZMQ -> subscriber thread -> trio)."""
+    with trio.move_on_after(timeout_s):
+        while not cond():  # noqa: ASYNC110 - the condition lives in another thread's data
+            await trio.sleep(0.05)
+        return True
+    return False
+
+
+async def vllm_checks() -> None:
+    from p2pnode.inference.blockhash import (
+        BLOCK_SIZE,
+        block_hashes,
+        cached_prefix_tokens,
+        model_salt,
+    )
+    from p2pnode.inference.vllm_engine import open_vllm_engine
+    from p2pnode.overlay.digest import DigestBuilder, fingerprint
+
+    t0 = time.perf_counter()
+    async with open_vllm_engine(max_batch=64, gpu_memory_utilization=0.3) as engine:
+        figure("vllm_startup_s", time.perf_counter() - t0, "s")
+        print(f"  model_id {engine.model_id}; cost {engine.cost.as_dict()}")
+        digest = DigestBuilder("gpu-node", engine.model_id, fp_bits=64)
+        engine.add_block_listener(digest.on_event)
+        digest.sync(engine.cached_block_hashes())
+        salt = model_salt(engine.model_id)
+
+        def digest_len(tokens: list[int]) -> int:
+            fps = digest.fingerprints
+            return cached_prefix_tokens(
+                block_hashes(tokens, salt), lambda h: fingerprint(h, 64) in fps
+            )
+
+        text = " ".join(f"Item {i}: a note about the number {i * 7}." for i in range(20))
+        prompt = engine.encode(text)
+        r = await engine.generate(prompt, {"max_tokens": 40})
+        seq = prompt + r.tokens[:-1]  # the tokens with KV when the request ends
+        want = len(seq) // BLOCK_SIZE * BLOCK_SIZE
+        await wait_until(lambda: digest_len(seq) >= want, 10)
+        check("digest_cached_len_equals_sent", digest_len(seq) == want, [digest_len(seq), want])
+        want_prompt = len(prompt) // BLOCK_SIZE * BLOCK_SIZE
+        check(
+            "digest_prompt_len",
+            digest_len(prompt) == want_prompt,
+            [digest_len(prompt), want_prompt],
+        )
+        r2 = await engine.generate(prompt, {"max_tokens": 4})
+        # vLLM always recomputes >= 1 prompt token, so its hit stops one block short when the
+        # prompt is block aligned.
+        hit = min(want_prompt, (len(prompt) - 1) // BLOCK_SIZE * BLOCK_SIZE)
+        check("vllm_hit_equals_digest", r2.cached_tokens == hit, [r2.cached_tokens, hit])
+        check("greedy_is_deterministic", r2.tokens == r.tokens[:4], [r2.tokens, r.tokens[:4]])
+        st = dict(engine.translator.stats)
+        clean = st["unknown_parent"] == 0 and st["conflicts"] == 0 and engine.event_errors == 0
+        check("kv_events_clean", clean, {**st, "event_errors": engine.event_errors})
+
+        # Throughput: prefill (64 x 512 distinct tokens, 1 output) and decode (64 streams).
+        async def run_all(prompts: list[list[int]], max_tokens: int) -> tuple[float, int]:
+            out = []
+
+            async def one(p: list[int]) -> None:
+                out.append(await engine.generate(p, {"max_tokens": max_tokens}))
+
+            t = time.perf_counter()
+            async with trio.open_nursery() as n:
+                for p in prompts:
+                    n.start_soon(one, p)
+            return time.perf_counter() - t, sum(len(x.tokens) for x in out)
+
+        v = engine.vocab_size
+        pre = [[(1000 + 97 * i + 13 * j) % v for j in range(512)] for i in range(64)]
+        secs, _ = await run_all(pre, 1)
+        figure("vllm_prefill_tok_s_64x512", 64 * 512 / secs, "tok/s")
+        dec = [[(5000 + 31 * i + 7 * j) % v for j in range(32)] for i in range(64)]
+        secs, n = await run_all(dec, 128)
+        figure("vllm_decode_tok_s_64_streams", n / secs, "tok/s")
+        secs, n = await run_all(dec[:1], 128)
+        figure("vllm_decode_tok_s_1_stream", n / secs, "tok/s")
+
+        await engine._aio.call(engine._llm.reset_prefix_cache())
+        emptied = await wait_until(lambda: len(digest) == 0, 10)
+        check("prefix_cache_reset_empties_digest", emptied, len(digest))
+
+
+# ------------------------------------------------------------------ 2. CUDA verifier
+
+
+class OnDevice:
+    """Moves the verifier's (CPU-built) input tensors to the GPU; the KV caches and logits stay
+    there. speculation/verify.py builds its inputs on the CPU; this is the only adaptation."""
+
+    def __init__(self, model: torch.nn.Module, device: str) -> None:
+        self.model, self.device = model, device
+        self.config, self.generation_config = model.config, model.generation_config
+
+    def __call__(self, **kw):
+        return self.model(
+            **{k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
+        )
+
+
+def greedy_reference(
+    model: torch.nn.Module, prompt: list[int], n: int, eos: set[int], device: str
+) -> list[int]:
+    ids = torch.tensor([prompt], device=device)
+    with torch.inference_mode():
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=n,
+            do_sample=False,
+            eos_token_id=sorted(eos) or None,
+            pad_token_id=0,
+        )
+    toks = out[0, len(prompt) :].tolist()
+    for i, t in enumerate(toks):
+        if t in eos:
+            return toks[: i + 1]
+    return toks
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+async def verifier_checks(device: str) -> None:
+    from dataclasses import replace
+
+    from p2pnode.inference.models import load_model
+    from p2pnode.speculation.client import inprocess_transport, speculative_generate
+    from p2pnode.speculation.draft import load_draft
+    from p2pnode.speculation.verify import BatchedVerifier, Block, SamplingOptions
+
+    torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32: greedy ties stay put
+    base = load_model(None)
+    base.model.to(device)
+    target = replace(base, model=OnDevice(base.model, device))
+    draft = load_draft(None)  # the edge's W4A16 draft, on the CPU as on an edge
+    eos = set(base.eos_token_ids)
+    tok = base.tokenizer
+    # Completion-style prompts: the model continues them (a bare question often gets EOS first).
+    prompts = [
+        tok.encode(
+            f"Here are three facts about the number {i + 3}. First,", add_special_tokens=False
+        )
+        for i in range(16)
+    ]
+    n_new = 32
+    refs = [greedy_reference(base.model, p, n_new, eos, device) for p in prompts]
+
+    async def session(v: BatchedVerifier, p: list[int]) -> list[int]:
+        async with inprocess_transport(v) as tr:
+            r = await speculative_generate(
+                draft, tr, p, n_new, gamma=GAMMA, eos_token_ids=sorted(eos)
+            )
+        return r.tokens
+
+    v = BatchedVerifier(target, max_sessions=128, max_batch=64, max_wait_ms=2.0)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(v.run)
+        got = await session(v, prompts[0])
+        check(
+            "spec_session_equals_greedy",
+            got == refs[0] and len(got) >= 8,
+            {"n": len(got), "got": got[:12], "ref": refs[0][:12]},
+        )
+        outs: dict[int, list[int]] = {}
+
+        async def tenant(i: int) -> None:
+            outs[i] = await session(v, prompts[i])
+
+        b0 = v.stats["batches"]
+        blocks0 = v.stats["blocks"]
+        async with trio.open_nursery() as n:
+            for i in range(16):
+                n.start_soon(tenant, i)
+        same = [i for i in range(16) if outs[i] == refs[i]]
+        check("16_batched_sessions_equal_greedy", len(same) == 16, f"{len(same)}/16 equal")
+        per_forward = (v.stats["blocks"] - blocks0) / max(1, v.stats["batches"] - b0)
+        check("multi_tenant_batching_holds", per_forward > 1.5, f"{per_forward:.2f} blocks/forward")
+        nursery.cancel_scope.cancel()
+
+    # Verifier throughput: tenants replaying fixed blocks (isolates the verifier's cost).
+    prompt = prompts[0]
+    for tenants in (1, 16, 64):
+        v = BatchedVerifier(target, max_sessions=128, max_batch=64, max_wait_ms=2.0)
+        done = 0
+
+        async def replay(sid: str, vv: BatchedVerifier) -> None:
+            nonlocal done
+            length, last = len(prompt) + 1, prompt[-1]
+            for b in range(16):
+                r = await vv.verify(sid, Block(b, length, last, tuple(range(100, 100 + GAMMA))))
+                length, last, done = r.committed_len, r.next_token, done + 1
+
+        async with trio.open_nursery() as nursery:
+            await nursery.start(v.run)
+            sids = [await v.open_session([i, *prompt], SamplingOptions()) for i in range(tenants)]
+            sync(device)
+            t = time.perf_counter()
+            async with trio.open_nursery() as n:
+                for sid in sids:
+                    n.start_soon(replay, sid, v)
+            sync(device)
+            secs = time.perf_counter() - t
+            nursery.cancel_scope.cancel()
+        figure(f"verifier_blocks_s_{tenants}_tenants", done / secs, "blocks/s")
+        figure(f"verifier_positions_s_{tenants}_tenants", done * (GAMMA + 1) / secs, "positions/s")
+
+
+# ------------------------------------------------------------------ main
+
+
+async def main(args: argparse.Namespace) -> None:
+    sections = (
+        ("vllm", vllm_checks, (), args.skip_vllm),
+        ("verifier", verifier_checks, (args.device,), args.skip_verifier),
+    )
+    for name, fn, fn_args, skip in sections:
+        if skip:
+            continue
+        t = time.perf_counter()
+        try:
+            with trio.fail_after(args.section_timeout):
+                await fn(*fn_args)
+        except BaseException as exc:  # noqa: BLE001 - any crash is a loud, named failure
+            traceback.print_exc()
+            check(f"{name}_section_ran", False, repr(exc)[:500])
+        figure(f"{name}_section_s", time.perf_counter() - t, "s")
+
+
+def run() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--skip-vllm", action="store_true")
+    ap.add_argument("--skip-verifier", action="store_true")
+    ap.add_argument("--section-timeout", type=float, default=240.0)
+    ap.add_argument(
+        "--device",
+        default="cuda",
+        help="verifier device; 'cpu' with --skip-vllm dry-runs the script's logic without a GPU",
+    )
+    args = ap.parse_args()
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print("FAIL: no CUDA device visible to torch; this script needs an NVIDIA GPU", flush=True)
+        return 2
+    RESULTS["device"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    RESULTS["torch"] = torch.__version__
+    try:
+        import vllm
+
+        RESULTS["vllm"] = vllm.__version__
+    except ImportError:
+        RESULTS["vllm"] = None
+        if not args.skip_vllm:
+            print("FAIL: vllm is not installed: pip install -e '.[gpu]' (docs/gpu.md)", flush=True)
+            return 2
+    print(f"device {RESULTS['device']}, torch {RESULTS['torch']}, vllm {RESULTS['vllm']}")
+    started = time.perf_counter()
+    trio.run(main, args)
+    RESULTS["total_s"] = time.perf_counter() - started
+    text = json.dumps(RESULTS, indent=2, default=str)
+    for folder in filter(None, (os.environ.get("OUT"), str(Path(__file__).parent / "results"))):
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        (Path(folder) / "gpu_check.json").write_text(text)
+    failed = RESULTS["failures"]
+    print(f"{len(RESULTS['checks']) - len(failed)} passed, {len(failed)} failed", flush=True)
+    if failed:
+        print("FAILED: " + ", ".join(failed), flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(run())
