@@ -229,6 +229,13 @@ class Engine:
         return wait
 
     # ---- requests --------------------------------------------------------------------------
+    def validate(
+        self, prompt_ids: Sequence[int], params: SamplingParams | Mapping | None = None
+    ) -> tuple[list[int], SamplingParams]:
+        """Check a request without queueing it: ``(prompt, params)`` or the ``EngineError``
+        subclass ``stream`` would raise (used by routers before anything leaves the node)."""
+        return self._validate(prompt_ids, params)
+
     def _validate(
         self, prompt_ids: Sequence[int], params: SamplingParams | Mapping | None
     ) -> tuple[list[int], SamplingParams]:

@@ -10,7 +10,10 @@ Contract:
   gossipsub's spam cap of 10 msg/s per (forwarding peer, topic): a relay forwards every origin's
   digests, so the interval is at least ``publishers / topic_budget_msgs_per_s`` seconds.
 - Receiving (``ingest``): open and verify the envelope (``overlay.digest.open_digest``), check the
-  topic's model, apply to ``PeerViews``. Every refusal is counted by reason (``drops``, plus the
+  topic's model, apply to ``PeerViews``. A gossiped digest must be signed by the message's
+  publisher (gossipsub's strict signing authenticates ``from_id``): a digest of B published by
+  anyone else (a replay, or a forgery) is dropped as ``wrong_signer``; a pulled one must be
+  signed by the peer it was pulled from. Every refusal is counted by reason (``drops``, plus the
   prometheus counter when a registry is given); STALE results are counted as ``stale``.
 - Repair: a GAP (lost delta, restart, new peer) schedules a pull of that (peer, model) over the
   stream protocol ``/p2pnode/digest/1`` (one ``digest-pull`` frame -> one ``digest-reply`` frame
@@ -158,13 +161,21 @@ class AntiEntropy:
         """Subscribe, serve pulls, publish every round; runs until cancelled."""
         self.node.set_stream_handler(DIGEST_PROTOCOL, self._serve_pull)
         self.node.peers.add_listener(self._on_peer_state)
-        async with trio.open_nursery() as nursery:
-            self._nursery = nursery
-            for model in self.models:
-                sub = await self.node.pubsub.subscribe(digest_topic(model))
-                nursery.start_soon(self._receive_loop, model, sub)
-            nursery.start_soon(self._publish_loop)
-            task_status.started()
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                for model in self.models:
+                    sub = await self.node.pubsub.subscribe(digest_topic(model))
+                    nursery.start_soon(self._receive_loop, model, sub)
+                nursery.start_soon(self._publish_loop)
+                task_status.started()
+        finally:
+            # Leave the topics so peers stop sending us digests nobody will read (and a node
+            # shutting down does not receive gossip after its pubsub stopped).
+            with trio.CancelScope(shield=True), trio.move_on_after(1):
+                for model in self.models:
+                    with contextlib.suppress(Exception):
+                        await self.node.pubsub.unsubscribe(digest_topic(model))
 
     def _on_peer_state(self, peer_id: str, old: Any, new: Any) -> None:
         if new is PeerState.DOWN:
@@ -209,9 +220,10 @@ class AntiEntropy:
     ) -> tuple[bytes, str]:
         base = self._published.get(model)
         if full_round or base is None:
-            data = seal_digest(self.key, builder.full())
-            if len(data) <= self.config.gossip_full_limit:
-                return data, "full"
+            with contextlib.suppress(DigestError):  # too big for one message: deltas + pulls
+                data = seal_digest(self.key, builder.full())
+                if len(data) <= self.config.gossip_full_limit:
+                    return data, "full"
         # Deltas from the version last published; receivers that missed one pull.
         digest = builder.delta_since(builder.version if base is None else base)
         try:
@@ -230,7 +242,11 @@ class AntiEntropy:
             data = bytes(msg.data)
             if self.drop_filter is not None and self.drop_filter(topic, data):
                 continue
-            self.ingest(data, model=model, source="gossip")
+            publisher = _publisher(msg)
+            if publisher is None:
+                self._count_drop("wrong_signer")
+                continue
+            self.ingest(data, model=model, source="gossip", expected_peer=publisher)
 
     def _count_drop(self, reason: str) -> None:
         self.drops[reason] = self.drops.get(reason, 0) + 1
@@ -340,8 +356,21 @@ class AntiEntropy:
                     digest = builder.delta_since(request.have_version)
                 else:
                     digest = builder.full()
-                reply = DigestReply(seal_digest(self.key, digest))
+                try:
+                    reply = DigestReply(seal_digest(self.key, digest))
+                except DigestError as exc:  # a cache too large for one digest at fp_bits
+                    reply = DigestUnavailable(request.model_id, str(exc)[:256])
             await wire.write_frame(stream, wire.to_wire(reply), limit=limit)
+
+
+def _publisher(msg: Any) -> str | None:
+    """Peer id of a gossip message's original publisher (gossipsub verified its signature)."""
+    from libp2p.peer.id import ID
+
+    try:
+        return ID(bytes(msg.from_id)).to_base58() if msg.from_id else None
+    except Exception:  # unparsable id bytes: treat as unauthenticated
+        return None
 
 
 async def _close_quietly(stream: Any) -> None:

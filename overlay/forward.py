@@ -250,6 +250,7 @@ async def forward_request(
     limit = wire.limit_for(FORWARD_PROTOCOL)
     tokens: list[int] = []
     stream = None
+    finished = False
     try:
         with trio.fail_after(accept_timeout_s):
             stream = await node.open_stream(peer_id, FORWARD_PROTOCOL, timeout=accept_timeout_s)
@@ -273,6 +274,7 @@ async def forward_request(
                     raise ForwardFailed(
                         "protocol", f"done after {len(tokens)} tokens, says {msg.n_tokens}", tokens
                     )
+                finished = True
                 return ForwardOutcome(tokens, msg, first.cached_tokens)
             if msg.start != len(tokens):
                 raise ForwardFailed(
@@ -295,8 +297,15 @@ async def forward_request(
         raise ForwardFailed("unreachable", f"{type(exc).__name__}: {exc}", tokens) from None
     finally:
         if stream is not None:
-            with trio.move_on_after(1), contextlib.suppress(Exception):
-                await stream.close()  # may already be reset by the peer
+            # Shielded: when the origin is cancelled (client gone, stop string matched) the
+            # enclosing scope is already cancelled, and an unshielded close never runs, so the
+            # peer would keep generating. A reset tells it to stop; a finished stream closes.
+            with (
+                trio.CancelScope(shield=True),
+                trio.move_on_after(1),
+                contextlib.suppress(Exception),
+            ):
+                await (stream.close() if finished else stream.reset())
 
 
 # --------------------------------------------------------------------------- the service
@@ -571,7 +580,9 @@ class RoutedService:
             params = SamplingParams.from_dict(params)
         return list(prompt_ids), params
 
-    def _decide(self, prompt: list[int], params: SamplingParams, *, record: bool) -> RoutingDecision:
+    def _decide(
+        self, prompt: list[int], params: SamplingParams, *, record: bool
+    ) -> RoutingDecision:
         return self.router.decide(
             model_id=self.model_id,
             prompt_block_hashes=block_hashes(prompt, self.salt),

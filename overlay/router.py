@@ -2,7 +2,8 @@
 
 Contract:
 - For every candidate the router estimates the completion time of the request there:
-  ``total = rtt + transfer + queue wait + overhead + prefill(prompt - cached) + decode(max_tokens)``
+  ``total = k * rtt + transfer + queue wait + overhead + prefill(prompt - cached) + decode(max_tokens)``
+  (``k = forward_round_trips``: a forward opens a stream before its request/answer exchange)
   with, for a peer: the smoothed RTT of the peer table (``default_rtt_s`` while none is measured),
   the request's bytes over ``bandwidth_Bps``, the wait and the per-token speeds the peer advertises
   in its digests (our own speeds when it advertises none), plus the service time of requests this
@@ -16,8 +17,10 @@ Contract:
 - ``decide`` returns a ``RoutingDecision``: every candidate's estimate, the choice, and
   ``attempts``: the order to try (the chosen peer, then other peers that also beat local, at most
   ``max_remote_attempts``, then local when the node serves the model). Each decision is logged as
-  one JSON line on logger ``p2pnode.overlay.router`` and counted in the prometheus registry
-  passed in (never the global one).
+  one JSON line on logger ``p2pnode.overlay.router`` (INFO; the ``log_candidates`` best
+  candidates, chosen and local always included, and how many were left out) and counted in the
+  prometheus registry passed in (never the global one). ``decide(record=False)`` is a dry run:
+  neither logged nor counted.
 - ``PushBack(high, low)``: hysteresis for the flag a node advertises: on at ``queue_depth >= high``,
   off again at ``queue_depth <= low``.
 """
@@ -29,12 +32,12 @@ import logging
 import math
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from p2pnode.overlay.views import PeerViews
+from p2pnode.overlay.views import PeerView, PeerViews, prefix_tokens
 
 log = logging.getLogger("p2pnode.overlay.router")
 
@@ -56,8 +59,8 @@ class LocalState:
     available: bool = True  # False on a node that serves no engine for this model
 
 
-@dataclass(frozen=True, slots=True)
-class CandidateEstimate:
+@dataclass(slots=True)
+class CandidateEstimate:  # read-only by convention: not frozen, a frozen init costs 6x more
     peer_id: str
     is_local: bool
     cached_tokens: int  # expected cached tokens used in the estimate
@@ -95,14 +98,32 @@ class RoutingDecision:
     def estimate_for(self, peer_id: str) -> CandidateEstimate | None:
         return next((c for c in self.candidates if c.peer_id == peer_id), None)
 
-    def to_log(self) -> dict[str, Any]:
-        out = asdict(self)
-        out["candidates"] = [
-            {k: (round(v, 6) if isinstance(v, float) else v) for k, v in asdict(c).items()}
-            for c in self.candidates
-        ]
+    def to_log(self, max_candidates: int | None = None) -> dict[str, Any]:
+        """Plain dict for the decision log: every field, candidates best first; with
+        ``max_candidates`` only that many (the chosen one and local always kept) and the count
+        of the others in ``candidates_omitted``."""
+        kept = list(self.candidates)
+        if max_candidates is not None and len(kept) > max_candidates:
+            must = {self.chosen, LOCAL}
+            best = kept[:max_candidates]
+            best += [c for c in kept[max_candidates:] if c.peer_id in must]
+            kept = best
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["candidates"] = [_candidate_log(c) for c in kept]
+        out["candidates_omitted"] = len(self.candidates) - len(kept)
         out["attempts"] = list(self.attempts)
         return out
+
+
+_CANDIDATE_FIELDS = tuple(f.name for f in fields(CandidateEstimate))
+
+
+def _candidate_log(c: CandidateEstimate) -> dict[str, Any]:
+    out = {}
+    for name in _CANDIDATE_FIELDS:
+        v = getattr(c, name)
+        out[name] = round(v, 6) if isinstance(v, float) else v
+    return out
 
 
 class PushBack:
@@ -166,9 +187,14 @@ class RouterConfig:
     abs_margin_s: float = 0.02
     bandwidth_Bps: float = 1.25e6  # 10 Mbit/s: a modest WAN uplink
     default_rtt_s: float = 1.0  # unmeasured peers look far away until pinged
+    # A forward is not one round trip: it opens a new stream (yamux SYN + multistream-select
+    # negotiation) before the request/answer exchange. Measured on the emulated WAN at 200 ms
+    # one-way: a forward cost ~3 ping round trips more than serving locally.
+    forward_round_trips: float = 3.0
     max_remote_attempts: int = 2
     confidence_alpha: float = 0.3
     min_confidence: float = 0.05
+    log_candidates: int = 16  # candidates written per decision log line (best first)
 
     def __post_init__(self) -> None:
         if not (0 <= self.rel_margin < 1 and self.abs_margin_s >= 0 and self.bandwidth_Bps > 0):
@@ -255,13 +281,21 @@ class Router:
         if local.available:
             local_est = self._local_estimate(local, prompt_tokens, max_tokens)
             candidates.append(local_est)
-        for peer in self.views.peers(model_id):
-            if peer in exclude:
+        # Per decision, not per peer: the prompt's fingerprints (per width), transfer, clock.
+        fps_by_bits: dict[int, list[int]] = {}
+        transfer = (
+            REQUEST_OVERHEAD_BYTES + REQUEST_BYTES_PER_TOKEN * prompt_tokens
+        ) / cfg.bandwidth_Bps
+        now_wall = self.views.wall_now()
+        for view in self.views.live(model_id):
+            if view.peer_id in exclude:
                 continue
+            fps = fps_by_bits.get(view.fp_bits)
+            if fps is None:
+                shift = 64 - view.fp_bits
+                fps = fps_by_bits[view.fp_bits] = [h >> shift for h in prompt_block_hashes]
             candidates.append(
-                self._peer_estimate(
-                    peer, model_id, prompt_block_hashes, prompt_tokens, max_tokens, local
-                )
+                self._peer_estimate(view, fps, prompt_tokens, max_tokens, local, transfer, now_wall)
             )
         eligible = sorted(
             (c for c in candidates if not c.is_local and c.skipped is None),
@@ -322,33 +356,32 @@ class Router:
 
     def _peer_estimate(
         self,
-        peer: str,
-        model_id: str,
-        hashes: Sequence[int],
+        view: PeerView,
+        prompt_fps: list[int],
         prompt_tokens: int,
         max_tokens: int,
         local: LocalState,
+        transfer: float,
+        now_wall: float,
     ) -> CandidateEstimate:
         cfg = self.config
-        view = self.views.get(peer, model_id)
-        assert view is not None  # views.peers() lists only peers with a view
+        peer = view.peer_id
         load = view.load
-        view_cached = self.views.cached_prefix_tokens(peer, hashes, model_id)
+        view_cached = prefix_tokens(view, prompt_fps)
         stats = self._stats.get(peer)
         conf = 1.0 if stats is None else stats.confidence
         cached = _usable_cached(int(view_cached * conf), prompt_tokens)
         rtt = self.rtt_s(peer)
         rtt_known = rtt is not None
         rtt = cfg.default_rtt_s if rtt is None else rtt
-        transfer = (
-            REQUEST_OVERHEAD_BYTES + REQUEST_BYTES_PER_TOKEN * prompt_tokens
-        ) / cfg.bandwidth_Bps
         prefill_rate = load.prefill_s_per_token or local.prefill_s_per_token
         decode_rate = load.decode_s_per_token or local.decode_s_per_token
         wait = load.est_wait_s + (0.0 if stats is None else stats.inflight_s)
         prefill = (prompt_tokens - cached) * prefill_rate
         decode = max_tokens * decode_rate
-        total = rtt + transfer + wait + local.overhead_s + prefill + decode
+        total = (
+            cfg.forward_round_trips * rtt + transfer + wait + local.overhead_s + prefill + decode
+        )
         skipped = None
         if load.push_back:
             skipped = "push_back"
@@ -367,14 +400,15 @@ class Router:
             overhead_s=local.overhead_s,
             total_s=total,
             rtt_known=rtt_known,
-            info_age_s=self.views.info_age_s(peer, model_id),
+            info_age_s=max(0.0, now_wall - view.issued_at),
             confidence=conf,
             skipped=skipped,
         )
 
     def _record(self, decision: RoutingDecision) -> None:
         if log.isEnabledFor(logging.INFO):
-            log.info(json.dumps({"event": "routing_decision", **decision.to_log()}))
+            entry = decision.to_log(self.config.log_candidates)
+            log.info(json.dumps({"event": "routing_decision", **entry}))
         if self.metrics is None:
             return
         target = "local" if decision.chosen_is_local else "remote"

@@ -9,7 +9,9 @@ Contract:
   origin. Load figures (queue, wait, push-back, speeds) are taken from any digest at least as new
   as the last one seen, GAPs included, so routing sees fresh load even while the cache view lags.
 - ``cached_prefix_tokens(peer, prompt_block_hashes, model_id=None)``: the longest prefix of the
-  prompt's chained block hashes whose fingerprints the view holds, times ``BLOCK_SIZE``.
+  prompt's chained block hashes whose fingerprints the view holds, times ``BLOCK_SIZE``;
+  ``prefix_tokens(view, prompt_fingerprints)`` is the same from precomputed fingerprints (the
+  router's per-decision fast path); ``live(model_id)`` lists the views the router considers.
 - Ages: ``info_age_s`` is now minus the digest's signed issue time (sender clock, clamped at 0);
   ``silent_s`` is local monotonic time since anything was heard. Views silent for more than
   ``expire_after_s`` are dropped by ``expire()``; ``remove_peer`` drops a peer the peer table
@@ -148,6 +150,19 @@ class PeerViews:
             if m == model_id and now - v.heard_at <= self.expire_after_s
         )
 
+    def live(self, model_id: str) -> list[PeerView]:
+        """Live views of ``model_id`` (heard within ``expire_after_s``), sorted by peer id."""
+        now = self._clock()
+        limit = self.expire_after_s
+        return sorted(
+            (v for (_, m), v in self._views.items() if m == model_id and now - v.heard_at <= limit),
+            key=lambda v: v.peer_id,
+        )
+
+    def wall_now(self) -> float:
+        """The wall clock ``info_age_s`` uses (``now - view.issued_at``)."""
+        return self._wall()
+
     def views(self) -> Iterable[PeerView]:
         return list(self._views.values())
 
@@ -180,11 +195,16 @@ class PeerViews:
 
 
 def _prefix(view: PeerView, hashes: Sequence[int]) -> int:
+    return prefix_tokens(view, [fingerprint(h, view.fp_bits) for h in hashes])
+
+
+def prefix_tokens(view: PeerView, prompt_fingerprints: Sequence[int]) -> int:
+    """Cached prefix in tokens, given the prompt's block fingerprints at ``view.fp_bits``
+    (computed once per prompt by the router, not once per peer)."""
     fps = view.fingerprints
-    bits = view.fp_bits
     n = 0
-    for h in hashes:
-        if fingerprint(h, bits) not in fps:
+    for fp in prompt_fingerprints:
+        if fp not in fps:
             break
         n += 1
     return n * BLOCK_SIZE

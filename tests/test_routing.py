@@ -369,9 +369,14 @@ def test_lan_forwards_to_cache_holder() -> None:
 
 
 def test_200ms_forwards_only_when_saving_exceeds_round_trip() -> None:
-    router, _ = router_with_peer(0.2, SHARED)
-    assert decide(router, LONG_PROMPT, 8).chosen == KEY_B.peer_id  # saves 0.61 s > 0.2 s + margin
-    short_shared = SHARED[:64]  # saves only 64 * 2.4 ms = 0.15 s < 0.2 s round trip
+    # A forward costs RouterConfig.forward_round_trips (3) round trips: 0.6 s at 200 ms RTT.
+    big_shared = prompt(512, seed=13)  # saves 511 * 2.4 ms = 1.23 s > 0.6 s + margin
+    router, _ = router_with_peer(0.2, big_shared)
+    assert decide(router, big_shared + prompt(16, seed=14), 8).chosen == KEY_B.peer_id
+    router, _ = router_with_peer(0.2, SHARED)  # saves 0.61 s: about the forward's 0.6 s
+    d = decide(router, LONG_PROMPT, 8)
+    assert d.chosen == LOCAL and d.reason == "remote_saving_below_margin"
+    short_shared = SHARED[:64]  # saves only 64 * 2.4 ms = 0.15 s
     router2, _ = router_with_peer(0.2, short_shared)
     d = decide(router2, short_shared + prompt(16, seed=9), 8)
     assert d.chosen == LOCAL and d.reason == "remote_saving_below_margin"
@@ -379,10 +384,13 @@ def test_200ms_forwards_only_when_saving_exceeds_round_trip() -> None:
 
 def test_1s_rtt_stays_local_unless_huge_saving() -> None:
     router, _ = router_with_peer(1.0, SHARED)
-    assert decide(router, LONG_PROMPT, 8).chosen == LOCAL  # 0.61 s saving < 1 s round trip
-    big_shared = prompt(1024, seed=11)  # 2.46 s of prefill saved > 1 s + margin
+    assert decide(router, LONG_PROMPT, 8).chosen == LOCAL  # 0.61 s saving < 3 s forward
+    big_shared = prompt(1024, seed=11)  # 2.46 s of prefill saved < 3 s: still local
     router2, _ = router_with_peer(1.0, big_shared)
-    assert decide(router2, big_shared + prompt(16, seed=12), 8).chosen == KEY_B.peer_id
+    assert decide(router2, big_shared + prompt(16, seed=12), 8).chosen == LOCAL
+    huge_shared = prompt(2048, seed=15)  # 4.9 s saved > 3 s + margin: worth the trip
+    router3, _ = router_with_peer(1.0, huge_shared)
+    assert decide(router3, huge_shared + prompt(16, seed=16), 8).chosen == KEY_B.peer_id
 
 
 def test_tie_stays_local_and_local_cache_counts() -> None:
@@ -654,6 +662,9 @@ async def test_forward_with_the_real_model_matches_local_generation(loaded_model
         for svc in services:
             svc.engine.cost.prefill_s_per_token = 1 / 430
             svc.engine.cost.decode_s_per_token = 1 / 16
+            # In one process on busy cores a ping's RTT is mostly event-loop lag (up to 0.3 s
+            # seen), not a network: give the router a LAN RTT, as the speeds are pinned above.
+            svc.router.rtt_s = lambda peer: 0.002
         hs = block_hashes(system, a.salt)
         full_blocks = len(system) // BLOCK_SIZE * BLOCK_SIZE
 
