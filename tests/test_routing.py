@@ -578,18 +578,20 @@ async def test_prompt_is_routed_to_the_node_holding_its_prefix(loaded_model) -> 
         routed_nodes(loaded_model, 3, nursery) as (nodes, services),
     ):
         a, b, c = services
-        shared = prompt(320, seed=21)
+        # 640 cached tokens save ~1.5 s of prefill: the forward (3 round trips) stays worth it
+        # even when pings on 2 starved cores read a few hundred ms.
+        shared = prompt(640, seed=21)
         warm = await b.engine.generate(shared, {"max_tokens": 1})
         assert warm.cached_tokens == 0
         hs = block_hashes(shared + [1] * 16, a.salt)
-        # A's view of B must learn the 20 blocks B just cached (gossip delta or pull).
+        # A's view of B must learn the 40 blocks B just cached (gossip delta or pull).
         await wait_until(
-            lambda: a.views.cached_prefix_tokens(b.node.peer_id, hs, a.model_id) >= 320, 10
+            lambda: a.views.cached_prefix_tokens(b.node.peer_id, hs, a.model_id) >= 640, 10
         )
         request = shared + prompt(24, seed=22)
         res = await a.generate(request, {"max_tokens": 6})
         assert res.served_by == b.node.peer_id and not res.served_locally, res.decision.to_log()
-        assert res.cached_tokens >= 320  # B reports its real cached length
+        assert res.cached_tokens >= 640  # B reports its real cached length
         assert len(res.tokens) == 6 and res.attempts[0].outcome == "ok"
         reference = await c.engine.generate(request, {"max_tokens": 6})
         assert res.tokens == reference.tokens
@@ -629,8 +631,15 @@ async def test_peer_dying_mid_stream_falls_back_without_duplicates(loaded_model)
         assert res.attempts[-1].target == "local" and res.served_locally
         assert 3 <= res.attempts[0].tokens < 12
         assert res.tokens == received == reference.tokens  # complete, nothing repeated
-        # The peer table sees B down; its view is dropped so nothing routes there any more.
-        await wait_until(lambda: a.views.get(b.node.peer_id, a.model_id) is None, 10)
+
+        # The peer table sees B down: the router skips it from now on (its view is kept until
+        # it expires, so a link that only flapped needs no full re-pull).
+        def b_skipped() -> bool:
+            d = a.decide(request, {"max_tokens": 12})
+            est = d.estimate_for(b.node.peer_id)
+            return est is not None and est.skipped == "down" and d.attempts == ("local",)
+
+        await wait_until(b_skipped, 10)
         nursery.cancel_scope.cancel()
 
 
