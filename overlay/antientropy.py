@@ -20,7 +20,9 @@ Contract:
   with a sealed digest: a delta when the origin's log still covers our version, else full).
   Pulls are deduplicated and at most one per ``pull_min_interval`` per (peer, model). Convergence
   therefore needs only *some* later message from the origin to arrive, not every message.
-- Peers the peer table reports down are dropped from the views; silent views expire.
+- Pulls are jittered (``pull_jitter_s``) and at most ``max_concurrent_pulls`` run at once.
+- Views of peers the peer table reports down are kept (the router skips down peers, and a link
+  that flaps then needs no full re-pull); views silent for ``PeerViews.expire_after_s`` expire.
 - ``drop_filter(topic, data) -> bool`` lets tests discard received gossip on purpose.
 """
 
@@ -29,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import random
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,7 +49,6 @@ from p2pnode.overlay.digest import (
     open_digest,
     seal_digest,
 )
-from p2pnode.overlay.peers import PeerState
 from p2pnode.overlay.views import ApplyResult, PeerViews
 
 log = logging.getLogger("p2pnode.overlay.antientropy")
@@ -91,6 +93,8 @@ class AntiEntropyConfig:
     gossip_full_limit: int = 64 * 1024
     topic_budget_msgs_per_s: float = 5.0  # half of gossipsub's 10 msg/s cap: headroom
     pull_min_interval_s: float = 2.0
+    pull_jitter_s: float = 0.3
+    max_concurrent_pulls: int = 2
     pull_timeout_s: float = 5.0
     max_age_s: float = DEFAULT_MAX_AGE_S
     publisher_memory_s: float = 60.0
@@ -98,6 +102,8 @@ class AntiEntropyConfig:
     def __post_init__(self) -> None:
         if self.interval_s < 0.05 or self.full_every < 1 or self.topic_budget_msgs_per_s <= 0:
             raise ValueError("anti-entropy needs interval_s >= 0.05, full_every >= 1, budget > 0")
+        if self.max_concurrent_pulls < 1 or self.pull_jitter_s < 0:
+            raise ValueError("anti-entropy needs max_concurrent_pulls >= 1 and pull_jitter_s >= 0")
 
 
 class _Metrics:
@@ -154,13 +160,13 @@ class AntiEntropy:
         self._pending_pulls: set[tuple[str, str]] = set()
         self._publishers: dict[str, dict[str, float]] = {}  # topic -> origin -> last heard
         self._nursery: trio.Nursery | None = None
+        self._pull_slots = trio.CapacityLimiter(self.config.max_concurrent_pulls)
 
     # -- lifecycle --------------------------------------------------------------------------
 
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         """Subscribe, serve pulls, publish every round; runs until cancelled."""
         self.node.set_stream_handler(DIGEST_PROTOCOL, self._serve_pull)
-        self.node.peers.add_listener(self._on_peer_state)
         try:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
@@ -177,10 +183,6 @@ class AntiEntropy:
                     with contextlib.suppress(Exception):
                         await self.node.pubsub.unsubscribe(digest_topic(model))
 
-    def _on_peer_state(self, peer_id: str, old: Any, new: Any) -> None:
-        if new is PeerState.DOWN:
-            self.views.remove_peer(peer_id)
-
     # -- publishing -------------------------------------------------------------------------
 
     def effective_interval(self, model: str) -> float:
@@ -192,9 +194,10 @@ class AntiEntropy:
     async def _publish_loop(self) -> None:
         while True:
             await self.publish_once()
-            # Only peers the table reports down: a peer heard through gossip relays may not be
-            # connected to us directly, so it is legitimately absent from the table.
-            self.views.prune(lambda peer: self.node.peers.state(peer) is not PeerState.DOWN)
+            # Views of peers the table reports down are kept (the router skips down peers):
+            # dropping them made every flap of a busy link cost a full re-pull, and on loaded
+            # machines those pulls fed the very lag that made links flap. Silent views expire.
+            self.views.expire()
             interval = max(
                 [self.config.interval_s, *(self.effective_interval(m) for m in self.builders)]
             )
@@ -298,13 +301,15 @@ class AntiEntropy:
                 + self.config.pull_min_interval_s
                 - trio.current_time()
             )
-            if wait > 0:
-                await trio.sleep(wait)
-            self._last_pull[key] = trio.current_time()
-            try:
-                await self.pull(peer_id, model)
-            except PullFailed as exc:
-                log.info("digest pull from %s failed: %s", peer_id, exc)
+            # Jitter and a few pulls at a time: a node joining (or a burst of lost gossip) makes
+            # everyone pull at once otherwise, each pull a new negotiated stream.
+            await trio.sleep(max(0.0, wait) + random.uniform(0.0, self.config.pull_jitter_s))
+            async with self._pull_slots:
+                self._last_pull[key] = trio.current_time()
+                try:
+                    await self.pull(peer_id, model)
+                except PullFailed as exc:
+                    log.info("digest pull from %s failed: %s", peer_id, exc)
         finally:
             self._pending_pulls.discard(key)
 
