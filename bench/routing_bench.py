@@ -1,24 +1,27 @@
 """Routing benchmark: decision time, digest sizes, digest propagation, a skewed MMLU run.
 
 Run: ``python bench/routing_bench.py [--sections decision,digest,propagation,mmlu]
-[--requests 160] [--rate 3.0] [--policies off,on]``. Prints the figures and writes
-``bench/results/routing.json`` (sections not run keep their previous figures).
+[--nodes 16] [--requests 160] [--rate 3.0] [--zipf 1.2] [--policies off,cache_only,on]``.
+Prints the figures and writes ``bench/results/routing.json`` (one key per section and
+setting; sections not run keep their previous figures). About 2 min per MMLU policy.
 
 - decision: ``Router.decide`` with 64 peer views x 100,000 cached blocks each (32-bit
   fingerprints, 8 peers holding 4..32 blocks of the 512-token prompt), wall and thread-CPU time
   per decision (median, p90, p99), with the decision log off and on, plus the prompt hashing.
 - digest: sealed (signed) digest bytes per cached block, full and delta (a round where one
   512-token prompt is stored and 32 old blocks are evicted), and an empty heartbeat delta.
-- propagation: 16 real overlay nodes on loopback (one process), each with a ``RoutedService``
-  over an emulated engine; one node caches a new 256-token prompt; time until all 15 others'
-  views hold it. All nodes share one trio loop on a shared 2-core machine.
+- propagation: ``--nodes`` real overlay nodes on loopback in 4 worker processes, each with a
+  ``RoutedService`` over an emulated engine; one node caches a new 256-token prompt; time until
+  all the others' views hold it (6 trials, origins rotating).
 - mmlu: 4 real overlay nodes on loopback, emulated compute (the engines sleep what the cost model
   of SmolLM2-135M on 2 CPU threads predicts: 1/430 s per prefill token, 1/16 s per decode token,
   with the real radix caches and LRU eviction); MMLU 5-shot prompts from ``testnet/mmlu.py``
   tokenized with the real tokenizer; subjects drawn from a Zipf law, Poisson arrivals at random
   origins, one generated token. Per policy: token hit rate, mean/p50/p95 latency, busiest node's
-  share of the served requests (also per window of 40 requests, to see specialization cycles).
-  ``off`` is ``max_remote_attempts=0`` (every request served where it arrives).
+  share of the served requests (also per window of 40 requests, to see specialization cycles)
+  and the share of the top subject served by one node. Policies: ``off`` is
+  ``max_remote_attempts=0`` (every request served where it arrives); ``cache_only`` ignores
+  queues and push-back (longest cached prefix wins, the paper's starting point); ``on`` is ours.
 """
 
 from __future__ import annotations
@@ -542,7 +545,12 @@ def mmlu_workload(
 
 
 POLICIES: dict[str, dict[str, Any]] = {
+    # Every request served where it arrives.
     "off": {"router": RouterConfig(max_remote_attempts=0)},
+    # Longest estimated prefix wins, queues ignored, no push-back: the paper's starting point.
+    "cache_only": {"router": RouterConfig(load_aware=False), "pushback_high": 10**6},
+    # Ours: queue-aware estimates (advertised wait + our own in-flight requests), push-back at
+    # 8 queued requests, confidence from real cached lengths.
     "on": {"router": RouterConfig()},
 }
 
@@ -705,11 +713,11 @@ async def main(args: argparse.Namespace) -> None:
         loaded = load_model(None)
     if "propagation" in sections:
         procs = 4
-        results["propagation"] = await trio.to_thread.run_sync(
+        results[f"propagation_{args.nodes}_nodes"] = await trio.to_thread.run_sync(
             bench_propagation, procs, args.nodes // procs, args.trials
         )
     if "mmlu" in sections:
-        results["mmlu"] = await bench_mmlu(loaded, args)
+        results[f"mmlu_rate{args.rate:g}_zipf{args.zipf:g}"] = await bench_mmlu(loaded, args)
     results["machine"] = {"cpu_count": os.cpu_count(), "load_avg_at_end": os.getloadavg()}
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(results, indent=2))

@@ -354,6 +354,10 @@ class RoutedService:
 
     ``engine`` may be None on a routing-only node (then it forwards only). Start the background
     parts (anti-entropy, forward handler) with ``await nursery.start(service.run)``.
+    ``await generate(prompt_ids, params, on_token=None) -> RoutedResult`` routes and runs one
+    request; ``decide(prompt_ids, params) -> RoutingDecision`` is the same choice as a dry run
+    (neither logged nor counted). Bad input raises the engine's ``EngineError`` subclasses
+    before anything leaves the node.
     """
 
     def __init__(

@@ -195,6 +195,9 @@ class RouterConfig:
     confidence_alpha: float = 0.3
     min_confidence: float = 0.05
     log_candidates: int = 16  # candidates written per decision log line (best first)
+    # False: queues are ignored (every wait counts 0): the cache-only routing the paper starts
+    # from, kept to measure what load awareness buys (bench/routing_bench.py).
+    load_aware: bool = True
 
     def __post_init__(self) -> None:
         if not (0 <= self.rel_margin < 1 and self.abs_margin_s >= 0 and self.bandwidth_Bps > 0):
@@ -311,7 +314,12 @@ class Router:
                 chosen, reason = remote_order[0], "remote_faster"
             else:
                 chosen = LOCAL
-                reason = "local_best" if not eligible else "remote_saving_below_margin"
+                if not eligible:
+                    reason = "local_best"
+                elif cfg.max_remote_attempts == 0:
+                    reason = "forwarding_off"
+                else:
+                    reason = "remote_saving_below_margin"
         else:
             remote_order = [c.peer_id for c in eligible[: max(1, cfg.max_remote_attempts)]]
             attempts = tuple(remote_order)
@@ -339,7 +347,8 @@ class Router:
         cached = _usable_cached(local.cached_tokens, prompt_tokens)
         prefill = (prompt_tokens - cached) * local.prefill_s_per_token
         decode = max_tokens * local.decode_s_per_token
-        total = local.wait_s + local.overhead_s + prefill + decode
+        wait = local.wait_s if self.config.load_aware else 0.0
+        total = wait + local.overhead_s + prefill + decode
         return CandidateEstimate(
             peer_id=LOCAL,
             is_local=True,
@@ -347,7 +356,7 @@ class Router:
             view_cached_tokens=cached,
             rtt_s=0.0,
             transfer_s=0.0,
-            wait_s=local.wait_s,
+            wait_s=wait,
             prefill_s=prefill,
             decode_s=decode,
             overhead_s=local.overhead_s,
@@ -377,6 +386,8 @@ class Router:
         prefill_rate = load.prefill_s_per_token or local.prefill_s_per_token
         decode_rate = load.decode_s_per_token or local.decode_s_per_token
         wait = load.est_wait_s + (0.0 if stats is None else stats.inflight_s)
+        if not cfg.load_aware:
+            wait = 0.0
         prefill = (prompt_tokens - cached) * prefill_rate
         decode = max_tokens * decode_rate
         total = (

@@ -4,7 +4,9 @@ Every test starts four overlay nodes, each with a real-model engine (the four en
 loaded model's weights: the engine never writes them) and a ``RoutedService``. The engines' cost
 models are pinned to the same nominal speeds (1 torch thread) and frozen, so routing decisions
 depend on caches, queues and RTT, not on the CPU noise of a shared machine; the answers are the
-real model's. Waits are bounded (``trio.fail_after``) and generous for a loaded machine.
+real model's. Link RTTs are emulated the same way (``EmulatedLinks``: a 2 ms LAN plus what a
+test injects), since in one process a ping measures event-loop lag more than the network.
+Waits are bounded (``trio.fail_after``) and generous for a loaded machine.
 """
 
 from __future__ import annotations
