@@ -4,6 +4,9 @@ Run: ``python bench/routing_bench.py [--sections decision,digest,propagation,mml
 [--nodes 16] [--requests 160] [--rate 3.0] [--zipf 1.2] [--policies off,cache_only,on]``.
 Prints the figures and writes ``bench/results/routing.json`` (one key per section and
 setting; sections not run keep their previous figures). About 2 min per MMLU policy.
+Environment: ``ROUTING_BENCH_READY_S`` bounds the propagation setup's wait for complete views
+(default 90 s; it then goes on and reports the coverage), ``ROUTING_BENCH_PROFILE=<worker>``
+prints a cProfile of that propagation worker after 90 s.
 
 - decision: ``Router.decide`` with 64 peer views x 100,000 cached blocks each (32-bit
   fingerprints, 8 peers holding 4..32 blocks of the 512-token prompt), wall and thread-CPU time
@@ -280,11 +283,18 @@ async def cluster(
                     if time.perf_counter() - last > 10:
                         last = time.perf_counter()
                         links = [len(x.overlay.peers.up_peers()) for x in nodes]
+                        errors = Counter(
+                            e["last_error"][:50]
+                            for x in nodes
+                            for e in x.overlay.peers.snapshot()
+                            if e["state"] != "up"
+                        )
                         log.info(
-                            "views per node %s, live links %s, loop lag up to %.2f s",
+                            "views per node %s, live links %s, loop lag up to %.2f s; %s",
                             counts,
                             links,
                             lag,
+                            dict(errors.most_common(3)),
                         )
                         lag = 0.0
                     t = time.perf_counter()
@@ -359,6 +369,22 @@ def propagation_worker(index: int, per_proc: int, total: int, bootstrap: str | N
 async def _propagation_worker(
     index: int, per_proc: int, total: int, bootstrap: str | None, conn
 ) -> None:
+    parent = os.getppid()
+
+    async def orphan_guard() -> None:  # the bench was killed: do not linger
+        while os.getppid() == parent:  # noqa: ASYNC110
+            await trio.sleep(1.0)
+        raise SystemExit(f"worker {index}: the bench process is gone")
+
+    async with trio.open_nursery() as guard:
+        guard.start_soon(orphan_guard)
+        await _run_worker_nodes(index, per_proc, total, bootstrap, conn)
+        guard.cancel_scope.cancel()
+
+
+async def _run_worker_nodes(
+    index: int, per_proc: int, total: int, bootstrap: str | None, conn
+) -> None:
     async with cluster(
         stub_model(),
         per_proc,
@@ -370,7 +396,7 @@ async def _propagation_worker(
         ping_timeout=10.0,
         discovery_interval=5.0,
         gossip_heartbeat=2.0,
-        ready_timeout_s=90.0,
+        ready_timeout_s=float(os.environ.get("ROUTING_BENCH_READY_S", "90")),
         on_linked=lambda overlays: conn.send(("addr", overlays[0].addrs[0])),
     ) as nodes:
         coverage = [len(x.service.views.live(x.service.model_id)) for x in nodes]

@@ -8,7 +8,10 @@ Contract:
   figures and let receivers detect gaps), and the full state every ``full_every``-th round when
   it fits ``gossip_full_limit`` bytes. The round interval stretches to keep each topic well under
   gossipsub's spam cap of 10 msg/s per (forwarding peer, topic): a relay forwards every origin's
-  digests, so the interval is at least ``publishers / topic_budget_msgs_per_s`` seconds.
+  digests, so the interval is at least ``publishers / topic_budget_msgs_per_s`` seconds. A round
+  comes early (within ``change_poll_s``) when the cache changed or the push-back flag flipped,
+  paid from a token bucket of ``publish_burst`` messages refilled at one per interval, so the
+  average rate stays within the budget.
 - Receiving (``ingest``): open and verify the envelope (``overlay.digest.open_digest``), check the
   topic's model, apply to ``PeerViews``. A gossiped digest must be signed by the message's
   publisher (gossipsub's strict signing authenticates ``from_id``): a digest of B published by
@@ -20,7 +23,9 @@ Contract:
   with a sealed digest: a delta when the origin's log still covers our version, else full).
   Pulls are deduplicated and at most one per ``pull_min_interval`` per (peer, model). Convergence
   therefore needs only *some* later message from the origin to arrive, not every message.
-- Pulls are jittered (``pull_jitter_s``) and at most ``max_concurrent_pulls`` run at once.
+- A view silent for ``silent_pull_rounds`` publish intervals is pulled too (its origin's gossip
+  does not reach us, so no gap would show). Pulls are jittered (``pull_jitter_s``) and at most
+  ``max_concurrent_pulls`` run at once.
 - Views of peers the peer table reports down are kept (the router skips down peers, and a link
   that flaps then needs no full re-pull); views silent for ``PeerViews.expire_after_s`` expire.
 - ``drop_filter(topic, data) -> bool`` lets tests discard received gossip on purpose.
@@ -95,6 +100,9 @@ class AntiEntropyConfig:
     pull_min_interval_s: float = 2.0
     pull_jitter_s: float = 0.3
     max_concurrent_pulls: int = 2
+    change_poll_s: float = 0.05  # how soon a cache change (or push-back flip) is published
+    publish_burst: int = 2  # messages a node may send ahead of its average rate
+    silent_pull_rounds: float = 3.0  # pull a view heard nothing from for this many intervals
     pull_timeout_s: float = 5.0
     max_age_s: float = DEFAULT_MAX_AGE_S
     publisher_memory_s: float = 60.0
@@ -104,6 +112,10 @@ class AntiEntropyConfig:
             raise ValueError("anti-entropy needs interval_s >= 0.05, full_every >= 1, budget > 0")
         if self.max_concurrent_pulls < 1 or self.pull_jitter_s < 0:
             raise ValueError("anti-entropy needs max_concurrent_pulls >= 1 and pull_jitter_s >= 0")
+        if self.change_poll_s <= 0 or self.publish_burst < 1 or self.silent_pull_rounds <= 1:
+            raise ValueError(
+                "anti-entropy needs change_poll_s > 0, publish_burst >= 1, silent_pull_rounds > 1"
+            )
 
 
 class _Metrics:
@@ -156,6 +168,7 @@ class AntiEntropy:
         self.pulls: dict[str, int] = {}
         self.round = 0
         self._published: dict[str, int] = {}  # model -> version last gossiped
+        self._published_push_back: dict[str, bool] = {}
         self._last_pull: dict[tuple[str, str], float] = {}
         self._pending_pulls: set[tuple[str, str]] = set()
         self._publishers: dict[str, dict[str, float]] = {}  # topic -> origin -> last heard
@@ -191,17 +204,50 @@ class AntiEntropy:
         publishers = 1 + sum(1 for t in heard.values() if now - t < self.config.publisher_memory_s)
         return max(self.config.interval_s, publishers / self.config.topic_budget_msgs_per_s)
 
+    def publish_interval(self) -> float:
+        return max([self.config.interval_s, *(self.effective_interval(m) for m in self.builders)])
+
+    def has_news(self) -> bool:
+        """A served model's cache changed, or its push-back flag flipped, since last published."""
+        for model, builder in self.builders.items():
+            if builder.pending or builder.version != self._published.get(model):
+                return True
+            if builder.load_fn().push_back != self._published_push_back.get(model, False):
+                return True
+        return False
+
     async def _publish_loop(self) -> None:
+        # A token bucket keeps the average rate at one message per interval (the topic budget);
+        # its burst lets a change go out within change_poll_s instead of waiting for the next
+        # round, and the following heartbeat then waits for a new token.
+        tokens = float(self.config.publish_burst)
+        last = trio.current_time()
+        next_round = last
         while True:
-            await self.publish_once()
-            # Views of peers the table reports down are kept (the router skips down peers):
-            # dropping them made every flap of a busy link cost a full re-pull, and on loaded
-            # machines those pulls fed the very lag that made links flap. Silent views expire.
-            self.views.expire()
-            interval = max(
-                [self.config.interval_s, *(self.effective_interval(m) for m in self.builders)]
-            )
-            await trio.sleep(interval)
+            now = trio.current_time()
+            interval = self.publish_interval()
+            tokens = min(float(self.config.publish_burst), tokens + (now - last) / interval)
+            last = now
+            if tokens >= 1 and (now >= next_round or self.has_news()):
+                tokens -= 1
+                await self.publish_once()
+                # Views of peers the table reports down are kept (the router skips down
+                # peers): dropping them made every flap of a busy link cost a full re-pull,
+                # and on loaded machines those pulls fed the lag that made links flap.
+                self.views.expire()
+                self._pull_silent(interval)
+                next_round = trio.current_time() + interval
+            await trio.sleep(self.config.change_poll_s)
+
+    def _pull_silent(self, interval: float) -> None:
+        """Pull views that heard nothing for ``silent_pull_rounds`` intervals: their origin's
+        gossip does not reach us (a broken mesh path), so no gap would ever be noticed."""
+        limit = self.config.silent_pull_rounds * interval
+        for model in self.models:
+            for view in self.views.live(model):
+                silent = self.views.silent_s(view.peer_id, model)
+                if silent is not None and silent > limit:
+                    self.request_pull(view.peer_id, model)
 
     async def publish_once(self) -> None:
         full_round = self.round % self.config.full_every == 0
@@ -214,6 +260,7 @@ class AntiEntropy:
                 log.debug("digest publish on %s failed: %r", model, exc)
                 continue
             self._published[model] = builder.version
+            self._published_push_back[model] = builder.load_fn().push_back
             if self.metrics is not None:
                 self.metrics.published.labels(kind).inc()
                 self.metrics.published_bytes.inc(len(data))

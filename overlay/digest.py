@@ -410,6 +410,11 @@ class DigestBuilder:
         return self._version
 
     @property
+    def pending(self) -> bool:
+        """Changes received since the last ``cut`` (they go into the next version)."""
+        return bool(self._pending_added or self._pending_removed or self._pending_cleared)
+
+    @property
     def fingerprints(self) -> frozenset[int]:
         return frozenset(self._refs)
 

@@ -532,6 +532,31 @@ async def test_digests_converge_over_gossip_despite_dropped_messages() -> None:
         nursery.cancel_scope.cancel()
 
 
+async def test_cache_change_is_published_before_the_next_round() -> None:
+    # Rounds every 5 s, yet a change must reach the peer well before: it is published within
+    # change_poll_s from the token bucket (burst 2: the first round leaves one token).
+    config = AntiEntropyConfig(interval_s=5.0, change_poll_s=0.05)
+    async with overlay_nodes(2) as (keys, nodes), trio.open_nursery() as nursery:
+        builders = [DigestBuilder(n.peer_id, MODEL, load_fn=load) for n in nodes]
+        aes = [
+            AntiEntropy(n, k, PeerViews(), builders={MODEL: b}, config=config)
+            for n, k, b in zip(nodes, keys, builders, strict=True)
+        ]
+        for ae in aes:
+            await nursery.start(ae.run)
+        a_id = nodes[0].peer_id
+        await wait_until(lambda: aes[1].views.get(a_id, MODEL) is not None, 10)
+        assert not aes[0].has_news()
+        hs = hashes_of(prompt(64, seed=41))
+        builders[0].on_event(BlockStored(tuple(hs), None))
+        assert builders[0].pending and aes[0].has_news()
+        t0 = trio.current_time()
+        # 2.5 s: half the round interval, ample for one gossip hop on a loaded machine.
+        await wait_until(lambda: aes[1].views.cached_prefix_tokens(a_id, hs, MODEL) == 64, 2.5)
+        assert trio.current_time() - t0 < 2.5 and not aes[0].has_news()
+        nursery.cancel_scope.cancel()
+
+
 @pytest.fixture(scope="module")
 def loaded_model():
     from p2pnode.inference.models import load_model
