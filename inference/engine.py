@@ -39,12 +39,9 @@ import trio
 
 from p2pnode.inference._backend import Backend, EmulatedBackend, HFBackend
 from p2pnode.inference._errors import (
-    EmptyPrompt,
     EngineClosed,
-    InvalidParams,
-    InvalidToken,
-    PromptTooLong,
 )
+from p2pnode.inference._front import EngineFront, TokenStreamBase
 from p2pnode.inference.blockhash import BlockEvent
 from p2pnode.inference.costmodel import CostModel, calibrate
 from p2pnode.inference.models import LoadedModel
@@ -89,42 +86,18 @@ class _Request:
         return self.pos < len(self.prompt)
 
 
-class TokenStream:
+class TokenStream(TokenStreamBase):
     """Async iterator of generated token ids; ``result`` is set after the last one."""
 
-    def __init__(self, engine: Engine, req: _Request, recv: trio.MemoryReceiveChannel) -> None:
-        self._engine = engine
-        self._req = req
-        self._recv = recv
+    def _cancel(self) -> None:
+        self._req.cancelled = True
+        self._engine._wake()
 
-    @property
-    def result(self) -> GenerationResult | None:
-        return self._req.result
-
-    def __aiter__(self) -> TokenStream:
-        return self
-
-    async def __anext__(self) -> int:
-        try:
-            return await self._recv.receive()
-        except trio.EndOfChannel:
-            if self._req.error is not None:
-                raise self._req.error from None
-            raise StopAsyncIteration from None
-        except BaseException:
-            self._req.cancelled = True
-            self._engine._wake()
-            raise
-
-    async def aclose(self) -> None:
-        """Stop early: the request is cancelled and its resources freed."""
-        if not self._req.done.is_set():
-            self._req.cancelled = True
-            self._engine._wake()
-        await self._recv.aclose()
+    def _ended(self) -> bool:
+        return self._req.done.is_set()
 
 
-class Engine:
+class Engine(EngineFront):
     """See the module contract. Build it with ``open_engine``."""
 
     def __init__(
@@ -175,26 +148,9 @@ class Engine:
         self._closed = False
         self.steps = 0
 
-    # ---- text helpers ----------------------------------------------------------------------
-    def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
-
-    def encode_chat(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
-        """Token ids of a chat (``[{"role": ..., "content": ...}]``) ready for the reply."""
-        text = self.tokenizer.apply_chat_template(
-            list(messages), tokenize=False, add_generation_prompt=True
-        )
-        return self.encode(text)
-
-    def decode(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
-
     # ---- cache views -----------------------------------------------------------------------
     def cached_prefix_len(self, prompt_ids: Sequence[int]) -> int:
         return self.tree.prefix_len(prompt_ids)
-
-    def add_block_listener(self, fn: Callable[[BlockEvent], None]) -> None:
-        self._listeners.append(fn)
 
     def cached_block_hashes(self) -> set[int]:
         return self.tree.cached_block_hashes()
@@ -229,43 +185,12 @@ class Engine:
         return wait
 
     # ---- requests --------------------------------------------------------------------------
-    def validate(
-        self, prompt_ids: Sequence[int], params: SamplingParams | Mapping | None = None
-    ) -> tuple[list[int], SamplingParams]:
-        """Check a request without queueing it: ``(prompt, params)`` or the ``EngineError``
-        subclass ``stream`` would raise (used by routers before anything leaves the node)."""
-        return self._validate(prompt_ids, params)
-
-    def _validate(
-        self, prompt_ids: Sequence[int], params: SamplingParams | Mapping | None
-    ) -> tuple[list[int], SamplingParams]:
-        if params is None:
-            params = SamplingParams()
-        elif isinstance(params, Mapping):
-            params = SamplingParams.from_dict(params)
-        elif not isinstance(params, SamplingParams):
-            raise InvalidParams(f"params must be SamplingParams or a dict, got {type(params)}")
-        if isinstance(prompt_ids, str | bytes):
-            raise InvalidToken("prompt_ids must be token ids; use engine.encode(text) first")
-        prompt = list(prompt_ids)
-        if not prompt:
-            raise EmptyPrompt("the prompt has no tokens; send at least one token id")
-        for t in prompt:
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
-                raise InvalidToken(f"token id {t!r} is not an int in [0, {self.vocab_size})")
-        if len(prompt) + params.max_tokens > self.context_length:
-            raise PromptTooLong(
-                f"prompt ({len(prompt)}) + max_tokens ({params.max_tokens}) exceeds the "
-                f"context of {self.context_length} tokens; shorten the prompt or max_tokens"
-            )
-        return prompt, params
-
     def stream(
         self, prompt_ids: Sequence[int], params: SamplingParams | Mapping | None = None
     ) -> TokenStream:
         if self._closed:
             raise EngineClosed("the engine is closed")
-        prompt, params = self._validate(prompt_ids, params)
+        prompt, params = self.validate(prompt_ids, params)
         send, recv = trio.open_memory_channel[int](float("inf"))
         req = _Request(
             id=next(self._ids),
@@ -278,19 +203,6 @@ class Engine:
         self._waiting.append(req)
         self._wake()
         return TokenStream(self, req, recv)
-
-    async def generate(
-        self, prompt_ids: Sequence[int], params: SamplingParams | Mapping | None = None
-    ) -> GenerationResult:
-        stream = self.stream(prompt_ids, params)
-        try:
-            async for _ in stream:
-                pass
-        finally:
-            if stream.result is None:
-                await stream.aclose()
-        assert stream.result is not None
-        return stream.result
 
     # ---- scheduler -------------------------------------------------------------------------
     def _wake(self) -> None:

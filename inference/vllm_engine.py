@@ -45,13 +45,10 @@ from typing import Any
 import trio
 
 from p2pnode.inference._errors import (
-    EmptyPrompt,
     EngineClosed,
     EngineError,
-    InvalidParams,
-    InvalidToken,
-    PromptTooLong,
 )
+from p2pnode.inference._front import EngineFront, TokenStreamBase
 from p2pnode.inference.blockhash import BLOCK_SIZE, BlockEvent
 from p2pnode.inference.costmodel import CostModel
 from p2pnode.inference.engine import GenerationResult
@@ -112,36 +109,14 @@ class _Req:
     future: concurrent.futures.Future | None = None
 
 
-class VllmTokenStream:
+class VllmTokenStream(TokenStreamBase):
     """Async iterator of token ids; ``result`` is set after the last one (as ``TokenStream``)."""
 
-    def __init__(self, engine: VllmEngine, req: _Req, recv: trio.MemoryReceiveChannel) -> None:
-        self._engine = engine
-        self._req = req
-        self._recv = recv
+    def _cancel(self) -> None:
+        self._engine._abort(self._req)
 
-    @property
-    def result(self) -> GenerationResult | None:
-        return self._req.result
-
-    def __aiter__(self) -> VllmTokenStream:
-        return self
-
-    async def __anext__(self) -> int:
-        try:
-            return await self._recv.receive()
-        except trio.EndOfChannel:
-            if self._req.error is not None:
-                raise self._req.error from None
-            raise StopAsyncIteration from None
-        except BaseException:
-            self._engine._abort(self._req)
-            raise
-
-    async def aclose(self) -> None:
-        if self._req.result is None:
-            self._engine._abort(self._req)
-        await self._recv.aclose()
+    def _ended(self) -> bool:
+        return self._req.result is not None
 
 
 class _CacheView:
@@ -158,7 +133,7 @@ class _CacheView:
         return self._tr.cached_prefix_len(tokens)
 
 
-class VllmEngine:
+class VllmEngine(EngineFront):
     """See the module contract. Build it with ``open_vllm_engine``."""
 
     def __init__(
@@ -192,25 +167,9 @@ class VllmEngine:
         self._aio: _AsyncioThread | None = None
         self._token: trio.lowlevel.TrioToken | None = None
 
-    # ---- text helpers (identical to the CPU engine) --------------------------------------
-    def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
-
-    def encode_chat(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
-        text = self.tokenizer.apply_chat_template(
-            list(messages), tokenize=False, add_generation_prompt=True
-        )
-        return self.encode(text)
-
-    def decode(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
-
     # ---- cache views -----------------------------------------------------------------------
     def cached_prefix_len(self, prompt_ids: Sequence[int]) -> int:
         return self.translator.cached_prefix_len(prompt_ids)
-
-    def add_block_listener(self, fn: Callable[[BlockEvent], None]) -> None:
-        self._listeners.append(fn)
 
     def cached_block_hashes(self) -> set[int]:
         return self.translator.cached_block_hashes()
@@ -254,30 +213,6 @@ class VllmEngine:
         return wait
 
     # ---- requests --------------------------------------------------------------------------
-    def validate(
-        self, prompt_ids: Sequence[int], params: SamplingParams | Mapping | None = None
-    ) -> tuple[list[int], SamplingParams]:
-        if params is None:
-            params = SamplingParams()
-        elif isinstance(params, Mapping):
-            params = SamplingParams.from_dict(params)
-        elif not isinstance(params, SamplingParams):
-            raise InvalidParams(f"params must be SamplingParams or a dict, got {type(params)}")
-        if isinstance(prompt_ids, str | bytes):
-            raise InvalidToken("prompt_ids must be token ids; use engine.encode(text) first")
-        prompt = list(prompt_ids)
-        if not prompt:
-            raise EmptyPrompt("the prompt has no tokens; send at least one token id")
-        for t in prompt:
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
-                raise InvalidToken(f"token id {t!r} is not an int in [0, {self.vocab_size})")
-        if len(prompt) + params.max_tokens > self.context_length:
-            raise PromptTooLong(
-                f"prompt ({len(prompt)}) + max_tokens ({params.max_tokens}) exceeds the "
-                f"context of {self.context_length} tokens; shorten the prompt or max_tokens"
-            )
-        return prompt, params
-
     def stream(
         self, prompt_ids: Sequence[int], params: SamplingParams | Mapping | None = None
     ) -> VllmTokenStream:
@@ -290,19 +225,6 @@ class VllmEngine:
         assert self._aio is not None
         req.future = self._aio.submit(self._pump(req))
         return VllmTokenStream(self, req, recv)
-
-    async def generate(
-        self, prompt_ids: Sequence[int], params: SamplingParams | Mapping | None = None
-    ) -> GenerationResult:
-        stream = self.stream(prompt_ids, params)
-        try:
-            async for _ in stream:
-                pass
-        finally:
-            if stream.result is None:
-                await stream.aclose()
-        assert stream.result is not None
-        return stream.result
 
     def _vllm_params(self, p: SamplingParams) -> Any:
         from vllm import SamplingParams as VSP
