@@ -2,7 +2,10 @@
 
 Run: `python bench/overlay_bench.py [--nodes 16] [--lookups 30]`; prints the figures and writes
 bench/results/overlay.json. All nodes share one process (one trio loop): on a busy 2-core
-machine this measures the loop's contention as much as the network code.
+machine this measures the loop's contention as much as the network code. Also reported: the
+1-minute load average at start and end, the process CPU share during the join, and the
+overlay's own cost counters (probes, probe stream opens, misses, DHT lookups, dials, record
+fetches; summed over nodes) per second of the join.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import json
 import os
 import statistics
 import time
+from collections import Counter
 from pathlib import Path
 
 import trio
@@ -47,7 +51,12 @@ def _sees_all(nodes) -> bool:
 
 
 async def bench(n_nodes: int, lookups: int) -> dict:
-    out: dict = {"nodes": n_nodes, "cpu_count": os.cpu_count()}
+    out: dict = {
+        "nodes": n_nodes,
+        "cpu_count": os.cpu_count(),
+        "load_avg_1m_at_start": os.getloadavg()[0],
+    }
+    cpu_started = time.process_time()
     async with contextlib.AsyncExitStack() as stack:
         started = time.perf_counter()
         nodes = []
@@ -69,6 +78,23 @@ async def bench(n_nodes: int, lookups: int) -> dict:
             None if scope.cancelled_caught else round(time.perf_counter() - started, 3)
         )
         print("full view", out["join_to_full_view_s"], flush=True)
+        joined = time.perf_counter() - started
+        out["join_cpu_share"] = round((time.process_time() - cpu_started) / joined, 2)
+        totals: Counter[str] = Counter()
+        for node in nodes:
+            totals.update(node.counters)
+        out["join_cost_per_s"] = {k: round(v / joined, 2) for k, v in sorted(totals.items())}
+        out["missing_views_at_end_of_join"] = sum(
+            1
+            for node in nodes
+            for other in nodes
+            if other is not node
+            and (
+                (e := node.peers.get(other.peer_id)) is None
+                or e.state is PeerState.DOWN
+                or e.record is None
+            )
+        )
         with trio.move_on_after(60):
             for node in nodes:
                 await node.wait_announced()
@@ -117,6 +143,7 @@ async def bench(n_nodes: int, lookups: int) -> dict:
         # Echo: every MiB crosses the link twice.
         out["throughput_1mb_echo_mib_s"] = round(2 * rounds / elapsed, 1)
         await stream.close()
+    out["load_avg_1m_at_end"] = os.getloadavg()[0]
     return out
 
 

@@ -47,6 +47,7 @@ def main() -> None:
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="p2pnode-join-bench-"))
     procs: list[subprocess.Popen] = []
+    load_at_start = os.getloadavg()[0]
     try:
         procs.append(spawn(["bootstrap"], root / "boot"))
         boot = runtime(root / "boot", time.monotonic() + 60)
@@ -73,6 +74,7 @@ def main() -> None:
             "nodes": args.nodes,
             "processes": args.nodes + 1,
             "cpu_count": os.cpu_count(),
+            "load_avg_1m_at_start": load_at_start,
             "load_avg_1m_at_end": os.getloadavg()[0],
             "all_started_s": round(started, 2),
             "nodes_with_full_view": len(full_view_at),

@@ -77,7 +77,8 @@ def resident_bytes(model: torch.nn.Module) -> int:
 
 
 def expected_accepted(alpha: float, gamma: int) -> float:
-    """E[A] = (1 - a^(g+1)) / (1 - a): expected tokens per block (accepted + the target's)."""
+    """E[A] = (1 - a^(g+1)) / (1 - a): expected tokens per block (accepted + the target's) when
+    each draft token is accepted with probability ``alpha`` (per position, not per drafted)."""
     return gamma + 1 if alpha >= 1 else (1 - alpha ** (gamma + 1)) / (1 - alpha)
 
 
@@ -103,7 +104,7 @@ async def edge_runs(target, draft, prompts, rtts, gamma, new_tokens) -> list[dic
                 }
             )
             for mode, depth in (("sync", 1), ("async", 2)):
-                n, secs, acc, drafted, stale = 0, 0.0, 0, 0, 0
+                n, secs, acc, drafted, stale, rej, blocks = 0, 0.0, 0, 0, 0, 0, 0
                 for p in prompts:
                     async with inprocess_transport(verifier, one_way_delay_s=d) as tr:
                         r = await speculative_generate(
@@ -112,7 +113,10 @@ async def edge_runs(target, draft, prompts, rtts, gamma, new_tokens) -> list[dic
                     n, secs = n + len(r.tokens), secs + r.stats.seconds
                     acc, drafted = acc + r.stats.accepted, drafted + r.stats.drafted
                     stale += r.stats.blocks_stale
-                alpha = acc / max(drafted, 1)
+                    rej, blocks = rej + r.stats.rejections, blocks + r.stats.blocks_verified
+                # Per-token acceptance probability: each verified position ends accepted or
+                # rejected (one rejection at most per block), so alpha = acc / (acc + rej).
+                alpha = acc / max(acc + rej, 1)
                 rows.append(
                     {
                         "rtt_ms": rtt_ms,
@@ -120,8 +124,9 @@ async def edge_runs(target, draft, prompts, rtts, gamma, new_tokens) -> list[dic
                         "gamma": gamma,
                         "tokens_per_s": n / secs,
                         "inter_token_ms": 1000 * secs / max(n, 1),
-                        "acceptance": alpha,
-                        "tokens_per_block": (acc + drafted // gamma) / max(drafted // gamma, 1),
+                        "acceptance": acc / max(drafted, 1),
+                        "alpha": alpha,
+                        "tokens_per_block": (acc + blocks) / max(blocks, 1),
                         "expected_tokens_per_block": expected_accepted(alpha, gamma),
                         "stale_blocks": stale,
                     }
@@ -131,7 +136,8 @@ async def edge_runs(target, draft, prompts, rtts, gamma, new_tokens) -> list[dic
                     f"  RTT {rtt_ms:>4} ms {r['mode']:>12}: {r['tokens_per_s']:6.2f} tok/s, "
                     f"inter-token {r['inter_token_ms']:6.0f} ms"
                     + (
-                        f", acceptance {r['acceptance']:.2f}, tokens/block "
+                        f", accepted/drafted {r['acceptance']:.2f}, alpha {r['alpha']:.2f}, "
+                        "tokens/block "
                         f"{r['tokens_per_block']:.2f} (E[A] {r['expected_tokens_per_block']:.2f})"
                         if "acceptance" in r
                         else ""

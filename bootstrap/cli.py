@@ -86,6 +86,21 @@ def show_id(home: Path | None, config_file: Path | None) -> None:
         click.echo(f"{label}: {addr}")
 
 
+# NAT traversal (overlay/relay.py, issue 8)
+_relay_options = [
+    click.option(
+        "--relay",
+        multiple=True,
+        help="Behind NAT: multiaddr of a relay to be reached through (repeatable).",
+    ),
+    click.option(
+        "--relay-hop/--no-relay-hop",
+        default=None,
+        help="Relay connections for peers behind NAT (circuit relay v2).",
+    ),
+]
+
+
 def _node_options(fn):
     options = [
         click.option(
@@ -154,6 +169,7 @@ def _node_options(fn):
             "--wan-spec", default=None, help="Testnet: trial spec whose delays to inject."
         ),
         click.option("--region", default=None, help="Testnet: this node's region in --wan-spec."),
+        *_relay_options,
         _config_option,
         _home_option,
     ]
@@ -200,6 +216,7 @@ def join(config_file: Path | None, **flags: Any) -> None:
 @click.option("--connect-timeout", type=float, default=None, help="Seconds before a dial fails.")
 @click.option("--wan-spec", default=None, help="Testnet: trial spec whose delays to inject.")
 @click.option("--region", default=None, help="Testnet: this node's region in --wan-spec.")
+@_relay_options[1]
 @_config_option
 @_home_option
 def run_bootstrap(config_file: Path | None, **flags: Any) -> None:
@@ -256,8 +273,8 @@ def status(home: Path | None) -> None:
 def testnet(args: tuple[str, ...]) -> None:
     """Run a testnet trial: `p2pnode testnet SPEC [--arms routing,baseline] [--out DIR]`.
 
-    SPEC is a trial TOML file or a built-in name (lan-2ms, zipf-2ms, wan-200ms, wan-1000ms,
-    smoke); `p2pnode testnet --help` lists every option.
+    SPEC is a trial TOML file or a built-in name (paper-lan, paper-wan-200, paper-wan-1000, each
+    also -zipf; scale-64, smoke); `p2pnode testnet --help` lists every option.
     """
     from p2pnode.testnet.run_trial import main as run_trial_main
 

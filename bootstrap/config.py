@@ -56,6 +56,9 @@ class NodeSettings:
     # testnet: a trial spec (TOML) whose [regions] delays this node injects, and its region
     wan_spec: str = ""
     region: str = ""
+    # NAT traversal (overlay/relay.py): relays to reserve a slot on; relay for others
+    relay: list[str] = field(default_factory=list)
+    relay_hop: bool = False
 
     def validate(self) -> NodeSettings:
         bad_roles = set(self.role) - ROLES
@@ -67,6 +70,8 @@ class NodeSettings:
             _check_multiaddr(addr, "listen", need_peer_id=False)
         for addr in self.bootstrap:
             _check_multiaddr(addr, "bootstrap", need_peer_id=True)
+        for addr in self.relay:
+            _check_multiaddr(addr, "relay", need_peer_id=True)
         if not 0 <= self.api_port <= 65535:
             raise ConfigError(f"api_port {self.api_port} is not a TCP port (0 picks a free one)")
         for name in ("cache_budget_tokens", "max_batch", "pushback_threshold"):

@@ -124,6 +124,12 @@ async def run_node(settings: NodeSettings, *, task_status=trio.TASK_STATUS_IGNOR
             node = await stack.enter_async_context(open_overlay_node(config))
         except OSError as exc:
             raise NodeStartError(f"cannot listen on {settings.listen}: {exc}") from None
+        # NAT traversal (issue 8): every node can dial peers behind NAT through a relay
+        from p2pnode.overlay.relay import open_relay
+
+        relay = await stack.enter_async_context(
+            open_relay(node, relays=settings.relay, hop=settings.relay_hop)
+        )
 
         registry = CollectorRegistry()
         service = None
@@ -154,6 +160,7 @@ async def run_node(settings: NodeSettings, *, task_status=trio.TASK_STATUS_IGNOR
                 "model": engine.model_id if engine is not None else None,
                 **{k: v for k, v in overlay_status.items() if k not in {"peer_id", "addrs"}},
                 "routing": _routing_status(service),
+                "relay": relay.status(),
             }
 
         async with trio.open_nursery() as nursery:
@@ -165,7 +172,9 @@ async def run_node(settings: NodeSettings, *, task_status=trio.TASK_STATUS_IGNOR
 
                 verifier = BatchedVerifier(engine.loaded)  # the engine's model, not a 2nd load
                 await nursery.start(verifier.run)
-                serve_verifier(node, verifier)
+                # One per-peer budget for everything a peer can make this node do.
+                limiter = service.limiter if service is not None else None
+                serve_verifier(node, verifier, limiter=limiter)
             app = build_app(status, service=service, engine=engine, registry=registry)
             api = await nursery.start(serve_api, app, settings.api_host, settings.api_port)
             nursery.start_soon(_stop_on_signal, nursery.cancel_scope)

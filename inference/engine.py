@@ -38,15 +38,31 @@ import torch
 import trio
 
 from p2pnode.inference._backend import Backend, EmulatedBackend, HFBackend
-from p2pnode.inference._errors import (
-    EngineClosed,
-)
+from p2pnode.inference._errors import EngineClosed
 from p2pnode.inference._front import EngineFront, TokenStreamBase
 from p2pnode.inference.blockhash import BlockEvent
 from p2pnode.inference.costmodel import CostModel, calibrate
 from p2pnode.inference.models import LoadedModel
 from p2pnode.inference.radix import LockHandle, RadixCache
 from p2pnode.inference.sampling import SamplingParams, make_generator, sample_token
+
+# Waiting requests compared with this many requests ahead of them for a shared prefix (bounds
+# the cost of a decision; queues deeper than this are already far past any forward's cost).
+_SHARED_PREFIX_LOOKBACK = 8
+
+
+def _shared_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo] and a[:hi] != b[:hi]: bisect on slice equality (C speed)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 @dataclass
@@ -129,6 +145,11 @@ class Engine(EngineFront):
             self._backend: Backend = HFBackend(loaded.model)
         elif backend == "emulated":
             eos = min(self.eos_token_ids) if self.eos_token_ids else None
+            # The emulated forward sleeps what this model says; folding those measured sleeps
+            # (plus scheduling lag) back in would ratchet the cost up with every request
+            # (seen: prefill 2.3 -> ~6 ms/token in one trial at load 14). Frozen after
+            # calibration, the emulated hardware keeps one speed for the whole run.
+            self.cost.alpha = 0.0
             self._backend = EmulatedBackend(self.vocab_size, self.cost, eos)
         elif isinstance(backend, str):
             raise ValueError(f"unknown backend {backend!r}: use 'hf' or 'emulated'")
@@ -169,11 +190,21 @@ class Engine(EngineFront):
         """Rough seconds before a new request would start its own prefill.
 
         Prefill work ahead of it (remaining prompt tokens of running and waiting requests) plus,
-        when all ``max_batch`` slots are taken, the decode time until enough slots free up.
+        when all ``max_batch`` slots are taken, the decode time until enough slots free up. A
+        waiting request's prefix shared with one ahead of it counts as cached: that one inserts
+        it before the waiting one is admitted (a burst of same-subject prompts is one prefill,
+        not one per request; counting each as a miss overstated the local wait ~1.3 s in
+        200 ms trials and sent requests on forwards that lost).
         """
         c = self.cost
         backlog = sum(len(r.prompt) - r.pos for r in self._active)
-        backlog += sum(len(r.prompt) - self.tree.prefix_len(r.prompt) for r in self._waiting)
+        ahead_prompts = [r.prompt for r in self._active]
+        for r in self._waiting:
+            reuse = self.tree.prefix_len(r.prompt)
+            for p in ahead_prompts[-_SHARED_PREFIX_LOOKBACK:]:
+                reuse = max(reuse, _shared_prefix_len(r.prompt, p))
+            backlog += len(r.prompt) - reuse
+            ahead_prompts.append(r.prompt)
         wait = backlog * c.prefill_s_per_token
         ahead = len(self._waiting) + len(self._active) - self.max_batch + 1
         if ahead > 0:

@@ -29,6 +29,12 @@ Contract:
 - Views of peers the peer table reports down are kept (the router skips down peers, and a link
   that flaps then needs no full re-pull); views silent for ``PeerViews.expire_after_s`` expire.
 - ``drop_filter(topic, data) -> bool`` lets tests discard received gossip on purpose.
+- Per-peer limits (``overlay/limits.py``, one ``PeerLimiter`` shared with the node's other
+  handlers): gossip is charged per publisher in messages and bytes before its signature is
+  checked (over: dropped as ``rate_limited``); digests over ``max_digest_bytes`` /
+  ``max_digest_fingerprints``, or growing a view past ``max_view_fingerprints``, are dropped as
+  ``oversized``; pulls we serve take a ``digest_pull`` stream slot and rate token per peer (over:
+  ``digest-unavailable`` with a reason starting ``limited:``, surfaced as ``PullFailed``).
 """
 
 from __future__ import annotations
@@ -54,6 +60,7 @@ from p2pnode.overlay.digest import (
     open_digest,
     seal_digest,
 )
+from p2pnode.overlay.limits import LimitExceeded, PeerLimiter, remote_peer
 from p2pnode.overlay.views import ApplyResult, PeerViews
 
 log = logging.getLogger("p2pnode.overlay.antientropy")
@@ -154,6 +161,7 @@ class AntiEntropy:
         config: AntiEntropyConfig | None = None,
         registry: CollectorRegistry | None = None,
         drop_filter: Callable[[str, bytes], bool] | None = None,
+        limiter: PeerLimiter | None = None,
     ) -> None:
         self.node = node
         self.key = key
@@ -163,6 +171,7 @@ class AntiEntropy:
         self.config = config or AntiEntropyConfig()
         self.metrics = _Metrics(registry) if registry is not None else None
         self.drop_filter = drop_filter
+        self.limiter = limiter if limiter is not None else PeerLimiter()
         self.drops: dict[str, int] = {}
         self.results: dict[str, int] = {}
         self.pulls: dict[str, int] = {}
@@ -307,8 +316,23 @@ class AntiEntropy:
         self, data: bytes, *, model: str, source: str, expected_peer: str | None = None
     ) -> ApplyResult | None:
         """Verify and apply one sealed digest received for ``model``; None when dropped."""
+        limits = self.limiter.config
         try:
-            digest = open_digest(data, max_age=self.config.max_age_s, expected_peer=expected_peer)
+            if source == "gossip" and expected_peer is not None:
+                # Per-publisher rates, charged before the signature check costs us anything.
+                self.limiter.charge(expected_peer, "digest_gossip")
+                self.limiter.charge(expected_peer, "digest_gossip_bytes", len(data))
+            digest = open_digest(
+                data,
+                max_age=self.config.max_age_s,
+                expected_peer=expected_peer,
+                max_size=limits.max_digest_bytes,
+                max_fingerprints=limits.max_digest_fingerprints,
+            )
+        except LimitExceeded as exc:
+            self._count_drop("rate_limited")
+            log.debug("digest dropped: %s", exc)
+            return None
         except DigestError as exc:
             self._count_drop(exc.reason)
             log.debug("digest dropped (%s): %s", exc.reason, exc)
@@ -317,6 +341,14 @@ class AntiEntropy:
             return None  # our own publication, echoed by gossipsub
         if digest.model_id != model:
             self._count_drop("wrong_model")
+            return None
+        view = self.views.get(digest.peer_id, model)
+        held = 0 if view is None or digest.is_full or digest.cleared else len(view.fingerprints)
+        try:
+            self.limiter.check_view_growth(digest.peer_id, held, len(digest.added))
+        except LimitExceeded as exc:
+            self._count_drop("oversized")
+            log.debug("digest dropped: %s", exc)
             return None
         topic = digest_topic(model)
         self._publishers.setdefault(topic, {})[digest.peer_id] = trio.current_time()
@@ -389,6 +421,9 @@ class AntiEntropy:
         except Exception as exc:  # unreachable peer, reset stream, malformed frame
             self._count_pull("error")
             raise PullFailed(f"{type(exc).__name__}: {exc}") from None
+        if isinstance(reply, DigestUnavailable) and reply.reason.startswith("limited:"):
+            self._count_pull("limited")
+            raise PullFailed(f"{peer_id} refused the pull: {reply.reason}")
         if isinstance(reply, DigestUnavailable):
             self._count_pull("unavailable")
             raise PullFailed(f"peer has no digest for {model}: {reply.reason}")
@@ -397,6 +432,18 @@ class AntiEntropy:
         return result
 
     async def _serve_pull(self, stream: Any) -> None:
+        """Per-peer limits (overlay/limits.py) around ``_answer_pull``."""
+        peer = remote_peer(stream)
+        try:
+            with self.limiter.admit(peer, "digest_pull"):
+                await self._answer_pull(stream)
+        except LimitExceeded as exc:
+            refusal = DigestUnavailable("", f"limited: {exc}"[:256])
+            with trio.move_on_after(1):
+                limit = wire.limit_for(DIGEST_PROTOCOL)
+                await wire.write_frame(stream, wire.to_wire(refusal), limit=limit)
+
+    async def _answer_pull(self, stream: Any) -> None:
         limit = wire.limit_for(DIGEST_PROTOCOL)
         with trio.fail_after(self.config.pull_timeout_s):
             request = wire.from_wire(await wire.read_frame(stream, limit=limit), DigestPull)

@@ -136,12 +136,17 @@ class OverlayDHT:
         await self.kad.put_value(record_key(record.peer_id), signed)
 
     async def get_record(
-        self, peer_id: str, *, direct: bool = True, walk: bool = True
+        self,
+        peer_id: str,
+        *,
+        direct: bool = True,
+        walk: bool = True,
+        direct_timeout: float = QUERY_TIMEOUT,
     ) -> NodeRecord | None:
         """Newest valid node record of `peer_id`, or None. See the module docstring.
 
-        `direct`: ask the peer itself when connected; `walk`: ask the closest peers when
-        the direct answer is missing (the expensive part: a full iterative lookup)."""
+        `direct`: ask the peer itself when connected (within `direct_timeout` s); `walk`: ask
+        the closest peers when the direct answer is missing (a full iterative lookup)."""
         key = record_key(peer_id)
         key_bytes = key.encode()
         target = ID.from_base58(peer_id)
@@ -151,7 +156,7 @@ class OverlayDHT:
             found.append(local.value)
         direct_value = None
         if direct and target in self.host.get_connected_peers():
-            direct_value = await self._get_from(target, key_bytes)
+            direct_value = await self._get_from(target, key_bytes, direct_timeout)
         if direct_value is not None:
             found.append(direct_value)
         elif walk:  # nothing from the peer itself: walk the DHT
@@ -159,8 +164,10 @@ class OverlayDHT:
             found.extend(await self._get_from_many([p for p in closest if p != target], key_bytes))
         return self._newest(key, found)
 
-    async def _get_from(self, peer: ID, key_bytes: bytes) -> bytes | None:
-        with trio.move_on_after(QUERY_TIMEOUT):
+    async def _get_from(
+        self, peer: ID, key_bytes: bytes, limit_s: float = QUERY_TIMEOUT
+    ) -> bytes | None:
+        with trio.move_on_after(limit_s):
             try:
                 result = await self.kad.value_store._get_from_peer(peer, key_bytes)
             except Exception as exc:  # a dead or misbehaving peer: skip it

@@ -67,6 +67,7 @@ DROP_REASONS = (
     "stale",
     "self",
     "wrong_model",
+    "rate_limited",  # over a per-peer digest limit (overlay/limits.py)
 )
 
 
@@ -124,7 +125,7 @@ def decode_fingerprints(count: int, k: int, data: bytes, fp_bits: int) -> list[i
         if data:
             raise MalformedDigest("empty fingerprint set with trailing data")
         return []
-    if not 0 <= k < 64 or count > MAX_SET_COUNT or count * (k + 1) > len(data) * 8:
+    if count < 0 or not 0 <= k < 64 or count > MAX_SET_COUNT or count * (k + 1) > len(data) * 8:
         raise MalformedDigest(f"fingerprint set header inconsistent (count={count}, k={k})")
     nbits = len(data) * 8
     bits = bin(int.from_bytes(data, "big") | (1 << nbits))[3:]
@@ -227,7 +228,9 @@ def _nonneg_float(obj: dict[str, Any], key: str) -> float:
     return value
 
 
-def _unpack_set(obj: dict[str, Any], key: str, fp_bits: int) -> frozenset[int]:
+def _unpack_set(
+    obj: dict[str, Any], key: str, fp_bits: int, max_count: int = MAX_SET_COUNT
+) -> frozenset[int]:
     packed = _field(obj, key, list)
     if len(packed) != 3:
         raise MalformedDigest(f"field {key!r} must be [count, k, bytes]")
@@ -238,10 +241,14 @@ def _unpack_set(obj: dict[str, Any], key: str, fp_bits: int) -> frozenset[int]:
         raise MalformedDigest(f"field {key!r} must be [int, int, bytes]")
     if count < 0:
         raise MalformedDigest(f"field {key!r} has a negative count")
+    if count > max_count:  # checked before decoding: decoding costs ~0.5 us per fingerprint
+        raise DigestError("oversized", f"field {key!r} holds {count} > {max_count} fingerprints")
     return frozenset(decode_fingerprints(count, k, data, fp_bits))
 
 
-def digest_from_payload(payload: object, *, peer_id: str, timestamp: float) -> Digest:
+def digest_from_payload(
+    payload: object, *, peer_id: str, timestamp: float, max_fingerprints: int = MAX_SET_COUNT
+) -> Digest:
     """Validate a decoded payload strictly; raises ``DigestError`` (reason malformed/unsupported)."""
     if not isinstance(payload, dict):
         raise MalformedDigest("payload is not a map")
@@ -271,8 +278,8 @@ def digest_from_payload(payload: object, *, peer_id: str, timestamp: float) -> D
     if not MIN_FP_BITS <= fp_bits <= 64:
         raise DigestError("unsupported", f"fingerprint width {fp_bits} bits")
     cleared = _field(payload, "c", bool)
-    added = _unpack_set(payload, "a", fp_bits)
-    removed = _unpack_set(payload, "r", fp_bits)
+    added = _unpack_set(payload, "a", fp_bits, max_fingerprints)
+    removed = _unpack_set(payload, "r", fp_bits, max_fingerprints)
     if base is None and (removed or cleared):
         raise MalformedDigest("a full digest carries no removals")
     if added & removed:
@@ -322,8 +329,10 @@ def open_digest(
     now: float | None = None,
     max_size: int = MAX_DIGEST_BYTES,
     expected_peer: str | None = None,
+    max_fingerprints: int = MAX_SET_COUNT,
 ) -> Digest:
-    """Verify and decode a sealed digest; raises ``DigestError`` with the drop reason."""
+    """Verify and decode a sealed digest; raises ``DigestError`` with the drop reason.
+    ``max_size`` and ``max_fingerprints`` (per set) are the receiver's limits (overlay/limits.py)."""
     from p2pnode import identity
 
     if not isinstance(data, bytes | bytearray | memoryview):
@@ -349,7 +358,12 @@ def open_digest(
         raise DigestError("malformed", str(exc)) from None
     if expected_peer is not None and opened.peer_id != expected_peer:
         raise DigestError("wrong_signer", f"signed by {opened.peer_id}, expected {expected_peer}")
-    return digest_from_payload(opened.payload, peer_id=opened.peer_id, timestamp=opened.timestamp)
+    return digest_from_payload(
+        opened.payload,
+        peer_id=opened.peer_id,
+        timestamp=opened.timestamp,
+        max_fingerprints=max_fingerprints,
+    )
 
 
 # --------------------------------------------------------------------------- builder

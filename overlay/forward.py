@@ -5,7 +5,8 @@ authenticated peer): the origin sends ``fwd-request`` {model id, prompt ids, sam
 remaining deadline}; the server answers ``fwd-accepted`` {its cached prefix now, queue depth},
 then ``fwd-tokens`` {start index, ids} as the engine produces them, then ``fwd-done`` {finish
 reason, the REAL cached prompt tokens it served from, timings}, or ``fwd-error`` {code, message}
-at any point (codes: ``busy``, ``no_model``, ``bad_request``, ``deadline``, ``internal``).
+at any point (codes: ``busy``, ``no_model``, ``bad_request``, ``deadline``, ``internal``,
+``limited``: over a per-peer limit of ``overlay/limits.py``).
 
 Fallback (``RoutedService.generate``): the router's ``attempts`` are tried in order (the chosen
 peer, maybe one more peer, then local). A peer that refuses, cannot be reached, or is silent past
@@ -35,9 +36,11 @@ from p2pnode.inference.sampling import SamplingParams
 from p2pnode.overlay import wire
 from p2pnode.overlay.antientropy import AntiEntropy, AntiEntropyConfig
 from p2pnode.overlay.digest import MAX_MODEL_ID_LEN, DigestBuilder, LoadInfo
+from p2pnode.overlay.limits import LimitExceeded, PeerLimiter, remote_peer
 from p2pnode.overlay.peers import PeerState
 from p2pnode.overlay.router import (
     LOCAL,
+    CandidateEstimate,
     LocalState,
     PushBack,
     Router,
@@ -45,6 +48,7 @@ from p2pnode.overlay.router import (
     RoutingDecision,
     rtt_from_peer_table,
 )
+from p2pnode.overlay.trust import TrustBook
 from p2pnode.overlay.views import PeerViews
 
 log = logging.getLogger("p2pnode.overlay.forward")
@@ -143,16 +147,30 @@ class ForwardServer:
         *,
         admit: Callable[[], bool] = lambda: True,
         on_served: Callable[[str, int], None] | None = None,
+        limiter: PeerLimiter | None = None,
     ) -> None:
         self.engine = engine
         self.admit = admit
+        self.limiter = limiter if limiter is not None else PeerLimiter()
         self.on_served = on_served
         self.received = 0  # request streams opened to us, whatever became of them
         self.served = 0
         self.refused: dict[str, int] = {}
 
     async def handle(self, stream: Any) -> None:
+        # Per-peer limits (overlay/limits.py): a stream slot and a rate token per request, its
+        # bytes held until it ends; excess gets a ``limited`` error and never reaches the engine.
         self.received += 1
+        peer = remote_peer(stream)
+        try:
+            with self.limiter.admit(peer, "forward"), self.limiter.metered(peer, stream) as s:
+                await self._serve(s)
+        except LimitExceeded as exc:
+            await self._refuse(stream, "limited", str(exc))
+        except trio.TooSlowError:  # only the request read is timed here; _run has its own
+            await self._refuse(stream, "deadline", "no complete fwd-request within 10 s")
+
+    async def _serve(self, stream: Any) -> None:
         limit = wire.limit_for(FORWARD_PROTOCOL)
         with trio.fail_after(10):
             obj = await wire.read_frame(stream, limit=limit)
@@ -234,6 +252,9 @@ class ForwardOutcome:
     tokens: list[int]
     done: ForwardDone
     accepted_cached: int
+    # Measured here, from just before the stream opens (trust checks of advertised speeds).
+    first_token_s: float | None = None
+    last_token_s: float | None = None
 
 
 async def forward_request(
@@ -251,6 +272,9 @@ async def forward_request(
     tokens: list[int] = []
     stream = None
     finished = False
+    t0 = time.perf_counter()
+    first_s: float | None = None
+    last_s: float | None = None
     try:
         with trio.fail_after(accept_timeout_s):
             stream = await node.open_stream(peer_id, FORWARD_PROTOCOL, timeout=accept_timeout_s)
@@ -275,13 +299,15 @@ async def forward_request(
                         "protocol", f"done after {len(tokens)} tokens, says {msg.n_tokens}", tokens
                     )
                 finished = True
-                return ForwardOutcome(tokens, msg, first.cached_tokens)
+                return ForwardOutcome(tokens, msg, first.cached_tokens, first_s, last_s)
             if msg.start != len(tokens):
                 raise ForwardFailed(
                     "protocol", f"tokens from {msg.start}, expected {len(tokens)}", tokens
                 )
             if len(tokens) + len(msg.ids) > request.max_tokens:
                 raise ForwardFailed("protocol", "more tokens than max_tokens", tokens)
+            last_s = time.perf_counter() - t0
+            first_s = last_s if first_s is None else first_s
             for t in msg.ids:
                 tokens.append(t)
                 if on_token is not None:
@@ -357,7 +383,8 @@ class RoutedService:
     ``await generate(prompt_ids, params, on_token=None) -> RoutedResult`` routes and runs one
     request; ``decide(prompt_ids, params) -> RoutingDecision`` is the same choice as a dry run
     (neither logged nor counted). Bad input raises the engine's ``EngineError`` subclasses
-    before anything leaves the node.
+    before anything leaves the node. ``trust`` (``overlay/trust.py``; a default ``TrustBook``
+    when None) checks every forwarded request's claims; the router skips peers it demotes.
     """
 
     def __init__(
@@ -375,6 +402,8 @@ class RoutedService:
         pushback_low: int | None = None,
         registry: CollectorRegistry | None = None,
         drop_filter: Callable[[str, bytes], bool] | None = None,
+        trust: TrustBook | None = None,
+        limiter: PeerLimiter | None = None,
     ) -> None:
         if engine is None and model_id is None:
             raise ValueError("a routing-only service needs model_id")
@@ -385,12 +414,18 @@ class RoutedService:
         self.salt = model_salt(self.model_id)
         self.views = views or PeerViews()
         self.pushback = PushBack(pushback_high, pushback_low)
+        # Trust hook (overlay/trust.py): claims checked after each forward; untrusted peers
+        # are skipped by the router.
+        self.trust = trust if trust is not None else TrustBook(registry=registry)
+        # Per-peer limits (overlay/limits.py), shared by the forward server and anti-entropy.
+        self.limiter = limiter if limiter is not None else PeerLimiter()
         self.router = Router(
             self.views,
             rtt_s=rtt_from_peer_table(node.peers),
             is_up=lambda peer: node.peers.state(peer) not in (PeerState.DOWN, PeerState.SUSPECT),
             config=router_config,
             registry=registry,
+            trust=self.trust,
         )
         self.forward_config = forward_config or ForwardConfig()
         self.metrics = _Metrics(registry) if registry is not None else None
@@ -402,7 +437,9 @@ class RoutedService:
             self.builder.sync(engine.cached_block_hashes())
             engine.add_block_listener(self.builder.on_event)
             builders[self.model_id] = self.builder
-            self.server = ForwardServer(engine, admit=self._admit, on_served=self._on_served)
+            self.server = ForwardServer(
+                engine, admit=self._admit, on_served=self._on_served, limiter=self.limiter
+            )
         self.antientropy = AntiEntropy(
             node,
             key,
@@ -412,6 +449,7 @@ class RoutedService:
             config=antientropy_config,
             registry=registry,
             drop_filter=drop_filter,
+            limiter=self.limiter,
         )
 
     # -- local state --------------------------------------------------------------------------
@@ -548,6 +586,7 @@ class RoutedService:
             attempts.append(Attempt(target, "ok", len(outcome.tokens), time.perf_counter() - t0))
             self._count("ok")
             self.router.observe_served(target, est.cached_tokens, outcome.done.cached_tokens)
+            self._observe_trust(target, est, decision, outcome)
             return self._result(
                 delivered,
                 outcome.done.finish_reason,
@@ -607,6 +646,27 @@ class RoutedService:
             if stream.result is None:
                 await stream.aclose()
         return stream.result
+
+    def _observe_trust(
+        self,
+        peer: str,
+        est: CandidateEstimate,
+        decision: RoutingDecision,
+        outcome: ForwardOutcome,
+    ) -> None:
+        """Check the peer's claims (digest prefix, advertised wait and speeds) against what we
+        observed serving this request (see ``overlay/trust.py``)."""
+        self.trust.observe_claim(
+            peer,
+            est.view_cached_tokens,
+            outcome.done.cached_tokens,
+            prompt_tokens=decision.prompt_tokens,
+            view_age_s=est.info_age_s,
+        )
+        if outcome.last_token_s is not None:
+            per_token = est.decode_s / max(1, decision.max_tokens)
+            expected = est.total_s - est.decode_s + per_token * (len(outcome.tokens) - 1)
+            self.trust.observe_timing(peer, expected, outcome.last_token_s)
 
     def _count(self, outcome: str) -> None:
         if self.metrics is not None:

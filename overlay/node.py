@@ -9,13 +9,30 @@ Contract:
   `BootstrapFailed` is raised instead); publishes the signed node record to the DHT and
   provides each model id in the background (`await node.wait_announced()` to wait for it).
   Leaving the block stops everything.
-- Background loops: discovery (DHT self/random lookups + routing table -> connect to unknown
-  peers, fetch their node records; fast while the view grows, backing off to
-  `discovery_max_interval` once stable); ping (one persistent /ipfs/ping stream per peer,
-  `ping_timeout` each, feeding `PeerTable` RTT EWMA and failures: a dead or hung peer is down
-  after 2 failed pings, i.e. within ~2 * (ping_interval + ping_timeout) s, and at once when
-  its connection drops); pruning of peers down longer than `peer_grace_period`; republishing
-  our node record every `record_refresh` s and whenever our view of the network has doubled.
+- Background loops: discovery (DHT self lookup, plus a random-key lookup once the network
+  outgrows one Kademlia bucket, + routing table -> connect to unknown peers; rounds at least
+  `discovery_interval` apart, woken early only by a peer never seen before, backing off to
+  `discovery_max_interval` while nothing new turns up); node-record fetches (per-peer backoff);
+  liveness (below); pruning of peers down longer than `peer_grace_period`; republishing our
+  node record every `record_refresh` s and whenever our view of the network has doubled.
+- Node records also travel over gossipsub (`RECORDS_TOPIC`): a node publishes its signed record
+  every `RECORD_GOSSIP_INTERVAL` s while new peers keep appearing; receivers verify it (invalid
+  ones are not forwarded) and keep the newest seq; the signed addresses of a peer not yet
+  connected go to discovery, which dials it. The DHT fetch and lookups remain the fallback.
+- Liveness: any frame received on a peer's connection counts as a sign of life (stamped on the
+  secured connection's reads), so busy peers are never probed. A peer silent for
+  `ping_interval` gets one 32-byte echo probe on a persistent /p2pnode/ping/1 stream (opened
+  once per connection; a late echo is still used, never a reason to reopen). A probe missed
+  is one with no echo AND no frame at all from the peer within the RTO = srtt + 4 * rttvar of
+  that peer (RFC 6298), clamped to [`ping_timeout`, `RTO_CEILING` * `ping_timeout`]; the next
+  probe follows at once; a miss while our own loop lagged more than RTO/2 is excused (silence
+  proves nothing when we did not run). 1 missed probe -> suspect, 2 -> down; after
+  `CLOSE_AFTER_EXTRA_MISSES` more the connection is closed (frees a hung peer; discovery
+  redials it later; a wrongly demoted peer is up again with its next frame, no redial). So a hung (SIGSTOP) peer on an idle link
+  is down within ~ping_interval + 2 * RTO (~3.5 s with the defaults) and a closed or killed
+  one at once (its connection drops). libp2p's own health monitor (a new negotiated stream
+  per connection per check, connection aborted on ONE late answer) is off unless
+  `health_check_interval` > 0; `health_ping_timeout` is its probe timeout then.
 - Public face: `peer_id`, `addrs` (multiaddrs ending in /p2p/<id>), `host`, `pubsub`, `dht`,
   `peers` (PeerTable), `record` (our NodeRecord), `find_providers`, `get_node_record`,
   `set_stream_handler`, `open_stream`, `connect`, `status()`.
@@ -24,9 +41,10 @@ Contract:
 from __future__ import annotations
 
 import logging
-import os
+import math
 import secrets
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass, field
@@ -42,7 +60,14 @@ from libp2p.pubsub.pubsub import Pubsub
 from libp2p.tools.anyio_service import background_trio_service
 from multiaddr import Multiaddr
 
-from p2pnode.identity import NodeKey, NodeRecord, new_node_record, sign_node_record
+from p2pnode.identity import (
+    IdentityError,
+    NodeKey,
+    NodeRecord,
+    new_node_record,
+    sign_node_record,
+    verify_node_record,
+)
 from p2pnode.overlay._errors import BadMultiaddr, BootstrapFailed, PeerUnreachable
 from p2pnode.overlay.dht import OverlayDHT
 from p2pnode.overlay.host import make_host, parse_multiaddr
@@ -64,6 +89,33 @@ VERSION = "p2pnode/0.1"
 # which collides with its health monitor's probes and then aborts healthy connections.
 PING_PROTOCOL = "/p2pnode/ping/1"
 PING_LENGTH = 32
+# The probe timeout never exceeds this many `ping_timeout`s, however bad the measured RTT.
+RTO_CEILING = 4.0
+# A peer declared down by probes keeps its connection for this many more missed probes (a
+# false verdict then costs no redial: its next frame brings it back up), then it is closed.
+CLOSE_AFTER_EXTRA_MISSES = 4
+# Idle peers get an RTT sample at least this many ping intervals apart (the router uses it).
+RTT_REFRESH_INTERVALS = 10
+# One Kademlia bucket: below this many peers a self lookup already returns the whole network.
+KAD_BUCKET_SIZE = 20
+# Background work (discovery dials, record fetches) runs this many at a time per node: each is
+# several negotiated round trips, and when many nodes share busy cores an unbounded burst
+# makes every one of them slower than its timeout (measured: 16 nodes, ~100 % failed).
+BACKGROUND_PARALLEL = 4
+# Signed node records also spread over this gossipsub topic, on streams that already exist: a
+# DHT fetch is a new negotiated stream per peer, the slowest part of a join on busy cores.
+RECORDS_TOPIC = "/p2pnode/records/1"
+# A node republishes its record at most this often, and only after new peers appeared.
+RECORD_GOSSIP_INTERVAL = 2.0
+# Addresses learned from gossiped records stay in the peerstore this long (s).
+GOSSIPED_ADDR_TTL = 600
+# Records gossiped for peers we are not connected to yet wait here (bounded).
+MAX_PENDING_RECORDS = 1024
+# Record fetch retries back off up to this many discovery intervals.
+RECORD_RETRY_CAP_INTERVALS = 4
+# Background work is not urgent: a slow answer is still progress, a cancelled one is waste.
+# So its limits are this many `connect_timeout`s, far above a healthy loopback (~10-60 ms).
+BACKGROUND_TIMEOUT_FACTOR = 5.0
 StreamHandler = Callable[[INetStream], Awaitable[None]]
 
 
@@ -75,12 +127,13 @@ class OverlayConfig:
     models: list[str] = field(default_factory=list)
     roles: set[str] = field(default_factory=lambda: {"router"})
     capacity: dict[str, float] = field(default_factory=dict)
-    ping_interval: float = 1.0
+    ping_interval: float = 1.0  # probe a peer after this long without any frame from it
     gossip_heartbeat: float = 1.0
-    ping_timeout: float = 1.0
+    ping_timeout: float = 1.0  # floor of the adaptive probe timeout (RTO); scale with the RTT
     connect_timeout: float = 3.0
     dial_timeout: float = 5.0  # libp2p's own dial limit; keep it above connect_timeout
-    health_ping_timeout: float = 2.0
+    health_ping_timeout: float = 2.0  # libp2p health probe timeout (when that monitor is on)
+    health_check_interval: float = 0.0  # libp2p health monitor period; 0 = off (see docstring)
     bootstrap_attempts: int = 4
     bootstrap_backoff: float = 0.2  # first retry delay; doubles per attempt
     require_bootstrap: bool = False
@@ -105,6 +158,33 @@ def parse_peer_addr(addr: str) -> PeerInfo:
         raise BadMultiaddr(f"peer address {addr!r} must end in /p2p/<peer id> ({exc})") from None
 
 
+@dataclass
+class _Probe:
+    """Liveness probing of one connected peer (see the module docstring)."""
+
+    stream: INetStream | None = None
+    pending: int = 0  # nonce of the probe awaiting its echo; 0 = none
+    sent: dict[int, float] = field(default_factory=dict)  # recent nonces -> send time
+    answered: trio.Event = field(default_factory=trio.Event)
+    sent_at: float = -math.inf  # monotonic time of the last probe sent
+    last_sample: float = -math.inf  # monotonic time of the last RTT sample
+    misses: int = 0
+
+
+class _RxStamp:
+    """Wraps a secured connection's `read`: each frame received stamps its peer as heard."""
+
+    def __init__(self, read: Callable[..., Awaitable[bytes]], peer: ID, stamps: dict) -> None:
+        self._read = read
+        self._peer = peer
+        self._stamps = stamps
+
+    async def __call__(self, n: int | None = None) -> bytes:
+        data = await self._read(n)
+        self._stamps[self._peer] = time.monotonic()
+        return data
+
+
 class _ConnectionWatcher(INotifee):
     """Marks peers up on connect and down when their last connection closes."""
 
@@ -118,7 +198,7 @@ class _ConnectionWatcher(INotifee):
         pass
 
     async def connected(self, network: INetwork, conn: INetConn) -> None:
-        self._node._on_connected(conn.muxed_conn.peer_id)
+        self._node._on_connected(conn)
 
     async def disconnected(self, network: INetwork, conn: INetConn) -> None:
         self._node._on_disconnected(conn.muxed_conn.peer_id)
@@ -141,8 +221,20 @@ class OverlayNode:
         self.peers = PeerTable(grace_period=config.peer_grace_period)
         self.peer_id: str = config.key.peer_id
         self.record: NodeRecord | None = None
+        self._signed_record: bytes | None = None
+        self._pending_records: dict[str, NodeRecord] = {}
         self.started_at = time.time()
-        self._ping_streams: dict[ID, INetStream] = {}
+        self._probes: dict[ID, _Probe] = {}
+        self._lags: list[tuple[float, float]] = []  # (monotonic time, our own loop lag)
+        self._last_rx: dict[ID, float] = {}  # monotonic time of the last frame per peer
+        self._observed_rx: dict[ID, float] = {}
+        self._probe_salt = secrets.token_bytes(PING_LENGTH - 8)
+        self._next_nonce = 1
+        self._record_retry: dict[str, tuple[float, float]] = {}  # pid -> (next try, delay)
+        # Cost figures for benchmarks and status: probes, misses, stream opens, lookups.
+        self.counters: Counter[str] = Counter()
+        self._dial_limiter = trio.CapacityLimiter(BACKGROUND_PARALLEL)
+        self._fetch_limiter = trio.CapacityLimiter(BACKGROUND_PARALLEL)
         self._wake_discovery = trio.Event()
         self._published_view = 0
         self._last_dial: dict[str, float] = {}
@@ -247,21 +339,39 @@ class OverlayNode:
             "record_seq": self.record.seq if self.record else None,
             "announced": self.announced.is_set(),
             "pubsub_topics": sorted(self.pubsub.topic_ids),
+            "counters": dict(self.counters),
         }
 
     # -- connection events --------------------------------------------------------------
 
-    def _on_connected(self, peer: ID) -> None:
+    def _on_connected(self, conn: INetConn) -> None:
+        peer = conn.muxed_conn.peer_id
         pid = _peer_str(peer)
-        is_new = pid not in self.peers or not self.peers.is_up(pid)
+        # Only a peer never seen before can teach discovery something; a flapping one would
+        # otherwise trigger a round of DHT lookups per reconnect.
+        is_new = pid not in self.peers
+        self._stamp_reads(conn)
         self.peers.observe(pid)
+        pending = self._pending_records.pop(pid, None)
+        if pending is not None:
+            self.peers.set_record(pending)
         if is_new:
             self._wake_discovery.set()
+
+    def _stamp_reads(self, conn: INetConn) -> None:
+        peer = conn.muxed_conn.peer_id
+        secured = getattr(conn.muxed_conn, "secured_conn", None)
+        read = getattr(secured, "read", None)
+        if read is not None and not isinstance(read, _RxStamp):
+            secured.read = _RxStamp(read, peer, self._last_rx)  # type: ignore[union-attr]
+        self._last_rx[peer] = time.monotonic()
 
     def _on_disconnected(self, peer: ID) -> None:
         if peer in self.host.get_connected_peers():
             return  # another connection to this peer is still open
-        self._ping_streams.pop(peer, None)
+        self._probes.pop(peer, None)
+        self._last_rx.pop(peer, None)
+        self._observed_rx.pop(peer, None)
         self.peers.mark_down(_peer_str(peer), "connection closed")
 
     # -- dialing ------------------------------------------------------------------------
@@ -330,6 +440,7 @@ class OverlayNode:
             cfg.key, self.addrs, cfg.models, cfg.roles, cfg.capacity, cfg.version
         )
         signed = sign_node_record(cfg.key, record)
+        self._signed_record = signed
         with trio.move_on_after(10):
             await self.dht.publish_record(signed)
         self.record = record
@@ -353,15 +464,19 @@ class OverlayNode:
     # -- loops --------------------------------------------------------------------------
 
     async def _discovery_loop(self) -> None:
-        interval = self.config.discovery_interval
+        base = self.config.discovery_interval
+        interval = base
         while True:
-            before = len(self.peers.up_peers())
+            # Growth = peers we had never heard of; reconnects of known ones do not count.
+            before = len(self.peers)
+            self._wake_discovery = trio.Event()
             try:
                 await self._discover_once()
             except Exception as exc:  # one bad round must not take the node down
                 logger.warning("discovery round failed: %r", exc)
-            if len(self.peers.up_peers()) > before:
-                interval = self.config.discovery_interval
+            self.counters["discovery_rounds"] += 1
+            if len(self.peers) > before:
+                interval = base
             else:
                 interval = min(interval * 2, self.config.discovery_max_interval)
             view = len(self.peers.up_peers())
@@ -369,15 +484,77 @@ class OverlayNode:
                 # The closest-peer set changed a lot since we stored our records there.
                 await self.publish_record()
                 await self._provide_all()
-            with trio.move_on_after(interval):
+            # Rounds stay `base` apart however many new peers connect meanwhile.
+            await trio.sleep(base)
+            with trio.move_on_after(max(0.0, interval - base)):
                 await self._wake_discovery.wait()
-            self._wake_discovery = trio.Event()
 
     def _known_addrs(self, peer: ID) -> list[Multiaddr]:
         try:
             return list(self.host.get_peerstore().addrs(peer))
         except Exception:  # PeerStoreError for a peer we never heard an address of
             return []
+
+    def _gossiped_record(self, data: bytes) -> NodeRecord | None:
+        try:
+            return verify_node_record(data)
+        except IdentityError as exc:
+            logger.debug("gossiped node record rejected: %s", exc)
+            return None
+
+    async def _records_gossip_loop(self) -> None:
+        """Publish our signed record while new peers appear; take in the others' records."""
+        self.pubsub.set_topic_validator(
+            RECORDS_TOPIC,
+            lambda _forwarder, msg: self._gossiped_record(bytes(msg.data)) is not None,
+            False,
+        )
+        sub = await self.pubsub.subscribe(RECORDS_TOPIC)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._receive_records, sub)
+            published_for = -1
+            while True:
+                await trio.sleep(RECORD_GOSSIP_INTERVAL)
+                known = len(self.peers)
+                if self._signed_record is None or known == published_for:
+                    continue
+                try:
+                    await self.pubsub.publish(RECORDS_TOPIC, self._signed_record)
+                    published_for = known
+                    self.counters["record_gossip_publishes"] += 1
+                except Exception as exc:  # no mesh yet: the next round tries again
+                    logger.debug("record gossip publish failed: %r", exc)
+
+    def _learn_addrs(self, record: NodeRecord) -> None:
+        addrs = []
+        for addr in record.addrs:
+            try:
+                info = parse_peer_addr(addr)
+            except BadMultiaddr:
+                continue
+            if _peer_str(info.peer_id) == record.peer_id:
+                addrs.extend(info.addrs)
+        if addrs:
+            peer = ID.from_base58(record.peer_id)
+            self.host.get_peerstore().add_addrs(peer, addrs, GOSSIPED_ADDR_TTL)
+
+    async def _receive_records(self, sub: Any) -> None:
+        while True:
+            msg = await sub.get()
+            record = self._gossiped_record(bytes(msg.data))
+            if record is None or record.peer_id == self.peer_id:
+                continue
+            self.counters["record_gossip_received"] += 1
+            if record.peer_id in self.peers:
+                self.peers.set_record(record)
+            elif len(self._pending_records) < MAX_PENDING_RECORDS:
+                # Not connected yet (a table entry would wrongly say "up"): a peer we learned
+                # of by gossip, so hand its signed addresses to discovery.
+                old = self._pending_records.get(record.peer_id)
+                if old is None or old.seq < record.seq:
+                    self._pending_records[record.peer_id] = record
+                    self._learn_addrs(record)
+                    self._wake_discovery.set()
 
     async def _records_loop(self) -> None:
         while True:
@@ -393,13 +570,27 @@ class OverlayNode:
             await self._bootstrap()
             connected = set(self.host.get_connected_peers())
         kad = self.dht.kad
+        # Inbound peers reach the routing table only via libp2p's own bookkeeping, which lags:
+        # a bootstrap whose table misses its joiners answers lookups with too few peers.
+        for peer in connected:
+            if not kad.routing_table.peer_in_table(peer):
+                addrs = self._known_addrs(peer)
+                if addrs:
+                    await kad.routing_table.add_peer(PeerInfo(peer, addrs))
         candidates: set[ID] = set(kad.routing_table.get_peer_ids())
-        with trio.move_on_after(5):
+        # Peers whose signed records arrived by gossip: their addresses are in the peerstore.
+        candidates.update(ID.from_base58(pid) for pid in self._pending_records)
+        with trio.move_on_after(BACKGROUND_TIMEOUT_FACTOR * self.config.connect_timeout):
             me = self.host.get_id()
+            self.counters["dht_lookups"] += 1
             candidates.update(await kad.peer_routing.find_closest_peers_network(me.to_bytes()))
-            candidates.update(
-                await kad.peer_routing.find_closest_peers_network(secrets.token_bytes(32))
-            )
+            if len(candidates) >= KAD_BUCKET_SIZE:
+                # A self lookup returns the k closest peers: only a network larger than one
+                # bucket hides peers from it.
+                self.counters["dht_lookups"] += 1
+                candidates.update(
+                    await kad.peer_routing.find_closest_peers_network(secrets.token_bytes(32))
+                )
         await self._dial_candidates(candidates - connected - {self.host.get_id()})
 
     async def _dial_candidates(self, candidates: set[ID]) -> None:
@@ -409,7 +600,8 @@ class OverlayNode:
         for peer in candidates:
             pid = _peer_str(peer)
             # Redial a peer we recently failed to reach only every few seconds.
-            if now - self._last_dial.get(pid, -1e9) < 5.0 and pid in self.peers:
+            known = pid in self.peers or pid in self._pending_records
+            if now - self._last_dial.get(pid, -1e9) < 5.0 and known:
                 continue
             # Two peers discovering each other dial at once, and with one connection per
             # peer libp2p closes one of the two under the streams already opened on it. So
@@ -433,74 +625,206 @@ class OverlayNode:
                     todo.append(PeerInfo(peer, addrs))
 
         async def one(info: PeerInfo) -> None:
-            try:
-                await self._dial(info)
-            except PeerUnreachable as exc:
-                logger.debug("discovered peer unreachable: %s", exc)
+            async with self._dial_limiter:
+                if info.peer_id in self.host.get_connected_peers():
+                    return  # it dialed us while this dial waited for its turn
+                self.counters["dials"] += 1
+                try:
+                    await self._dial(info)
+                except PeerUnreachable as exc:
+                    logger.debug("discovered peer unreachable: %s", exc)
 
         async with trio.open_nursery() as nursery:
             for info in todo[: max(budget, 0)]:
                 nursery.start_soon(one, info)
 
     async def _fetch_missing_records(self) -> None:
-        limiter = trio.CapacityLimiter(8)
+        limit = BACKGROUND_TIMEOUT_FACTOR * self.config.connect_timeout
 
         async def one(pid: str) -> None:
-            async with limiter:
-                with trio.move_on_after(5):
+            async with self._fetch_limiter:
+                with trio.move_on_after(limit):
                     try:
                         # Connected peers answer for themselves; a peer that has not
-                        # published yet is asked again next round (no costly DHT walk).
-                        record = await self.dht.get_record(pid, walk=False)
+                        # published yet is asked again later (no costly DHT walk).
+                        record = await self.dht.get_record(pid, walk=False, direct_timeout=limit)
                         if record is not None:
                             self.peers.set_record(record)
                     except Exception as exc:  # a misbehaving peer must not stop discovery
                         logger.debug("record of %s unavailable: %r", pid, exc)
 
+        now = trio.current_time()
         async with trio.open_nursery() as nursery:
             for pid in self.peers.up_peers():
                 entry = self.peers.get(pid)
-                if entry is not None and entry.record is None:
-                    nursery.start_soon(one, pid)
+                if entry is None or entry.record is not None:
+                    self._record_retry.pop(pid, None)
+                    continue
+                # Asked again with a doubling delay, capped low: a peer stores its record
+                # before announcing it, so a miss is mostly a slow or failed stream.
+                next_try, delay = self._record_retry.get(pid, (now, 0.0))
+                if now < next_try:
+                    continue
+                delay = min(
+                    max(delay * 2, self.config.discovery_interval),
+                    RECORD_RETRY_CAP_INTERVALS * self.config.discovery_interval,
+                )
+                self._record_retry[pid] = (now + delay, delay)
+                self.counters["record_fetches"] += 1
+                nursery.start_soon(one, pid)
 
-    async def _ping_loop(self) -> None:
-        while True:
-            started = trio.current_time()
-            async with trio.open_nursery() as nursery:
-                for peer in self.host.get_connected_peers():
-                    nursery.start_soon(self._ping_one, peer)
-            elapsed = trio.current_time() - started
-            await trio.sleep(max(0.0, self.config.ping_interval - elapsed))
+    async def _liveness_loop(self) -> None:
+        """Start a prober per connected peer; turn received frames into `observe` calls."""
+        tick = min(0.25, self.config.ping_interval / 4)
+        async with trio.open_nursery() as nursery:
+            while True:
+                now = time.monotonic()
+                connected = self.host.get_connected_peers()
+                # A lost disconnect notification must not leave a vanished peer "up".
+                live = {_peer_str(p) for p in connected}
+                for pid in self.peers.peer_ids(PeerState.UP, PeerState.SUSPECT):
+                    if pid not in live:
+                        self.peers.mark_down(pid, "connection closed")
+                for peer in connected:
+                    if peer not in self._probes:
+                        probe = self._probes[peer] = _Probe()
+                        nursery.start_soon(self._probe_peer, peer, probe)
+                    heard = self._last_rx.get(peer)
+                    if heard is not None and heard > self._observed_rx.get(peer, -math.inf):
+                        self._observed_rx[peer] = heard
+                        self.peers.observe(_peer_str(peer))
+                await trio.sleep(tick)
+                woke = time.monotonic()
+                self._lags.append((woke, woke - now - tick))
+                if len(self._lags) > 256:
+                    del self._lags[:128]
 
-    async def _ping_one(self, peer: ID) -> None:
+    def _stalled(self, since: float, limit: float) -> bool:
+        """Did OUR event loop lag more than `limit` s since `since`? Then silence proves
+        nothing about the peer (we may not have run to read its frames)."""
+        return any(lag > limit for at, lag in self._lags if at >= since)
+
+    def _probing(self, peer: ID, probe: _Probe) -> bool:
+        return self._probes.get(peer) is probe and peer in self.host.get_connected_peers()
+
+    async def _probe_peer(self, peer: ID, probe: _Probe) -> None:
+        """Probe `peer` whenever it falls silent, until it disconnects or is declared down."""
+        async with trio.open_nursery() as nursery:
+            try:
+                await self._probe_rounds(peer, probe, nursery)
+            finally:
+                nursery.cancel_scope.cancel()
+
+    async def _probe_rounds(self, peer: ID, probe: _Probe, nursery: trio.Nursery) -> None:
+        cfg = self.config
         pid = _peer_str(peer)
-        stream = self._ping_streams.get(peer)
-        try:
-            with trio.fail_after(self.config.ping_timeout):
-                if stream is None:
+        nursery.start_soon(self._keep_probe_stream, peer, probe)
+        while self._probing(peer, probe):
+            now = time.monotonic()
+            due = min(
+                max(self._last_rx.get(peer, -math.inf), probe.sent_at) + cfg.ping_interval,
+                probe.last_sample + RTT_REFRESH_INTERVALS * cfg.ping_interval,
+            )
+            if probe.misses == 0 and now < due:
+                await trio.sleep(due - now)
+                continue
+            rto = self.peers.rto(pid, cfg.ping_timeout, RTO_CEILING * cfg.ping_timeout)
+            started = time.monotonic()
+            if probe.stream is not None:
+                answered = await self._send_probe(probe, rto)
+            else:  # stream still opening: silence alone decides
+                probe.sent_at = started
+                await trio.sleep(rto)
+                answered = False
+            if answered or self._last_rx.get(peer, -math.inf) > started:
+                probe.misses = 0  # an echo or any other frame: alive, maybe just slow
+                continue
+            # Woken far past the deadline, or the loop lagged meanwhile: we were starved.
+            late = time.monotonic() - started > 1.5 * rto
+            if late or self._stalled(started, rto / 2):
+                self.counters["probe_misses_excused"] += 1
+                continue  # we were starved ourselves: probe again instead of blaming it
+            probe.misses += 1
+            self.counters["probe_misses"] += 1
+            self.peers.record_failure(pid, f"no frame within {rto:.2f}s of a ping")
+            if probe.misses >= self.peers.down_after + CLOSE_AFTER_EXTRA_MISSES:
+                # Still silent long after being declared down: free the connection (a hung
+                # peer would hold it forever); discovery redials it later.
+                with trio.move_on_after(2):
+                    await self.host.disconnect(peer)
+                return
+
+    async def _keep_probe_stream(self, peer: ID, probe: _Probe) -> None:
+        """Open the ping stream (never cut short: an open is the costly part), read echoes,
+        reopen with backoff when it ends."""
+        cfg = self.config
+        delay = cfg.ping_interval
+        while self._probing(peer, probe):
+            self.counters["probe_stream_opens"] += 1
+            try:
+                with trio.fail_after(BACKGROUND_TIMEOUT_FACTOR * cfg.connect_timeout):
                     stream = await self.host.new_stream(peer, [TProtocol(PING_PROTOCOL)])
-                    self._ping_streams[peer] = stream
-                payload = os.urandom(PING_LENGTH)
-                started = time.perf_counter()
-                await stream.write(payload)
-                echoed = b""
-                while len(echoed) < PING_LENGTH:
-                    chunk = await stream.read(PING_LENGTH - len(echoed))
-                    if not chunk:
-                        raise EOFError("ping stream closed")
-                    echoed += chunk
-                rtt = time.perf_counter() - started
-            if echoed != payload:
-                raise ValueError("ping echo mismatch")
-            self.peers.record_rtt(pid, rtt)
-        except (Exception, trio.TooSlowError) as exc:
-            reason = "ping timed out" if isinstance(exc, trio.TooSlowError) else repr(exc)
-            dropped = self._ping_streams.pop(peer, None)
-            if dropped is not None:
-                with trio.move_on_after(0.5):
-                    await _reset_quietly(dropped)
-            if pid in self.peers:
-                self.peers.record_failure(pid, reason)
+            except (Exception, trio.TooSlowError) as exc:
+                logger.debug("ping stream to %s not opened: %r", peer, exc)
+                await trio.sleep(delay)
+                delay = min(2 * delay, RTT_REFRESH_INTERVALS * cfg.ping_interval)
+                continue
+            probe.stream = stream
+            try:
+                await self._read_echoes(peer, probe, stream)
+            finally:
+                probe.stream = None
+                with trio.move_on_after(0.5) as cleanup:
+                    cleanup.shield = True
+                    await _reset_quietly(stream)
+            await trio.sleep(delay)
+
+    async def _send_probe(self, probe: _Probe, rto: float) -> bool:
+        """Send one echo probe; True when its echo came back within `rto` of sending."""
+        stream = probe.stream
+        assert stream is not None
+        nonce = self._next_nonce
+        self._next_nonce += 1
+        probe.pending, probe.answered = nonce, trio.Event()
+        probe.sent_at = time.monotonic()
+        probe.sent[nonce] = probe.sent_at
+        while len(probe.sent) > 8:  # keep the few whose late echoes may still come
+            del probe.sent[min(probe.sent)]
+        self.counters["probes"] += 1
+        with trio.move_on_after(rto):
+            try:
+                await stream.write(nonce.to_bytes(8, "big") + self._probe_salt)
+            except Exception as exc:  # broken stream: the keeper reopens it
+                logger.debug("ping write failed: %r", exc)
+                await _reset_quietly(stream)
+                return False
+            await probe.answered.wait()
+            return True
+        return False
+
+    async def _read_echoes(self, peer: ID, probe: _Probe, stream: INetStream) -> None:
+        """Match echoes to probes by nonce; late echoes still give a valid RTT sample."""
+        buffer = b""
+        try:
+            while True:
+                chunk = await stream.read(PING_LENGTH)
+                if not chunk:
+                    return
+                buffer += chunk
+                while len(buffer) >= PING_LENGTH:
+                    echo, buffer = buffer[:PING_LENGTH], buffer[PING_LENGTH:]
+                    nonce = int.from_bytes(echo[:8], "big")
+                    sent = probe.sent.pop(nonce, None)
+                    if sent is None or echo[8:] != self._probe_salt:
+                        continue  # not one of ours, or already too old to matter
+                    now = time.monotonic()
+                    probe.last_sample = now
+                    self.peers.record_rtt(_peer_str(peer), now - sent)
+                    if nonce == probe.pending:
+                        probe.pending = 0
+                        probe.answered.set()
+        except Exception as exc:
+            logger.debug("ping stream to %s ended: %r", peer, exc)
 
     async def _maintenance_loop(self) -> None:
         last_publish = trio.current_time()
@@ -553,6 +877,8 @@ async def open_overlay_node(config: OverlayConfig) -> AsyncIterator[OverlayNode]
         config.listen_addrs,
         dial_timeout=config.dial_timeout,
         health_ping_timeout=config.health_ping_timeout,
+        health_check_interval=config.health_check_interval,
+        max_connections=config.max_peers,
     )
     gossipsub = GossipSub(
         protocols=[PROTOCOL_ID_V12, PROTOCOL_ID_V11],
@@ -578,8 +904,9 @@ async def open_overlay_node(config: OverlayConfig) -> AsyncIterator[OverlayNode]
             async with background_trio_service(dht.kad), trio.open_nursery() as nursery:
                 nursery.start_soon(node._announce)
                 nursery.start_soon(node._discovery_loop)
-                nursery.start_soon(node._ping_loop)
+                nursery.start_soon(node._liveness_loop)
                 nursery.start_soon(node._records_loop)
+                nursery.start_soon(node._records_gossip_loop)
                 nursery.start_soon(node._maintenance_loop)
                 try:
                     yield node

@@ -2,8 +2,11 @@
 
 Contract:
 - `PeerTable` holds one `PeerEntry` per known peer: its newest `NodeRecord` (or None), state
-  (`up`, `suspect`, `down`), RTT EWMA in milliseconds, last_seen (wall clock of the last
-  successful contact), failure count and last error.
+  (`up`, `suspect`, `down`), smoothed RTT and RTT variance in milliseconds (RFC 6298: EWMA
+  with gain `alpha` for the mean and `beta` for the mean deviation), last_seen (wall clock of
+  the last successful contact), failure count and last error.
+- `rto(peer_id, floor, ceiling)` is the probe timeout TCP would use for that peer:
+  srtt + 4 * rttvar, clamped to [floor, ceiling] (floor alone while nothing is measured).
 - Transitions: `observe`/`record_rtt` -> up (a peer that comes back is up again);
   `record_failure` -> suspect after `suspect_after` consecutive failures, down after
   `down_after`; `mark_down` (connection lost) -> down at once.
@@ -41,6 +44,7 @@ class PeerEntry:
     state: PeerState = PeerState.UP
     record: NodeRecord | None = None
     rtt_ms: float | None = None
+    rttvar_ms: float | None = None  # mean deviation of the RTT samples (RFC 6298)
     last_seen: float = 0.0  # wall clock (time.time) of the last successful contact
     failures: int = 0
     last_error: str = ""
@@ -52,6 +56,7 @@ class PeerEntry:
             "peer_id": self.peer_id,
             "state": str(self.state),
             "rtt_ms": None if self.rtt_ms is None else round(self.rtt_ms, 3),
+            "rttvar_ms": None if self.rttvar_ms is None else round(self.rttvar_ms, 3),
             "last_seen": self.last_seen,
             "seen_ago_s": round(now_wall - self.last_seen, 3) if self.last_seen else None,
             "failures": self.failures,
@@ -72,6 +77,7 @@ class PeerTable:
         self,
         *,
         alpha: float = 0.2,
+        beta: float = 0.25,
         suspect_after: int = 1,
         down_after: int = 2,
         grace_period: float = 60.0,
@@ -80,9 +86,12 @@ class PeerTable:
     ) -> None:
         if not 0.0 < alpha <= 1.0:
             raise ValueError(f"alpha must be in (0, 1], got {alpha}")
+        if not 0.0 < beta <= 1.0:
+            raise ValueError(f"beta must be in (0, 1], got {beta}")
         if not 1 <= suspect_after <= down_after:
             raise ValueError("need 1 <= suspect_after <= down_after")
         self.alpha = alpha
+        self.beta = beta
         self.suspect_after = suspect_after
         self.down_after = down_after
         self.grace_period = grace_period
@@ -117,6 +126,14 @@ class PeerTable:
     def up_peers(self) -> list[str]:
         return self.peer_ids(PeerState.UP)
 
+    def rto(self, peer_id: str, floor: float, ceiling: float) -> float:
+        """Probe timeout in seconds: srtt + 4 * rttvar within [floor, ceiling] (RFC 6298)."""
+        entry = self._entries.get(peer_id)
+        if entry is None or entry.rtt_ms is None or entry.rttvar_ms is None:
+            return floor
+        estimate = (entry.rtt_ms + 4.0 * entry.rttvar_ms) / 1000.0
+        return min(max(estimate, floor), max(floor, ceiling))
+
     def snapshot(self) -> list[dict[str, Any]]:
         now = self._wall()
         return [self._entries[p].as_dict(now) for p in sorted(self._entries)]
@@ -135,12 +152,14 @@ class PeerTable:
         return entry
 
     def record_rtt(self, peer_id: str, rtt_s: float) -> PeerEntry:
-        """A ping answered in `rtt_s` seconds: update the EWMA and mark the peer up."""
+        """A ping answered in `rtt_s` seconds: update srtt/rttvar and mark the peer up."""
         entry = self.observe(peer_id)
         rtt_ms = rtt_s * 1000.0
-        if entry.rtt_ms is None:
-            entry.rtt_ms = rtt_ms
+        if entry.rtt_ms is None or entry.rttvar_ms is None:
+            entry.rtt_ms, entry.rttvar_ms = rtt_ms, rtt_ms / 2.0
         else:
+            # The deviation uses the old mean (RFC 6298 order).
+            entry.rttvar_ms += self.beta * (abs(entry.rtt_ms - rtt_ms) - entry.rttvar_ms)
             entry.rtt_ms += self.alpha * (rtt_ms - entry.rtt_ms)
         return entry
 

@@ -13,7 +13,8 @@ Contract:
   the local node: RTT 0 and the engine's exact cached prefix, wait and calibrated speeds.
 - A peer is chosen only when ``total_peer + margin < total_local`` where
   ``margin = max(abs_margin_s, rel_margin * total_local)``, so ties and noise stay local. Peers in
-  push-back, down in the peer table, or without a live view are skipped (the reason is recorded).
+  push-back, down in the peer table, demoted by the ``trust`` book (``overlay/trust.py``:
+  "untrusted"), or without a live view are skipped (the reason is recorded).
 - ``decide`` returns a ``RoutingDecision``: every candidate's estimate, the choice, and
   ``attempts``: the order to try (the chosen peer, then other peers that also beat local, at most
   ``max_remote_attempts``, then local when the node serves the model). Each decision is logged as
@@ -225,9 +226,13 @@ class Router:
         is_up: Callable[[str], bool] | None = None,
         config: RouterConfig | None = None,
         registry: CollectorRegistry | None = None,
+        trust: Any = None,
     ) -> None:
         self.views = views
         self.rtt_s = rtt_s
+        # Trust hook (overlay/trust.py): a TrustBook, or None. Peers it finds unusable are
+        # skipped as "untrusted", so their (lying) digests no longer drive decisions.
+        self.trust = trust
         self.is_up = is_up or (lambda _peer: True)
         self.config = config or RouterConfig()
         self.metrics = RouterMetrics(registry) if registry is not None else None
@@ -398,6 +403,8 @@ class Router:
             skipped = "push_back"
         elif not self.is_up(peer):
             skipped = "down"
+        elif self.trust is not None and not self.trust.usable(peer):
+            skipped = "untrusted"
         return CandidateEstimate(
             peer_id=peer,
             is_local=False,

@@ -13,7 +13,8 @@ Contract:
   ``prefix_tokens(view, prompt_fingerprints)`` is the same from precomputed fingerprints (the
   router's per-decision fast path); ``live(model_id)`` lists the views the router considers.
 - Ages: ``info_age_s`` is now minus the digest's signed issue time (sender clock, clamped at 0);
-  ``silent_s`` is local monotonic time since anything was heard. Views silent for more than
+  ``silent_s`` is local monotonic time since a newer digest (version or signed time) arrived
+  (replays of old digests don't count, so a departed peer's view expires on time). Views silent for more than
   ``expire_after_s`` are dropped by ``expire()``; ``remove_peer`` drops a peer the peer table
   reports down; ``prune(is_up)`` does both.
 - Not thread-safe; use from the node's trio thread.
@@ -75,6 +76,11 @@ class PeerViews:
         if d.is_full:
             if view is not None and (d.epoch, d.version) < (view.epoch, view.version):
                 return ApplyResult.STALE
+            same = view is not None and (d.epoch, d.version) == (view.epoch, view.version)
+            if same and d.timestamp <= view.load_issued_at:
+                # A replay (gossip caches, a late pull answer): nothing new, and it must not
+                # make a departed peer look alive.
+                return ApplyResult.STALE
             self._views[key] = PeerView(
                 peer_id=d.peer_id,
                 model_id=d.model_id,
@@ -92,7 +98,7 @@ class PeerViews:
             return ApplyResult.GAP
         if d.epoch < view.epoch or (d.epoch == view.epoch and d.version < view.version):
             return ApplyResult.STALE
-        self._refresh_load(view, d, now)
+        self._refresh_load(view, d, now, newer=(d.epoch, d.version) > (view.epoch, view.version))
         assert d.base_version is not None
         if d.epoch != view.epoch or d.base_version > view.version or d.fp_bits != view.fp_bits:
             view.gaps += 1
@@ -106,8 +112,11 @@ class PeerViews:
         return ApplyResult.APPLIED
 
     @staticmethod
-    def _refresh_load(view: PeerView, d: Digest, now: float) -> None:
-        view.heard_at = now
+    def _refresh_load(view: PeerView, d: Digest, now: float, *, newer: bool) -> None:
+        # Only a digest signed later than anything seen counts as hearing from the peer: a
+        # departed peer's old digests still circulate (gossip caches, relays) for a while.
+        if newer or d.timestamp > view.load_issued_at:
+            view.heard_at = now
         if d.timestamp >= view.load_issued_at:
             view.load = d.load
             view.load_issued_at = d.timestamp

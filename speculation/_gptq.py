@@ -83,7 +83,12 @@ def _sym_params(w: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def gptq_linear(
-    w: torch.Tensor, h: torch.Tensor, group_size: int, *, percdamp: float = 0.01
+    w: torch.Tensor,
+    h: torch.Tensor,
+    group_size: int,
+    *,
+    percdamp: float = 0.01,
+    act_order: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     n, k = w.shape
     if k % group_size or _BLOCK % group_size:
@@ -94,6 +99,16 @@ def gptq_linear(
     h[dead, dead] = 1
     w[:, dead] = 0
     h += percdamp * torch.diag(h).mean() * torch.eye(k, dtype=h.dtype)
+    perm = torch.arange(k)
+    static: torch.Tensor | None = None
+    if act_order:
+        # Static groups: scales fixed from the unrounded weights BEFORE permuting, so a column
+        # keeps its contiguous group (g_idx = col // group) and the checkpoint layout is unchanged.
+        static = torch.stack(
+            [_sym_params(w[:, g : g + group_size]) for g in range(0, k, group_size)]
+        )
+        perm = torch.argsort(torch.diag(h), descending=True)
+        w, h = w[:, perm], h[perm][:, perm]
     hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
     hinv = hinv.float()
     q = torch.zeros(n, k, dtype=torch.int32)
@@ -104,7 +119,9 @@ def gptq_linear(
         err1 = torch.zeros_like(w1)
         for i in range(i2 - i1):
             col = i1 + i
-            if col % group_size == 0:
+            if static is not None:
+                scale = static[int(perm[col]) // group_size]
+            elif col % group_size == 0:
                 scale = _sym_params(w1[:, i : i + group_size])
                 scales[col // group_size] = scale
             qc = torch.clamp(torch.round(w1[:, i] / scale) + 8, 0, 15)
@@ -113,6 +130,9 @@ def gptq_linear(
             w1[:, i:] -= e.unsqueeze(1) * h1[i, i:].unsqueeze(0)
             err1[:, i] = e
         w[:, i2:] -= err1 @ hinv[i1:i2, i2:]
+    if static is not None:
+        q[:, perm] = q.clone()  # back to the original column order
+        scales = static
     return q, scales.half()
 
 
@@ -152,6 +172,7 @@ def gptq_model(
     progress: Callable[[str], None] = lambda _msg: None,
     *,
     sequential: bool = False,
+    act_order: bool = False,
 ) -> dict[int, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
     layers = model.model.layers
     widest = max(lin.in_features for lin in layers[0].modules() if isinstance(lin, nn.Linear))
@@ -179,7 +200,7 @@ def gptq_model(
                     hnd.remove()
             for name in group:
                 lin = layer.get_submodule(name)
-                q, scales = gptq_linear(lin.weight.data, hs[name], group_size)
+                q, scales = gptq_linear(lin.weight.data, hs[name], group_size, act_order=act_order)
                 deq = (q.float() - 8).reshape(q.shape[0], -1, group_size)
                 deq = deq * scales.float().t().unsqueeze(-1)
                 lin.weight.data = deq.reshape(q.shape).to(lin.weight.dtype)

@@ -12,6 +12,11 @@ Contract:
   bonus differs from the guess, every block in flight is dead: the draft's cache is cropped back to
   the committed tokens and drafting resumes from the target's token. The verifier answers dead
   blocks "stale" without computing (each block names the committed length and token it builds on).
+  ``depth`` is the number of blocks kept in flight. Verdicts are taken by a receiver task while
+  the draft runs ONE token per worker call, so a verdict that kills the pipeline stops the
+  drafting within one draft step (not one block) and the edge redrafts at once. A block built on
+  a guess survives with probability ~alpha^(gamma+1): at alpha ~0.75 short blocks (gamma 2) with
+  3 in flight beat gamma 4 (bench/speculation_processes.py models and measures it).
 - The verifier is reached through ``VerifierTransport`` (open / send_block / receive_result /
   close; results come back in order). ``inprocess_transport(verifier, one_way_delay_s=...)`` is the
   in-process one, with a userspace one-way delay (trio.sleep) on each direction, FIFO like a
@@ -36,6 +41,7 @@ from transformers import DynamicCache
 
 from p2pnode.inference.models import LoadedModel
 from p2pnode.inference.sampling import make_generator, probs_from_logits
+from p2pnode.overlay.trust import verdict_problem
 from p2pnode.speculation.draft import DraftModel
 from p2pnode.speculation.verify import (
     BatchedVerifier,
@@ -48,6 +54,13 @@ from p2pnode.speculation.verify import (
 
 GREEDY = SamplingOptions()
 DEFAULT_PROBS_TOP_K = 64  # draft distributions are cut to 64 tokens: exact, and cheap on the wire
+# An honest verifier never calls a live block stale (it builds on what that verifier committed);
+# a liar could loop us, and the draft cannot resume from one (nothing new to feed it).
+MAX_LIVE_STALE = 1
+
+
+class BadVerdict(VerifierError):
+    """The verifier answered something impossible (see ``overlay.trust.verdict_problem``)."""
 
 
 class VerifierTransport(Protocol):
@@ -127,17 +140,52 @@ class SpecStats:
     blocks_stale: int = 0
     drafted: int = 0  # draft tokens in verified blocks
     accepted: int = 0
+    rejections: int = 0  # verified blocks not fully accepted
     seconds: float = 0.0
 
     @property
     def acceptance(self) -> float:
+        """Accepted / drafted tokens (what a block's budget yields)."""
         return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def alpha(self) -> float:
+        """Per-token acceptance probability: every verified position ends accepted or rejected,
+        so accepted / (accepted + rejections) estimates P(draft token == target's) at a position."""
+        tried = self.accepted + self.rejections
+        return self.accepted / tried if tried else 0.0
+
+    @property
+    def tokens_per_block(self) -> float:
+        """Committed tokens per verified block (accepted + the verifier's own token)."""
+        return (
+            (self.accepted + self.blocks_verified) / self.blocks_verified
+            if self.blocks_verified
+            else 0.0
+        )
 
 
 @dataclass
 class SpecResult:
     tokens: list[int]
     stats: SpecStats = field(default_factory=SpecStats)
+
+
+def _impossible(block: Block, res: BlockResult, vocab: int | None, live_stale: int) -> str | None:
+    if res.stale:
+        return (
+            f"{live_stale} live blocks in a row called stale"
+            if live_stale >= MAX_LIVE_STALE
+            else None
+        )
+    return verdict_problem(
+        block_len=len(block.tokens),
+        base_len=block.base_len,
+        accepted=res.accepted,
+        next_token=res.next_token,
+        committed_len=res.committed_len,
+        vocab_size=vocab,
+    )
 
 
 def _finished(out: list[int], max_new: int, eos: frozenset[int]) -> bool:
@@ -175,37 +223,106 @@ async def speculative_generate(
     d.tokens = list(prompt)
     committed = list(prompt)
     inflight: deque[Block] = deque()
-    number = live_from = 0
+    vocab = getattr(getattr(draft.model, "config", None), "vocab_size", None)
+    # Shared between the drafting loop (owns ``d``) and the receiver task (owns the verdicts).
+    # ``dirty``: a verdict killed every block in flight; the drafter crops ``d`` before going on.
+    st = {"number": 0, "live_from": 0, "live_stale": 0, "dirty": False}
+    wake = [trio.Event()]
+    failure: list[Exception] = []
+
+    def done() -> bool:
+        return _finished(committed[len(prompt) :], max_new_tokens, eos)
+
+    def notify() -> None:
+        wake[0].set()
+        wake[0] = trio.Event()
+
+    def take(res: BlockResult) -> None:
+        nonlocal committed
+        if res.number < st["live_from"]:  # built on a wrong guess; the verifier skipped it
+            stats.blocks_stale += 1
+            return
+        if not inflight or res.number != inflight[0].number:
+            raise BadVerdict(f"verifier answered block {res.number}, which is not in flight")
+        block = inflight.popleft()
+        # Trust hook: reject impossible verdicts (the edge then fails over, see edge.py).
+        st["live_stale"] = st["live_stale"] + 1 if res.stale else 0
+        problem = _impossible(block, res, vocab, st["live_stale"])
+        if problem is not None:
+            raise BadVerdict(f"verifier answered block {res.number} impossibly: {problem}")
+        if not res.stale:
+            new = [*block.tokens[: res.accepted], res.next_token]
+            committed += new
+            if on_commit is not None:
+                on_commit(new)
+            stats.blocks_verified += 1
+            stats.drafted += len(block.tokens)
+            stats.accepted += res.accepted
+            stats.rejections += res.accepted < len(block.tokens)
+        if res.stale or not d.follows(committed):  # misprediction: all in flight are dead
+            inflight.clear()
+            st["live_from"], st["dirty"] = st["number"], True
+
+    async def receiver() -> None:
+        try:
+            while not done():
+                take(await transport.receive_result())
+                notify()
+        except Exception as exc:  # handed to the drafting loop, which raises it
+            failure.append(exc)
+            notify()
+
+    async def draft_one(argmax: bool = False) -> tuple[list[int], torch.Tensor | None]:
+        return await trio.to_thread.run_sync(lambda: d.extend(1, argmax=argmax))
+
     await transport.open(prompt, options)
     try:
-        while not _finished(committed[len(prompt) :], max_new_tokens, eos):
-            while len(inflight) < depth and len(d.tokens) - len(prompt) < max_new_tokens:
-                if inflight:  # guess the bonus token of the block in flight, build on top of it
-                    await trio.to_thread.run_sync(lambda: d.extend(1, argmax=True))
-                base = len(d.tokens)
-                toks, q = await trio.to_thread.run_sync(d.extend, gamma)
-                block = Block(number, base, d.tokens[base - 1], tuple(toks), q)
-                await transport.send_block(block)
-                inflight.append(block)
-                number += 1
-                stats.blocks_sent += 1
-            res = await transport.receive_result()
-            if res.number < live_from:  # built on a wrong guess; the verifier skipped it
-                stats.blocks_stale += 1
-                continue
-            block = inflight.popleft()
-            if not res.stale:
-                new = [*block.tokens[: res.accepted], res.next_token]
-                committed += new
-                if on_commit is not None:
-                    on_commit(new)
-                stats.blocks_verified += 1
-                stats.drafted += len(block.tokens)
-                stats.accepted += res.accepted
-            if res.stale or not d.follows(committed):  # misprediction: all in flight are dead
-                d.reset_to(committed)
-                inflight.clear()
-                live_from = number
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(receiver)
+            # The block being drafted: (base_len, tokens, q rows), drafted ONE token per worker
+            # call so a verdict that kills it is seen within one draft step, not one block.
+            try:
+                part: tuple[int, list[int], list[torch.Tensor]] | None = None
+                while not done() and not failure:
+                    if st["dirty"]:
+                        d.reset_to(committed)
+                        st["dirty"], part = False, None
+                    full = len(inflight) >= depth or len(d.tokens) - len(prompt) >= max_new_tokens
+                    if full and part is None:  # a block being drafted is always finished
+                        await wake[0].wait()
+                        continue
+                    if part is None:
+                        if inflight:  # guess the bonus token of the block in flight, build on it
+                            await draft_one(argmax=True)
+                            if st["dirty"]:
+                                continue
+                        part = (len(d.tokens), [], [])
+                    toks, q = await draft_one()
+                    if st["dirty"]:
+                        continue
+                    part[1].extend(toks)
+                    if q is not None:
+                        part[2].append(q)
+                    if len(part[1]) < gamma:
+                        continue
+                    base, toks, rows = part
+                    block = Block(
+                        st["number"],
+                        base,
+                        d.tokens[base - 1],
+                        tuple(toks),
+                        torch.cat(rows) if rows else None,
+                    )
+                    inflight.append(block)  # before the send: a verdict may arrive during it
+                    st["number"] += 1
+                    stats.blocks_sent += 1
+                    part = None
+                    await transport.send_block(block)
+            except Exception as exc:  # raised below, outside the nursery: no ExceptionGroup
+                failure.append(exc)
+            nursery.cancel_scope.cancel()
+        if failure:
+            raise failure[0]
     finally:
         with trio.CancelScope(shield=True):
             await transport.close()

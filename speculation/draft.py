@@ -8,9 +8,12 @@ Contract:
   (fp16), ``g_idx`` (int32), ``quantize_config.json`` (bits=4, sym=true, desc_act=false) and the
   same block as ``quantization_config`` in ``config.json``, so vLLM/GPTQ readers take the folder.
 - Method: "gptq" (default; ``_gptq.py``, calibrated on 3072 tokens of MMLU text, ~50 s on 2
-  busy cores) or "rtn" (round-to-nearest; env ``P2PNODE_DRAFT_METHOD=rtn``). Measured greedy
-  agreement with the target over 256 positions: GPTQ 0.727 vs RTN 0.699; acceptance at gamma 4
-  (1 prompt, 24 tokens, sync): 0.44 vs 0.32.
+  idle cores, ~12 min at load 20) or "rtn" (round-to-nearest; env ``P2PNODE_DRAFT_METHOD=rtn``).
+  GPTQ runs with act-order (columns in decreasing Hessian-diagonal order) and STATIC groups
+  (each group's scale fixed from the unrounded weights first), so ``g_idx`` stays contiguous and
+  the checkpoint layout is exactly the desc_act=false one. Measured greedy agreement with the
+  target over 256 positions: GPTQ act-order 0.789, GPTQ plain 0.727, RTN 0.699 (bf16 vs fp32
+  activations: no difference, 0.727 both).
 - ``load_draft(folder=None)`` builds the default draft once under ``models.cache_dir()`` and then
   loads it: the int4 weights are repacked into torch's CPU int4 kernel layout and executed by
   ``torch.ops.aten._weight_int4pack_mm_for_cpu`` (a private op: torch is pinned and
@@ -123,7 +126,8 @@ def to_gptq(q: torch.Tensor, scales: torch.Tensor, group_size: int) -> dict[str,
 
 
 def from_gptq(t: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Inverse of ``to_gptq`` for symmetric, act-order-free checkpoints: (q [out,in], scales, group)."""
+    """Inverse of ``to_gptq`` for symmetric checkpoints with contiguous ``g_idx`` (plain or
+    static-group act-order): (q [out, in], scales, group)."""
     q = _unpack_nibbles(t["qweight"], 0).t().contiguous()
     k = q.shape[1]
     groups = t["scales"].shape[0]
@@ -182,6 +186,9 @@ def build_draft(
     *,
     method: str = DEFAULT_METHOD,
     progress: Callable[[str], None] = _log_progress,
+    calib_seqs: int = 12,
+    act_order: bool = True,
+    sequential: bool = False,
 ) -> Path:
     """Quantize ``target``'s decoder linears and write a GPTQ folder at ``folder`` (atomic).
 
@@ -206,12 +213,19 @@ def build_draft(
     if method == "gptq":
         from p2pnode.speculation._gptq import calibration_ids, gptq_model
 
-        ids = calibration_ids(target.tokenizer)
+        ids = calibration_ids(target.tokenizer, calib_seqs)
         calib_tokens = ids.numel()
         progress(
             f"GPTQ: {calib_tokens} calibration tokens, {len(target.model.model.layers)} layers"
         )
-        solved = gptq_model(copy.deepcopy(target.model), ids, group_size, progress)
+        solved = gptq_model(
+            copy.deepcopy(target.model),
+            ids,
+            group_size,
+            progress,
+            sequential=sequential,
+            act_order=act_order,
+        )
     for i, layer in enumerate(target.model.model.layers):
         for name in LINEAR_NAMES:
             lin = layer.get_submodule(name)
@@ -243,6 +257,8 @@ def build_draft(
         "group_size": group_size,
         "method": method,
         "calibration_tokens": calib_tokens,
+        "act_order": act_order,
+        "sequential": sequential,
         "decoder_linear_bytes_fp32": fp32_bytes,
         "decoder_linear_bytes_int4": int4_bytes,
         "build_seconds": round(time.monotonic() - started, 2),
@@ -255,7 +271,8 @@ def build_draft(
 
 
 def default_draft_path(group_size: int = DEFAULT_GROUP_SIZE, method: str = DEFAULT_METHOD) -> Path:
-    suffix = "" if method == "rtn" else f"-{method}"  # "rtn" keeps the folder name it always had
+    # "rtn" keeps the folder name it always had; "-ao": GPTQ with act-order (static groups)
+    suffix = "" if method == "rtn" else f"-{method}-ao"
     return cache_dir() / "models" / f"SmolLM2-135M-Instruct-W4A16-g{group_size}{suffix}"
 
 

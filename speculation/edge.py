@@ -11,19 +11,25 @@ Contract:
   ``EdgeResult`` (text, token ids, acceptance, tokens/s, verifiers used). A ``str`` prompt is
   wrapped in the chat template as one user turn; a list of ``{"role", "content"}`` dicts is
   used as is; a list of ints is sent as token ids. ``mode="sync"`` drafts, waits, verifies;
-  ``"async"`` pipelines two blocks (see ``client.speculative_generate``).
+  ``"async"`` keeps 3 blocks of 2 drafts in flight (see ``client.speculative_generate``;
+  ``gamma=`` overrides the per-mode block size).
 - ``edge.stream(...)``: same arguments, an async iterator of text pieces as tokens are committed.
 - Failover: when a verifier dies, hangs past ``result_timeout_s`` or refuses mid-session, the
   edge opens a new session on the next verifier from prompt + the tokens already committed, so a
   greedy output is the same as without the failure. With no verifier left it raises
   ``NoVerifier`` (the message lists what each one answered). Caller mistakes (``BadRequest``,
   ``BadBlock``, ``SessionLimit``) are raised at once, not retried.
+- Trust: a verifier whose verdict is impossible (``client.BadVerdict``: see
+  ``overlay.trust.verdict_problem``) is failed over like a dead one and loses trust in
+  ``edge.trust`` (a ``TrustBook``); a demoted verifier is left out of ``find_verifiers`` until
+  its trust recovers.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -31,7 +37,8 @@ from dataclasses import dataclass, field
 
 import trio
 
-from p2pnode.speculation.client import SpecStats, speculative_generate
+from p2pnode.overlay.trust import TrustBook
+from p2pnode.speculation.client import BadVerdict, SpecStats, speculative_generate
 from p2pnode.speculation.draft import DraftModel, load_draft
 from p2pnode.speculation.protocol import P2PVerifierTransport
 from p2pnode.speculation.verify import (
@@ -43,7 +50,11 @@ from p2pnode.speculation.verify import (
 )
 
 log = logging.getLogger(__name__)
-MODES = {"sync": 1, "async": 2}
+# mode -> (blocks in flight, draft tokens per block). Async: short blocks, 3 in flight: a block
+# built on a guess survives with probability alpha^(gamma+1), so at the measured alpha ~0.75-0.8
+# gamma 2 keeps more of the pipeline alive than gamma 4 (bench/speculation_processes.py models
+# and measures both). Sync keeps gamma 4: it pays a round trip per block, longer blocks amortize it.
+MODES = {"sync": (1, 4), "async": (3, 2)}
 _CALLER_ERRORS = (BadRequest, BadBlock, SessionLimit)
 
 
@@ -79,10 +90,14 @@ class EdgeClient:
         draft: DraftModel,
         *,
         verifiers: Sequence[str] | None = None,
-        gamma: int = 4,
+        gamma: int | None = None,
         result_timeout_s: float = 30.0,
+        trust: TrustBook | None = None,
     ) -> None:
         self.node = node
+        # Trust hook (overlay/trust.py): impossible verdicts count against a verifier; demoted
+        # verifiers are left out of find_verifiers until their trust recovers.
+        self.trust = trust if trust is not None else TrustBook()
         self.draft = draft
         self.model_id = draft.target_model_id
         self.tokenizer = draft.tokenizer
@@ -94,7 +109,11 @@ class EdgeClient:
 
     async def find_verifiers(self) -> list[str]:
         if self._fixed is not None:
-            return [p for p in self._fixed if self.node.peers.state(p) != "down"]
+            return [
+                p
+                for p in self._fixed
+                if self.node.peers.state(p) != "down" and self.trust.usable(p)
+            ]
         providers: list[str] = []
         with trio.move_on_after(10):  # a slow DHT walk must not stall the request forever
             providers = await self.node.find_providers(self.model_id)
@@ -107,7 +126,7 @@ class EdgeClient:
             if record is None:
                 with trio.move_on_after(5):
                     record = await self.node.get_node_record(pid)
-            if record is not None and "verifier" in record.roles:
+            if record is not None and "verifier" in record.roles and self.trust.usable(pid):
                 rtt = entry.rtt_ms if entry is not None and entry.rtt_ms is not None else math.inf
                 found.append((rtt, pid))
         return [pid for _, pid in sorted(found)]
@@ -170,8 +189,8 @@ class EdgeClient:
                     transport,
                     ids + committed,
                     max_tokens - len(committed),
-                    gamma=self.gamma,
-                    depth=MODES[mode],
+                    gamma=self.gamma or MODES[mode][1],
+                    depth=MODES[mode][0],
                     options=options,
                     eos_token_ids=self.eos_token_ids,
                     on_commit=on_commit,
@@ -180,6 +199,8 @@ class EdgeClient:
                 raise
             except (Exception, trio.TooSlowError) as exc:  # dead, hung or refusing verifier
                 log.info("verifier %s failed (%r); failing over", peer, exc)
+                if isinstance(exc, BadVerdict):
+                    self.trust.observe_fault(peer)
                 tried[peer] = repr(exc)[:200]
                 continue
             self._add(result.stats, r.stats)
@@ -216,7 +237,14 @@ class EdgeClient:
 
     @staticmethod
     def _add(total: SpecStats, part: SpecStats) -> None:
-        for name in ("blocks_sent", "blocks_verified", "blocks_stale", "drafted", "accepted"):
+        for name in (
+            "blocks_sent",
+            "blocks_verified",
+            "blocks_stale",
+            "drafted",
+            "accepted",
+            "rejections",
+        ):
             setattr(total, name, getattr(total, name) + getattr(part, name))
 
 
@@ -236,7 +264,7 @@ async def open_edge(
     draft: DraftModel | None = None,
     verifiers: Sequence[str] | None = None,
     listen: Sequence[str] = ("/ip4/127.0.0.1/tcp/0",),
-    gamma: int = 4,
+    gamma: int | None = None,
     result_timeout_s: float = 30.0,
 ) -> AsyncIterator[EdgeClient]:
     """An ``EdgeClient`` on a new overlay node with role "edge" (or on ``node``)."""
@@ -271,7 +299,15 @@ def run_edge_cli(
     temperature: float,
     timeout: float,
 ) -> str:
-    """``p2pnode edge``: one generation; returns the text and a stats line (blocking)."""
+    """``p2pnode edge``: one generation; returns the text and a stats line (blocking).
+
+    The draft runs on ONE torch thread (env ``P2PNODE_TORCH_THREADS`` overrides): torch's
+    default of one thread per core made each draft step spin in OpenMP barriers whenever other
+    processes held the cores: measured 650-2000 ms/token with 2 threads vs 70-90 ms with 1 at
+    load ~6 (20 ms unloaded), which was the CLI's 0.3-0.4 tok/s."""
+    import torch
+
+    torch.set_num_threads(max(1, int(os.environ.get("P2PNODE_TORCH_THREADS", "1"))))
 
     async def main() -> str:
         with trio.fail_after(timeout):
@@ -284,7 +320,8 @@ def run_edge_cli(
                 r = await edge.generate(prompt, max_tokens, temperature, mode=mode)
         return (
             f"{r.text}\n\n[{len(r.tokens)} tokens in {r.seconds:.2f} s = {r.tokens_per_s:.2f} "
-            f"tok/s; acceptance {r.acceptance:.2f} over {r.stats.drafted} drafted; mode {mode}; "
+            f"tok/s; acceptance {r.acceptance:.2f} over {r.stats.drafted} drafted "
+            f"(per-token alpha {r.stats.alpha:.2f}); mode {mode}; "
             f"verifiers {', '.join(p[-8:] for p in r.verifiers)}]"
         )
 

@@ -4,7 +4,7 @@ Contract (one stream = one session; frames and schemas from ``p2pnode.overlay.wi
 - edge -> verifier ``verify-open`` {model_id, prompt, temperature, top_p, seed}; the verifier
   answers ``verify-opened`` {committed_len, max_tokens, max_block} or ``verify-refused``
   {code, message} and closes. ``code`` is the name of the ``VerifierError`` subclass
-  (``VerifierFull``, ``SessionLimit``, ``WrongModel``, ...) or ``BadMessage``.
+  (``VerifierFull``, ``SessionLimit``, ``WrongModel``, ``PeerLimited``, ...) or ``BadMessage``.
 - then any number of ``verify-block`` {number, base_len, base_token, tokens, q_width, q_ids,
   q_vals}, each answered in order by ``verify-result`` {number, accepted, next_token,
   committed_len} (accepted = -1: stale). The edge may send the next block before the previous
@@ -14,6 +14,10 @@ Contract (one stream = one session; frames and schemas from ``p2pnode.overlay.wi
 - ``verify-close`` {} (or the edge closing its side) ends the session. On an error the verifier
   sends ``verify-error`` {code, message} and ends it. A reset stream, a block slower than
   ``verifier.idle_timeout_s`` or a malformed frame also end it: the session is always released.
+- Per-peer limits (``overlay/limits.py``, ``serve_verifier(..., limiter=)``): a ``verify`` stream
+  slot and rate token per stream, at most ``max_sessions_per_peer`` open sessions, a
+  ``verify_block`` token per block, and the bytes of the request being served; excess is refused
+  with code ``PeerLimited`` (``verify-refused`` before the session opened, else ``verify-error``).
 - ``serve_verifier(node, verifier)`` registers the handler; the caller runs ``verifier.run`` in
   a nursery. ``P2PVerifierTransport(node, peer_id, model_id)`` is the edge side, a
   ``VerifierTransport`` for ``speculative_generate``.
@@ -29,6 +33,7 @@ import torch
 import trio
 
 from p2pnode.overlay import wire
+from p2pnode.overlay.limits import LimitExceeded, MeteredStream, PeerLimiter, remote_peer
 from p2pnode.speculation import verify as v
 from p2pnode.speculation.verify import (
     BatchedVerifier,
@@ -44,6 +49,7 @@ MAX_PROMPT = 8192
 MAX_BLOCK = 64
 MAX_Q_WIDTH = 256  # 2 KiB per draft token on the wire
 OPEN_TIMEOUT_S = 30.0
+REFUSE_TIMEOUT_S = 5.0  # a refusal is one small frame; generous for a starved event loop
 _I32 = {"ge": 0, "le": 2**31 - 1}
 
 
@@ -144,11 +150,12 @@ def decode_q(msg: VerifyBlock, vocab: int) -> torch.Tensor | None:
 # ---------------------------------------------------------------- verifier side
 
 
-def serve_verifier(node, verifier: BatchedVerifier) -> None:
+def serve_verifier(node, verifier: BatchedVerifier, *, limiter: PeerLimiter | None = None) -> None:
     """Serve ``/p2pnode/verify/1`` on ``node`` (an overlay node with ``set_stream_handler``)."""
+    limiter = limiter if limiter is not None else PeerLimiter()
 
     async def handle(stream) -> None:
-        await _serve_stream(stream, verifier)
+        await serve_limited(stream, verifier, limiter)
 
     node.set_stream_handler(VERIFY_PROTOCOL, handle)
 
@@ -157,47 +164,84 @@ async def _send(stream, msg: object) -> None:
     await wire.write_frame(stream, wire.to_wire(msg), limit=LIMIT)
 
 
-async def _serve_stream(stream, verifier: BatchedVerifier) -> None:
-    with trio.move_on_after(OPEN_TIMEOUT_S):
-        obj = await wire.read_frame(stream, limit=LIMIT)
+async def serve_limited(stream, verifier: BatchedVerifier, limiter: PeerLimiter) -> None:
+    """One verify stream under ``limiter``'s per-peer limits (see the module contract)."""
+    peer = remote_peer(stream)
     try:
-        if obj is None:
-            return
-        req = wire.from_wire(obj, VerifyOpen)
-        opts = SamplingOptions(req.temperature, req.top_p, req.seed)
-        sid = await verifier.open_session(list(req.prompt), opts, req.model_id)
-    except (wire.WireError, VerifierError) as exc:
-        await _send(stream, VerifyRefused(_code(exc), str(exc)[:1024]))
-        return
-    try:
-        s = verifier.sessions[sid]
-        await _send(stream, VerifyOpened(s.committed_len, verifier.max_tokens, verifier.max_block))
-        await _serve_blocks(stream, verifier, sid)
-    except (wire.WireError, VerifierError) as exc:
-        with trio.move_on_after(1):
-            await _send(stream, VerifyError(_code(exc), str(exc)[:1024]))
-    finally:
-        verifier.close_session(sid)
+        with limiter.admit(peer, "verify"), limiter.metered(peer, stream) as metered:
+            await _serve_stream(metered, verifier, limiter, peer)
+    except LimitExceeded as exc:  # raised by admit(): nothing was read or sent yet
+        with trio.move_on_after(REFUSE_TIMEOUT_S):
+            await _send(stream, VerifyRefused(_code(exc), str(exc)[:1024]))
 
 
-async def _serve_blocks(stream, verifier: BatchedVerifier, sid: str) -> None:
-    while True:
-        with trio.move_on_after(verifier.idle_timeout_s):
-            obj = await wire.read_frame(stream, limit=LIMIT)
+async def _serve_stream(
+    stream, verifier: BatchedVerifier, limiter: PeerLimiter | None = None, peer: str = ""
+) -> None:
+    obj = None  # stays None when the open frame does not arrive within OPEN_TIMEOUT_S
+    with contextlib.ExitStack() as held:
+        try:
+            with trio.move_on_after(OPEN_TIMEOUT_S):
+                obj = await wire.read_frame(stream, limit=LIMIT)
             if obj is None:
                 return
-            msg = wire.from_wire(obj, VerifyBlock, VerifyClose)
-            if isinstance(msg, VerifyClose):
-                return
-            q = decode_q(msg, verifier.vocab_size)
-            block = Block(msg.number, msg.base_len, msg.base_token, tuple(msg.tokens), q)
-            r = await verifier.verify(sid, block)
-            await _send(stream, VerifyResult(r.number, r.accepted, r.next_token, r.committed_len))
-            continue
-        raise v.UnknownSession(f"no block for {verifier.idle_timeout_s:.0f} s: session closed")
+            req = wire.from_wire(obj, VerifyOpen)
+            opts = SamplingOptions(req.temperature, req.top_p, req.seed)
+            if limiter is not None:
+                held.enter_context(limiter.session(peer))
+            sid = await verifier.open_session(list(req.prompt), opts, req.model_id)
+        except (wire.WireError, VerifierError, LimitExceeded) as exc:
+            with trio.move_on_after(REFUSE_TIMEOUT_S):
+                await _send(stream, VerifyRefused(_code(exc), str(exc)[:1024]))
+            return
+        try:
+            s = verifier.sessions[sid]
+            opened = VerifyOpened(s.committed_len, verifier.max_tokens, verifier.max_block)
+            await _send(stream, opened)
+            _release(stream)
+            await _serve_blocks(stream, verifier, sid, limiter, peer)
+        except (wire.WireError, VerifierError, LimitExceeded) as exc:
+            with trio.move_on_after(REFUSE_TIMEOUT_S):
+                await _send(stream, VerifyError(_code(exc), str(exc)[:1024]))
+        finally:
+            verifier.close_session(sid)
+
+
+async def _serve_blocks(
+    stream, verifier: BatchedVerifier, sid: str, limiter: PeerLimiter | None, peer: str
+) -> None:
+    while True:
+        # Only the wait for the next block is timed: a verification queued behind a busy
+        # verifier used to count too, and was cancelled as "no block" (found by fuzzing).
+        obj, waited_out = None, True
+        with trio.move_on_after(verifier.idle_timeout_s):
+            obj = await wire.read_frame(stream, limit=LIMIT)
+            waited_out = False
+        if waited_out:
+            raise v.UnknownSession(f"no block for {verifier.idle_timeout_s:.0f} s: session closed")
+        if obj is None:
+            return
+        msg = wire.from_wire(obj, VerifyBlock, VerifyClose)
+        if isinstance(msg, VerifyClose):
+            return
+        if limiter is not None:
+            limiter.charge(peer, "verify_block")
+        q = decode_q(msg, verifier.vocab_size)
+        block = Block(msg.number, msg.base_len, msg.base_token, tuple(msg.tokens), q)
+        r = await verifier.verify(sid, block)
+        await _send(stream, VerifyResult(r.number, r.accepted, r.next_token, r.committed_len))
+        _release(stream)
+
+
+def _release(stream) -> None:
+    """The request just answered no longer counts toward the peer's bytes in flight."""
+    if isinstance(stream, MeteredStream):
+        stream.release()
 
 
 def _code(exc: Exception) -> str:
+    if isinstance(exc, LimitExceeded):
+        return "PeerLimited"
     return type(exc).__name__ if isinstance(exc, VerifierError) else "BadMessage"
 
 

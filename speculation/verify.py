@@ -19,7 +19,8 @@ Contract:
 - Refusals are ``VerifierError`` subclasses with a message saying what to do: ``VerifierFull``
   (max sessions), ``SessionLimit`` (max tokens per session / context), ``UnknownSession`` (closed,
   or reaped after ``idle_timeout_s``), ``SessionBusy`` (one block at a time per session),
-  ``BadBlock`` / ``BadRequest`` (malformed input), ``WrongModel``.
+  ``BadBlock`` / ``BadRequest`` (malformed input), ``WrongModel``, ``PeerLimited`` (the edge's
+  peer went over a per-peer limit of ``overlay/limits.py``: sessions, rate, bytes in flight).
 
 Batching choice: each session keeps its own ``DynamicCache``; a batch stacks them LEFT-padded to
 the longest cache and RIGHT-pads the new tokens, with a 2-D attention mask hiding both pads and
@@ -74,6 +75,10 @@ class BadRequest(VerifierError):
 
 class WrongModel(VerifierError):
     pass
+
+
+class PeerLimited(VerifierError):
+    """Over a per-peer limit (open sessions, opens or blocks per second, bytes in flight)."""
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,13 @@ Contract:
   each request names the model its arrival node lists first in ``GET /v1/models``.
 - ``summarize(records, n_nodes) -> dict``: counts, mean/p50/p90/p95/p99 latency, hit rate
   (cached / prompt tokens over answered requests), load share per node and the busiest node's
-  share, forwarded fraction, accuracy, throughput.
+  share, forwarded fraction, accuracy, throughput; when records carry ``oracle_cached`` also
+  ``hit_rate_ceiling`` (oracle cached / prompt tokens) and ``hit_of_ceiling`` (cached / oracle).
+- ``oracle_cached(prompts) -> list[int]``: per prompt (token ids, plan order) the tokens ONE
+  unbounded cache that had served every earlier prompt would reuse: the longest common prefix
+  with any earlier prompt, at most ``len - 1`` (the last token is always computed). No node
+  placement or eviction can reuse more, so its sum bounds the token hit rate of any routing:
+  each question's own text after its subject's shared few-shot prefix is a miss the first time.
 - ``write_jsonl(path, records)``; ``on_record`` is called after each record (progress bars).
 """
 
@@ -148,6 +154,7 @@ def _record(p: PlannedRequest, status: str, **fields: Any) -> dict[str, Any]:
         "client_wait_s": None,
         "correct": None,
         "routing_reason": None,
+        "oracle_cached": None,
         "error": None,
     }
     base.update(fields)
@@ -323,11 +330,30 @@ def percentile(values: Sequence[float], q: float) -> float | None:
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
+def oracle_cached(prompts: Sequence[Sequence[int]]) -> list[int]:
+    """Cached tokens of one unbounded cache that served every earlier prompt (module doc)."""
+    trie: dict[int, dict] = {}
+    out = []
+    for ids in prompts:
+        node, depth = trie, 0
+        for tok in ids:
+            child = node.get(tok)
+            if child is None:
+                break
+            node, depth = child, depth + 1
+        out.append(max(0, min(depth, len(ids) - 1)))
+        for tok in ids[depth:]:
+            node = node.setdefault(tok, {})
+    return out
+
+
 def summarize(records: Sequence[dict[str, Any]], n_nodes: int) -> dict[str, Any]:
     ok = [r for r in records if r["status"] == "ok"]
     lat = [r["latency_s"] for r in ok]
     prompt = sum(r["prompt_tokens"] or 0 for r in ok)
     cached = sum(r["cached_tokens"] or 0 for r in ok)
+    has_oracle = bool(ok) and all(r.get("oracle_cached") is not None for r in ok)
+    oracle = sum(r["oracle_cached"] for r in ok) if has_oracle else None
     served = [0] * n_nodes
     unknown_server = 0
     for r in ok:
@@ -362,6 +388,8 @@ def summarize(records: Sequence[dict[str, Any]], n_nodes: int) -> dict[str, Any]
         "prompt_tokens": prompt,
         "cached_tokens": cached,
         "hit_rate": rnd(cached / prompt) if prompt else None,
+        "hit_rate_ceiling": rnd(oracle / prompt) if oracle is not None and prompt else None,
+        "hit_of_ceiling": rnd(cached / oracle) if oracle else None,
         "served_per_node": served,
         "load_share": [rnd(s) for s in shares],
         "max_share": rnd(max(shares, default=0.0)),

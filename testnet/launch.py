@@ -2,7 +2,7 @@
 
 Contract:
 - ``with launch_trial(spec, arm, workdir) as trial:`` starts one bootstrap node and
-  ``spec.node_count`` serving nodes (``python -m p2pnode.bootstrap.cli``), each in its own home
+  ``spec.node_count`` serving nodes (``node_cmd``), each in its own home
   under ``workdir/<arm>/``, each listening on its own loopback IP of its region (``wan.node_ip``)
   with ``--wan-spec``/``--region`` so its libp2p connections carry the spec's delays, the
   spec's ``[node]`` settings, ``--backend`` from the compute mode and ``--routing`` or
@@ -13,10 +13,13 @@ Contract:
   sends SIGTERM to every process, SIGKILL after ``STOP_GRACE_S``, and copies each node's log
   to ``workdir/<arm>/logs/``.
 - ``trial.apis`` (base URLs, node order), ``trial.peer_ids``, ``trial.nodes`` (``NodeProc``),
-  ``trial.leave(i)`` / ``trial.join(i)`` for churn (a joining node reuses its home, so its
-  peer id).
-- ``node_cmd`` (default ``python -m p2pnode.bootstrap.cli``) is the command line a node's
-  arguments are appended to (another build of the node, a profiler wrapper).
+  ``trial.leave(i, kill=False)`` / ``trial.join(i)`` for churn: leave stops node i cleanly
+  (SIGTERM, SIGKILL after the grace period), ``kill=True`` SIGKILLs it at once; a joining
+  departed node reuses its home, so its peer id; joining index ``len(trial.nodes)`` starts a
+  NEW node (fresh home and identity, the region of ``spec.churn_new_nodes()``), appended to
+  ``trial.nodes``. Every node started is stopped when the block ends.
+- ``node_cmd`` (default ``python -m p2pnode.bootstrap.cli``) is the command line a node's arguments
+  are appended to (another build of the node, a profiler wrapper).
 - Emulated compute still loads the tokenizer and weights once per process (~2 s, ~0.6 GB
   each on the default model); real compute pins ``torch_threads`` via the flag and
   ``OMP_NUM_THREADS``.
@@ -44,6 +47,8 @@ from p2pnode.testnet import wan
 from p2pnode.testnet.spec import TrialSpec
 
 STOP_GRACE_S = 15.0
+# p2pnode itself, through the testnet entry point that keeps emulated compute at its calibrated
+# cost (see _node.py); real compute runs exactly as `p2pnode`.
 NODE_CMD = (sys.executable, "-m", "p2pnode.bootstrap.cli")
 POLL_S = 0.25
 
@@ -180,17 +185,53 @@ class RunningTrial:
     def peer_ids(self) -> list[str]:
         return [n.peer_id for n in self.nodes]
 
-    def leave(self, i: int) -> None:
-        """Node i leaves (SIGTERM, then SIGKILL after the grace period)."""
-        _stop([self.nodes[i]])
+    # churn (issue 8): where new nodes come from
+    bootstrap_addr: str = ""
+    log_level: str = "info"
+    node_cmd: Sequence[str] = NODE_CMD
+
+    def leave(self, i: int, *, kill: bool = False) -> None:
+        """Node i leaves: SIGTERM (SIGKILL after the grace period), or SIGKILL at once."""
+        node = self.nodes[i]
+        if kill and node.alive():
+            node.proc.kill()
+            node.proc.wait(timeout=10)
+            return
+        _stop([node])
+
+    def add_new_node(self, i: int) -> NodeProc:
+        """Plan new node ``i`` (the next index) and append it to ``nodes``; not started."""
+        regions = dict(self.spec.churn_new_nodes())
+        if i != len(self.nodes) or i not in regions:
+            raise LaunchError(f"node{i} is not the next new node of the spec's [[churn]] joins")
+        node = plan_new_node(
+            self.spec, self.arm, self.root.parent, i, regions[i],
+            log_level=self.log_level, node_cmd=self.node_cmd,
+        )  # fmt: skip
+        node.args[1:1] = ["--bootstrap", self.bootstrap_addr]
+        self.nodes.append(node)
+        return node
 
     def join(self, i: int, timeout_s: float = 120.0) -> None:
-        """Node i (re)joins with its old home (same peer id); waits for its runtime file."""
+        """Node i (re)joins with its old home (same peer id), or, for ``i == len(nodes)``, a
+        new node starts; waits for its runtime file (its API answers)."""
+        if self.start_node(i):
+            self.wait_ready(i, timeout_s)
+
+    def start_node(self, i: int) -> bool:
+        """Churn: start node i (new when ``i == len(nodes)``) without waiting; False when it
+        already runs. Quick (one process spawn), so a caller can never leave one unstopped."""
+        if i == len(self.nodes):
+            self.add_new_node(i)
         node = self.nodes[i]
         if node.alive():
-            return
+            return False
         _spawn(node)
-        _wait_runtime(node, time.monotonic() + timeout_s)
+        return True
+
+    def wait_ready(self, i: int, timeout_s: float = 120.0) -> None:
+        """Churn: wait until node i has written its runtime file (its API answers)."""
+        _wait_runtime(self.nodes[i], time.monotonic() + timeout_s)
 
     def statuses(self) -> list[dict[str, Any] | None]:
         out: list[dict[str, Any] | None] = []
@@ -300,32 +341,64 @@ def plan_nodes(
         env=node_env(1),
         cmd=list(node_cmd),
     )
-    s = spec.node
-    nodes = []
-    for i, region in enumerate(spec.placement):
-        ip = next_ip(region)
-        home = base / f"node{i}"
-        args = [
-            "join",
-            "--home", str(home),
-            "--listen", f"/ip4/{ip}/tcp/0",
-            "--api-port", "0",
-            "--model", spec.model,
-            "--backend", spec.backend,
-            "--torch-threads", str(s.torch_threads),
-            "--routing" if arm == "routing" else "--no-routing",
-            "--pushback-threshold", str(s.pushback_threshold),
-            "--gossip-interval", str(s.gossip_interval),
-            "--cache-budget-tokens", str(s.cache_budget_tokens),
-            "--max-batch", str(s.max_batch),
-            "--ping-interval", str(s.ping_interval),
-            "--wan-spec", spec_path,
-            "--region", region,
-            "--log-level", log_level,
-        ]  # fmt: skip
-        env = node_env(s.torch_threads)
-        nodes.append(NodeProc(f"node{i}", region, ip, home, args, env, list(node_cmd)))
+    nodes = [
+        _serving_node(spec, arm, base, i, region, next_ip(region), log_level, node_cmd)
+        for i, region in enumerate(spec.placement)
+    ]
     return bootstrap, nodes
+
+
+def plan_new_node(
+    spec: TrialSpec,
+    arm: str,
+    root: Path,
+    index: int,
+    region: str,
+    *,
+    log_level: str = "info",
+    node_cmd: Sequence[str] = NODE_CMD,
+) -> NodeProc:
+    """Churn: a node that joins during the trial (not started, no --bootstrap yet). Its IP
+    follows the initial nodes (and the bootstrap) of its region and earlier new nodes there."""
+    k = sum(r == region for r in spec.placement) + (spec.bootstrap_region == region)
+    k += sum(r == region for j, r in spec.churn_new_nodes() if j < index)
+    ip = wan.node_ip(spec, region, k)
+    return _serving_node(spec, arm, root / arm, index, region, ip, log_level, node_cmd)
+
+
+def _serving_node(
+    spec: TrialSpec,
+    arm: str,
+    base: Path,
+    i: int,
+    region: str,
+    ip: str,
+    log_level: str,
+    node_cmd: Sequence[str],
+) -> NodeProc:
+    s = spec.node
+    spec_path = str(spec.path)
+    home = base / f"node{i}"
+    args = [
+        "join",
+        "--home", str(home),
+        "--listen", f"/ip4/{ip}/tcp/0",
+        "--api-port", "0",
+        "--model", spec.model,
+        "--backend", spec.backend,
+        "--torch-threads", str(s.torch_threads),
+        "--routing" if arm == "routing" else "--no-routing",
+        "--pushback-threshold", str(s.pushback_threshold),
+        "--gossip-interval", str(s.gossip_interval),
+        "--cache-budget-tokens", str(s.cache_budget_tokens),
+        "--max-batch", str(s.max_batch),
+        "--ping-interval", str(s.ping_interval),
+        "--wan-spec", spec_path,
+        "--region", region,
+        "--log-level", log_level,
+    ]  # fmt: skip
+    env = node_env(s.torch_threads)
+    return NodeProc(f"node{i}", region, ip, home, args, env, list(node_cmd))
 
 
 @contextmanager
@@ -349,8 +422,9 @@ def launch_trial(
     if spec.model == "default":
         default_model_path()  # convert once here, not in every node at the same time
     bootstrap, nodes = plan_nodes(spec, arm, workdir, log_level=log_level, node_cmd=node_cmd)
-    everyone = [bootstrap, *nodes]
-    trial = RunningTrial(spec, arm, workdir / arm, bootstrap, nodes)
+    trial = RunningTrial(
+        spec, arm, workdir / arm, bootstrap, nodes, log_level=log_level, node_cmd=node_cmd
+    )
     started = time.monotonic()
     deadline = started + start_timeout_s
     try:
@@ -358,6 +432,7 @@ def launch_trial(
         # picked free), so every process starts at once: start-up is mostly imports and
         # model loading, and nodes retry the bootstrap until it listens.
         addr = _prepare_bootstrap(bootstrap)
+        trial.bootstrap_addr = addr
         _spawn(bootstrap)
         for node in nodes:
             node.args[1:1] = ["--bootstrap", addr]
@@ -369,6 +444,7 @@ def launch_trial(
         trial.formed_s = time.monotonic() - started
         yield trial
     finally:
+        everyone = [bootstrap, *trial.nodes]  # churn: nodes that joined meanwhile too
         _stop(everyone)
         logs = workdir / arm / "logs"
         logs.mkdir(parents=True, exist_ok=True)

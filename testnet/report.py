@@ -12,8 +12,9 @@ Contract:
   cycle). Plotting uses matplotlib's Agg backend (no display).
 - ``plot_forwarded_vs_delay(results_list, path)``: forwarded fraction of the routing arm
   against the trial's one-way delay, over several trials' results.
+- ``grid_markdown(results_list)``: one table row per (trial, arm) of several trials.
 - ``python -m p2pnode.testnet.report RESULTS_DIR [...]`` re-renders reports, and with several
-  directories also ``forwarded_vs_delay.png`` in the first one.
+  directories also ``forwarded_vs_delay.png`` and ``grid.md`` in the first one.
 """
 
 from __future__ import annotations
@@ -26,15 +27,21 @@ from typing import Any
 
 from p2pnode.testnet.driver import read_jsonl
 
-# The routing paper (4 nodes, 0.5B model, MMLU): mean latency in s, cache hit rate.
+# The routing paper (4 nodes, 0.5B model, MMLU): mean latency in s, cache hit rate; keyed by the
+# shipped spec that reproduces each point.
+_PAPER_ZIPF_LAN = {
+    "routing": {"mean": 0.206, "hit_rate": 0.914},
+    "baseline": {"mean": 0.266, "hit_rate": 0.85},
+}
+_PAPER_WAN = {"note": "routing slower than baseline"}
 PAPER = {
-    "lan-2ms": {"routing": {"mean": 0.310}, "baseline": {"mean": 0.323}},
-    "zipf-2ms": {
-        "routing": {"mean": 0.206, "hit_rate": 0.914},
-        "baseline": {"mean": 0.266, "hit_rate": 0.85},
-    },
-    "wan-200ms": {"note": "routing slower than baseline"},
-    "wan-1000ms": {"note": "routing slower than baseline"},
+    "paper-lan": {"routing": {"mean": 0.310}, "baseline": {"mean": 0.323}},
+    "paper-lan-zipf": _PAPER_ZIPF_LAN,
+    "paper-lan-zipf-real": _PAPER_ZIPF_LAN,
+    "paper-wan-200": _PAPER_WAN,
+    "paper-wan-200-zipf": _PAPER_WAN,
+    "paper-wan-1000": _PAPER_WAN,
+    "paper-wan-1000-zipf": _PAPER_WAN,
 }
 WINDOW = 20  # requests per point of the share-over-time plot
 
@@ -91,15 +98,16 @@ def markdown(results: dict[str, Any]) -> str:
         f"# Trial {name}",
         "",
         f"- compute mode: **{results['spec']['compute']}** "
-        f"({'model forward replaced by calibrated delays' if results['spec']['compute'] == 'emulated' else 'real model'})",
+        f"({'model forward replaced by calibrated delays, cost model frozen' if results['spec']['compute'] == 'emulated' else 'real model'})",
         f"- nodes: {results['spec']['nodes']} in regions {results['spec']['placement']}; "
         f"max one-way delay {results['spec']['max_delay_ms']:g} ms",
         f"- workload: {results['spec']['workload']}",
         f"- command: `{results.get('command', '')}`",
         f"- machine: {results.get('machine', {})}",
         "",
-        "| arm | answered | mean s | p50 s | p90 s | p95 s | hit rate | busiest node | forwarded | accuracy |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| arm | answered | mean s | p50 s | p90 s | p95 s | hit rate | hit ceiling | busiest node "
+        "| forwarded | accuracy |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     emulated = results["spec"]["compute"] == "emulated"
     for arm, a in results["arms"].items():
@@ -113,9 +121,13 @@ def markdown(results: dict[str, Any]) -> str:
         lines.append(
             f"| {arm} | {s['answered']}/{s['requests']} | {_fmt(lat['mean'])} | "
             f"{_fmt(lat['p50'])} | {_fmt(lat['p90'])} | {_fmt(lat['p95'])} | "
-            f"{_fmt(s['hit_rate'], True)} | {_fmt(s['max_share'], True)} | "
-            f"{_fmt(s['forwarded_fraction'], True)} | {accuracy} |"
+            f"{_fmt(s['hit_rate'], True)} | {_fmt(s.get('hit_rate_ceiling'), True)} | "
+            f"{_fmt(s['max_share'], True)} | {_fmt(s['forwarded_fraction'], True)} | {accuracy} |"
         )
+    lines.append(
+        "\nhit ceiling: cached / prompt tokens of ONE unbounded cache that served every earlier "
+        "request (driver.oracle_cached); no placement or routing can reuse more."
+    )
     arms = results["arms"]
     r, b = (arms.get(k, {}).get("summary") for k in ("routing", "baseline"))
     if r and b and r["latency_s"]["mean"] and b["latency_s"]["mean"]:
@@ -212,19 +224,54 @@ def _save(fig: Any, path: Path, plt: Any) -> Path:
 
 
 def plot_forwarded_vs_delay(results_list: Sequence[dict[str, Any]], path: Path) -> Path:
+    """Forwarded fraction of the routing arm against one-way delay, one line per popularity."""
     plt = _plt()
-    pts = sorted(
-        (r["spec"]["max_delay_ms"], r["arms"]["routing"]["summary"]["forwarded_fraction"] or 0.0)
-        for r in results_list
-        if r["arms"].get("routing", {}).get("summary")
-    )
+    series: dict[str, list[tuple[float, float]]] = {}
+    for r in results_list:
+        summary = r["arms"].get("routing", {}).get("summary")
+        if summary:
+            label = f"{r['spec']['workload']['popularity']}, {r['spec']['compute']}"
+            point = (r["spec"]["max_delay_ms"], summary["forwarded_fraction"] or 0.0)
+            series.setdefault(label, []).append(point)
     fig, ax = plt.subplots(figsize=(5, 4))
-    ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-")
+    for label, pts in sorted(series.items()):
+        pts.sort()
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=label)
     ax.set_xscale("symlog", linthresh=1)
     ax.set_xlabel("one-way delay between nodes (ms)")
     ax.set_ylabel("forwarded fraction (routing arm)")
     ax.set_ylim(0, 1)
+    if series:
+        ax.legend(fontsize=8)
     return _save(fig, path, plt)
+
+
+def grid_markdown(results_list: Sequence[dict[str, Any]]) -> str:
+    """One row per (trial, arm): the closing-note table of a grid of trials."""
+    lines = [
+        "| trial | compute | delay ms | popularity | arm | mean s | p95 s | hit | ceiling "
+        "| busiest | forwarded | routing/baseline |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in sorted(results_list, key=lambda r: (r["spec"]["max_delay_ms"], r["spec"]["name"])):
+        sp = r["spec"]
+        summaries = {arm: a.get("summary") for arm, a in r["arms"].items()}
+        means = {arm: (s or {}).get("latency_s", {}).get("mean") for arm, s in summaries.items()}
+        ratio = "-"
+        if means.get("routing") and means.get("baseline"):
+            ratio = f"{means['routing'] / means['baseline']:.3f}"
+        for arm, s in summaries.items():
+            if s is None:
+                lines.append(f"| {sp['name']} | {sp['compute']} | | | {arm} | failed |")
+                continue
+            lines.append(
+                f"| {sp['name']} | {sp['compute']} | {sp['max_delay_ms']:g} | "
+                f"{sp['workload']['popularity']} | {arm} | {_fmt(s['latency_s']['mean'])} | "
+                f"{_fmt(s['latency_s']['p95'])} | {_fmt(s['hit_rate'], True)} | "
+                f"{_fmt(s.get('hit_rate_ceiling'), True)} | {_fmt(s['max_share'], True)} | "
+                f"{_fmt(s['forwarded_fraction'], True)} | {ratio if arm == 'routing' else ''} |"
+            )
+    return "\n".join(lines) + "\n"
 
 
 def write_report(results: dict[str, Any], out_dir: Path) -> Path:
@@ -251,6 +298,9 @@ def main(argv: Sequence[str]) -> int:
         loaded.append(results)
     if len(loaded) > 1:
         print(plot_forwarded_vs_delay(loaded, Path(argv[0]) / "forwarded_vs_delay.png"))
+        grid = Path(argv[0]) / "grid.md"
+        grid.write_text(grid_markdown(loaded))
+        print(grid.read_text())
     return 0
 
 

@@ -1,8 +1,9 @@
 """Run a trial: ``python -m p2pnode.testnet.run_trial SPEC [--arms routing,baseline] [--out DIR]``.
 
 Contract:
-- SPEC is a spec file or the name of a shipped one (``lan-2ms``, ``zipf-2ms``, ``wan-200ms``,
-  ``wan-1000ms``, ``smoke``). Each arm runs on fresh processes (cold caches, new identities):
+- SPEC is a spec file or the name of a shipped one (``paper-lan``, ``paper-lan-zipf``,
+  ``paper-wan-200[-zipf]``, ``paper-wan-1000[-zipf]``, ``paper-lan-zipf-real``, ``scale-64``,
+  ``smoke``). Each arm runs on fresh processes (cold caches, new identities):
   launch (``launch.launch_trial``), drive the seeded workload through the nodes' HTTP API
   (``driver.drive``; the same request sequence for every arm), apply ``[[churn]]`` events at
   their times, snapshot each node's ``/status`` and ``/metrics``, stop.
@@ -10,6 +11,15 @@ Contract:
   ``<arm>/status.json``, ``<arm>/metrics/<node>.prom``, ``nodes/<arm>/`` (homes, ``logs/``), ``results.json`` (spec
   echo incl. compute mode, per-arm summary, consistency problems, warnings, machine, command)
   and the report (``report.md`` + PNGs, see ``report.py``). Progress goes to stderr.
+- Each record gets ``oracle_cached`` (``driver.oracle_cached`` over the plan, prompts tokenized
+  with the spec's model tokenizer as the nodes do), so the summary carries the workload's hit
+  rate ceiling; left out, with a warning, when the tokenizer cannot load or its counts differ
+  from the nodes' ``prompt_tokens``.
+- Churn (issue 8): a spec with ``[[churn]]`` runs its events during the workload
+  (``churn.run_churn``), drives through ``churn.drive_with_retries`` (a request whose node left
+  is retried on a live one) and adds ``churn`` (lost, duplicates, retries, latency near/away
+  from events, departure watches) to the arm's result; ``--no-churn`` runs the same spec
+  without its events.
 - ``run_trial(spec, arms, out_dir, ...) -> dict`` is the same as a function (tests). An arm that
   fails to start is recorded with its error and the next arm still runs; the exit status is 1
   when any arm failed or is inconsistent.
@@ -24,16 +34,20 @@ import shlex
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import httpx
 import trio
 
-from p2pnode.testnet import driver
+from p2pnode.testnet import churn, driver
 from p2pnode.testnet.launch import NODE_CMD, LaunchError, RunningTrial, launch_trial
 from p2pnode.testnet.report import check_consistency, write_report
 from p2pnode.testnet.spec import ARMS, SpecError, TrialSpec, builtin_spec_path, load_spec
+
+CHURN_RETRIES = 3  # churn (issue 8): attempts after the first for a request whose node left
 
 
 def _spec_echo(spec: TrialSpec) -> dict[str, Any]:
@@ -84,32 +98,66 @@ class _Progress:
             )
 
 
-async def _churn(trial: RunningTrial) -> None:
-    start = trio.current_time()
-    for event in trial.spec.churn:
-        await trio.sleep_until(start + event.at_s)
-        print(f"  [{trial.arm}] churn: node{event.node} {event.action}s", file=sys.stderr)
-        action = trial.leave if event.action == "leave" else trial.join
-        await trio.to_thread.run_sync(action, event.node)
-
-
-async def _drive_arm(trial: RunningTrial, requests: list[driver.PlannedRequest], stream: bool):
+async def _drive_churn(
+    trial: RunningTrial,
+    requests: list[driver.PlannedRequest],
+    stream: bool,
+    progress: _Progress,
+    churn_out: dict[str, Any],
+) -> list[dict[str, Any]]:
+    """Churn (issue 8, testnet/churn.py): nodes leave and join while requests run; a request
+    whose node is gone is retried elsewhere; departure watches may outlive the workload."""
     spec = trial.spec
-    progress = _Progress(trial.arm, len(requests))
-    async with trio.open_nursery() as nursery:
-        if spec.churn:
-            nursery.start_soon(_churn, trial)
-        records = await driver.drive(
-            trial.apis,
+    pool = churn.NodePool(trial.apis, trial.peer_ids)
+    churn_out["watches"] = watches = []
+    churn_out["applied"] = applied = []
+    start = trio.current_time()
+    async with trio.open_nursery() as watch_nursery, trio.open_nursery() as nursery:
+        nursery.start_soon(
+            partial(
+                churn.run_churn,
+                trial,
+                pool,
+                start,
+                watches=watches,
+                applied=applied,
+                nursery=watch_nursery,
+            )
+        )
+        records = await churn.drive_with_retries(
+            pool,
             requests,
             spec.workload,
             max_duration_s=spec.max_duration_s,
-            peer_ids=trial.peer_ids,
+            retries=CHURN_RETRIES,
             stream=stream,
             on_record=progress,
         )
-        nursery.cancel_scope.cancel()
+        nursery.cancel_scope.cancel()  # events planned after the last request are moot
     return records
+
+
+async def _drive_arm(
+    trial: RunningTrial,
+    requests: list[driver.PlannedRequest],
+    stream: bool,
+    churn_out: dict[str, Any] | None = None,
+):
+    spec = trial.spec
+    progress = _Progress(trial.arm, len(requests))
+    if spec.churn:
+        return await _drive_churn(
+            trial, requests, stream, progress, {} if churn_out is None else churn_out
+        )
+    return await driver.drive(
+        trial.apis,
+        requests,
+        spec.workload,
+        max_duration_s=spec.max_duration_s,
+        peer_ids=trial.peer_ids,
+        stream=stream,
+        on_record=progress,
+    )
 
 
 def _snapshot(trial: RunningTrial, arm_dir: Path) -> None:
@@ -122,6 +170,35 @@ def _snapshot(trial: RunningTrial, arm_dir: Path) -> None:
         except (httpx.HTTPError, LaunchError) as exc:
             text = f"# unavailable: {exc}\n"
         (metrics / f"{node.name}.prom").write_text(text)
+
+
+def prompt_token_ids(spec: TrialSpec, requests: Sequence[driver.PlannedRequest]):
+    """Token ids of each planned prompt as a node encodes it, or None when no tokenizer loads."""
+    from transformers import AutoTokenizer
+
+    from p2pnode.inference.models import default_model_path
+
+    try:
+        path = default_model_path() if spec.model == "default" else spec.model
+        tok = AutoTokenizer.from_pretrained(str(path))
+    except (OSError, ValueError) as exc:
+        print(f"no tokenizer for the hit rate ceiling: {exc}", file=sys.stderr)
+        return None
+    # as EngineFront.encode does: no special tokens
+    return [list(tok.encode(p.prompt, add_special_tokens=False)) for p in requests]
+
+
+def _attach_oracle(records: list[dict[str, Any]], ids: list[list[int]] | None) -> str | None:
+    """Set each record's ``oracle_cached``; returns a warning when it cannot be trusted."""
+    if ids is None:
+        return "no hit rate ceiling: the model's tokenizer did not load"
+    oracle = driver.oracle_cached(ids)
+    off = [r["i"] for r in records if r["prompt_tokens"] not in (None, len(ids[r["i"]]))]
+    if off:
+        return f"no hit rate ceiling: prompt token counts differ from the nodes' for {off[:5]}"
+    for r in records:
+        r["oracle_cached"] = oracle[r["i"]]
+    return None
 
 
 def run_arm(
@@ -145,22 +222,39 @@ def run_arm(
             result["formed_s"] = round(trial.formed_s, 2)
             result["peer_ids"] = trial.peer_ids
             result["apis"] = trial.apis
-            records = trio.run(_drive_arm, trial, requests, stream)
+            churn_out: dict[str, Any] = {}  # churn (issue 8): departure watches
+            records = trio.run(_drive_arm, trial, requests, stream, churn_out)
             _snapshot(trial, arm_dir)
     except LaunchError as exc:
         print(f"[{arm}] failed to start: {exc}", file=sys.stderr)
         result["error"] = str(exc)[:4000]
         return result
     result["logs"] = str(out_dir / "nodes" / arm / "logs")
+    warning = _attach_oracle(records, prompt_token_ids(spec, requests))
+    if warning:
+        result["warnings"].append(warning)
     driver.write_jsonl(arm_dir / "requests.jsonl", records)
-    summary = driver.summarize(records, spec.node_count)
+    summary = driver.summarize(records, churn.max_nodes(spec))  # churn: joiners serve too
     result["summary"] = summary
+    if spec.churn:  # churn (issue 8)
+        result["churn"] = churn.churn_summary(
+            records, spec.churn, churn_out.get("watches", []), churn_out.get("applied", [])
+        )
+        c = result["churn"]
+        print(
+            f"[{arm}] churn: lost {c['lost']}, duplicates {c['duplicates']}, retried "
+            f"{c['retried']} {c['retry_causes']}, overlay fallbacks {c['overlay_fallbacks']}, "
+            f"latency near churn {c['latency_near_churn_s']} vs away "
+            f"{c['latency_away_from_churn_s']}",
+            file=sys.stderr,
+        )
     result["consistency"] = check_consistency(records, summary, len(requests))
     result["wall_s"] = round(time.monotonic() - t0, 1)
     lat = summary["latency_s"]
     print(
         f"[{arm}] {summary['answered']}/{summary['requests']} answered, mean {lat['mean']} s, "
-        f"p95 {lat['p95']} s, hit rate {summary['hit_rate']}, busiest {summary['max_share']}, "
+        f"p95 {lat['p95']} s, hit rate {summary['hit_rate']} (ceiling "
+        f"{summary['hit_rate_ceiling']}), busiest {summary['max_share']}, "
         f"forwarded {summary['forwarded_fraction']}",
         file=sys.stderr,
     )
@@ -196,15 +290,24 @@ def run_trial(
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m p2pnode.testnet.run_trial")
-    parser.add_argument("spec", help="spec file or shipped spec name (lan-2ms, wan-200ms, ...)")
+    parser.add_argument(
+        "spec", help="spec file or shipped spec name (paper-lan, paper-wan-200-zipf, ...)"
+    )
     parser.add_argument("--arms", default=None, help="comma list of routing,baseline")
     parser.add_argument("--out", default=None, help="results folder")
     parser.add_argument("--stream", action="store_true", help="stream answers (measures TTFT)")
+    parser.add_argument(
+        "--no-churn",
+        action="store_true",
+        help="drop the spec's [[churn]] events (the same trial without churn, for comparison)",
+    )
     args = parser.parse_args(argv)
     try:
         spec = load_spec(builtin_spec_path(args.spec))
     except SpecError as exc:
         parser.error(str(exc))
+    if args.no_churn:  # churn (issue 8): the baseline for churn's latency impact
+        spec = replace(spec, churn=())
     arms = spec.arms if args.arms is None else tuple(a for a in args.arms.split(",") if a)
     if not arms or any(a not in ARMS for a in arms):
         parser.error(f"--arms: use a comma list of {', '.join(ARMS)}")

@@ -9,7 +9,7 @@ Contract:
   lists them.
 - Layout of a spec (every table but ``[network]`` and ``[nodes]`` optional)::
 
-    name = "lan-2ms"            # default: the file's stem
+    name = "paper-lan"          # default: the file's stem
     seed = 0
     compute = "emulated"        # "real" (the model runs) | "emulated" (calibrated delays)
     model = "default"
@@ -52,8 +52,12 @@ Contract:
 
     [[churn]]                   # optional (issue 8): node index leaves or joins at a time
     at_s = 30.0
-    action = "leave"            # "leave" | "join"
-    node = 2
+    action = "leave"            # "leave" (SIGTERM, clean stop) | "kill" (SIGKILL) | "join"
+    node = 2                    # join: a departed node (same identity) or the next new index
+    region = "eu"               # join of a NEW node only; default: the bootstrap region
+- Churn (testnet/churn.py runs it): events apply in time order; a leave/kill needs a running
+  node and must leave at least one running; a join restarts a departed node (same home, same
+  peer id) or starts a new one, numbered ``count``, ``count + 1``, ... in join order.
 - With ``distribution`` nodes are placed deterministically (largest remainder, then region
   order), so the same spec always yields the same placement.
 """
@@ -72,7 +76,7 @@ COMPUTE_MODES = ("real", "emulated")
 ARMS = ("routing", "baseline")
 POPULARITY = ("uniform", "zipf")
 ARRIVALS = ("poisson", "closed")
-CHURN_ACTIONS = ("leave", "join")
+CHURN_ACTIONS = ("leave", "kill", "join")  # churn: "kill" = SIGKILL
 MAX_NODES = 256
 MAX_REGIONS = 200  # each region gets its own 127.x.0.0/16 (see wan.py)
 
@@ -138,6 +142,7 @@ class ChurnEvent:
     at_s: float
     action: str
     node: int
+    region: str | None = None  # churn: region of a NEW node (join past the initial count)
 
 
 @dataclass(frozen=True)
@@ -155,6 +160,14 @@ class TrialSpec:
     node: NodeSettingsSpec
     workload: Workload
     churn: tuple[ChurnEvent, ...] = field(default=())
+
+    def churn_new_nodes(self) -> list[tuple[int, str]]:
+        """Churn: (index, region) of every node a join event adds past the initial count."""
+        return [
+            (e.node, e.region or self.bootstrap_region)
+            for e in self.churn
+            if e.action == "join" and e.node >= self.node_count
+        ]
 
     @property
     def node_count(self) -> int:
@@ -398,20 +411,50 @@ def _workload(table: _Table) -> Workload:
     return out
 
 
-def _churn(raw: Any, source: str, count: int) -> tuple[ChurnEvent, ...]:
+def _churn(
+    raw: Any, source: str, count: int, regions: tuple[str, ...] = ()
+) -> tuple[ChurnEvent, ...]:
+    """Churn events, checked in time order against which nodes run at that moment."""
     if not isinstance(raw, list):
         raise SpecError(f"{source}: churn must be an array of tables ([[churn]])")
-    events = []
+    parsed = []
     for i, item in enumerate(raw):
         t = _Table(item, f"churn[{i}]", source)
         event = ChurnEvent(
             at_s=t.float_("at_s", None, 0.0, 86_400.0),
             action=t.str_("action", None, CHURN_ACTIONS),
-            node=t.int_("node", None, 0, count - 1),
+            node=t.int_("node", None, 0, count + MAX_NODES),
+            region=t.str_("region") if t.has("region") else None,
         )
         t.finish()
-        events.append(event)
-    return tuple(sorted(events, key=lambda e: e.at_s))
+        parsed.append((event, t))
+    parsed.sort(key=lambda pair: pair[0].at_s)  # stable: equal times keep file order
+    running, next_new = set(range(count)), count
+    for event, t in parsed:
+        if event.region is not None and not (event.action == "join" and event.node >= count):
+            raise t.fail("region", "only a join of a new node (node >= nodes.count) takes region")
+        if event.region is not None and regions and event.region not in regions:
+            raise t.fail("region", f"{event.region!r} is not in network.regions {list(regions)}")
+        if event.action in ("leave", "kill"):
+            if event.node not in running:
+                raise t.fail(
+                    "node",
+                    f"node {event.node} is not running at {event.at_s:g} s "
+                    f"(running then: {sorted(running)})",
+                )
+            if len(running) == 1:
+                raise t.fail("node", "the last running node cannot leave: requests need one")
+            running.discard(event.node)
+        elif event.node in running:
+            raise t.fail("node", f"node {event.node} is already running at {event.at_s:g} s")
+        elif event.node > next_new:
+            raise t.fail(
+                "node", f"a new node must take the next index, {next_new}, not {event.node}"
+            )
+        else:
+            running.add(event.node)
+            next_new += event.node == next_new
+    return tuple(event for event, _ in parsed)
 
 
 def parse_spec(data: Mapping[str, Any], *, source: str = "<spec>", path: Path | None = None):
@@ -435,7 +478,7 @@ def parse_spec(data: Mapping[str, Any], *, source: str = "<spec>", path: Path | 
     )
     node = _node_settings(_Table(top.raw("node", {}), "node", source))
     workload = _workload(_Table(top.raw("workload", {}), "workload", source))
-    churn = _churn(top.raw("churn", []), source, len(placement))
+    churn = _churn(top.raw("churn", []), source, len(placement), network.regions)
     top.finish()
     if compute == "real" and len(placement) > 8:
         raise SpecError(
@@ -483,7 +526,7 @@ def builtin_specs() -> list[str]:
 
 
 def builtin_spec_path(name: str) -> Path:
-    """Path of a shipped spec by name (``lan-2ms``) or the given path when it is a file."""
+    """Path of a shipped spec by name (``paper-lan``) or the given path when it is a file."""
     if Path(name).is_file():
         return Path(name)
     path = _specs_dir() / f"{Path(name).stem}.toml"

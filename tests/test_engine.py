@@ -236,6 +236,24 @@ async def test_emulated_backend_keeps_real_tree(loaded) -> None:
         assert b.cached_tokens == len(prompt) - 1
         assert eng.cached_block_hashes()
         assert eng.estimated_wait_s() == 0.0 and eng.queue_depth == 0
+        # The emulated hardware keeps one speed: observed forwards (its own sleeps plus
+        # scheduling lag) must not ratchet the cost it sleeps.
+        assert (eng.cost.prefill_s_per_token, eng.cost.decode_s_per_token) == (1e-4, 1e-3)
+
+
+async def test_queued_requests_sharing_a_prefix_count_it_once(loaded) -> None:
+    shared = [(7 + 13 * i) % 5000 for i in range(200)]
+    prompts = [shared + [100 + k] * 16 for k in range(3)]
+    async with engine(loaded, backend="emulated", max_batch=1) as eng:
+        c = eng.cost
+        c.prefill_s_per_token, c.decode_s_per_token, c.overhead_s = 1e-3, 1e-3, 0.0
+        # No checkpoint between the submissions and the estimate: all three still wait.
+        streams = [eng.stream(p, SamplingParams(max_tokens=1)) for p in prompts]
+        # The first pays the shared 200 tokens, the others only their 16-token suffixes
+        # (counting each as a miss would say 648 ms); none runs yet, so no decode is ahead.
+        assert eng.estimated_wait_s() == pytest.approx((216 + 16 + 16) * 1e-3, abs=1e-9)
+        for st in streams:
+            await st.aclose()
 
 
 async def test_long_prefill_is_chunked_between_decode_steps(loaded) -> None:

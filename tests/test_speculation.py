@@ -112,6 +112,30 @@ def test_gptq_layout_round_trip_and_config(draft) -> None:
     assert json.loads((draft.path / "config.json").read_text())["quantization_config"] == cfg
 
 
+def test_gptq_act_order_beats_rounding_on_the_hessian_loss() -> None:
+    # GPTQ minimizes tr((W - Q) H (W - Q)^T); with inputs whose columns differ in scale (as real
+    # activations do) act-order (static groups) must do better than plain rounding and keep the
+    # contiguous-group layout: q in 0..15, one scale per 64 inputs.
+    from p2pnode.speculation._gptq import gptq_linear
+
+    torch.manual_seed(0)
+    w = torch.randn(48, 128)
+    x = torch.randn(512, 128) * torch.linspace(0.1, 3.0, 128)
+    h = x.t() @ x
+
+    def loss(q: torch.Tensor, s: torch.Tensor) -> float:
+        deq = ((q.float() - 8).reshape(48, 2, 64) * s.float().t().unsqueeze(-1)).reshape(48, 128)
+        e = w - deq
+        return float(torch.trace(e @ h @ e.t()))
+
+    rtn = loss(*quantize_sym_int4(w, 64))
+    q, s = gptq_linear(w, h, 64, act_order=True)
+    assert q.shape == (48, 128) and int(q.min()) >= 0 and int(q.max()) <= 15
+    assert s.shape == (2, 48) and s.dtype == torch.float16
+    assert loss(q, s) < 0.8 * rtn
+    assert loss(*gptq_linear(w, h, 64)) < 0.8 * rtn
+
+
 def test_draft_logits_close_to_target_but_not_identical(target, draft, prompts) -> None:
     ids = torch.tensor([prompts[0]])
     with torch.inference_mode():
@@ -250,7 +274,8 @@ async def test_verifier_refusals(target, prompts) -> None:
 async def test_greedy_speculation_equals_target_several_tenants_at_once(
     target, draft, prompts
 ) -> None:
-    # Three edges at once on one batched verifier: sync, async over a 20 ms link, async.
+    # Three edges at once on one batched verifier: sync, async (2 blocks in flight) over a
+    # 20 ms link, async with 3 blocks in flight (verdicts land while later blocks are drafted).
     eos = target.eos_token_ids
     refs = [target_generate(target, p, 8, eos_token_ids=eos) for p in prompts]
     verifier = BatchedVerifier(target, max_wait_ms=20)
@@ -262,12 +287,16 @@ async def test_greedy_speculation_equals_target_several_tenants_at_once(
                 draft, transport, prompts[i], 8, gamma=3, depth=depth, eos_token_ids=eos
             )
         got[i] = r.tokens
+        s = r.stats
+        # every verified block is either fully accepted or has exactly one rejected position
+        assert s.rejections <= s.blocks_verified <= s.blocks_sent
+        assert s.tokens_per_block == (s.accepted + s.blocks_verified) / s.blocks_verified
 
     async with trio.open_nursery() as nursery:
         await nursery.start(verifier.run)
         with trio.fail_after(120):
             async with trio.open_nursery() as edges:
-                for i, (depth, delay) in enumerate([(1, 0.0), (2, 0.02), (2, 0.0)]):
+                for i, (depth, delay) in enumerate([(1, 0.0), (2, 0.02), (3, 0.0)]):
                     edges.start_soon(edge, i, depth, delay)
         nursery.cancel_scope.cancel()
     assert [got[i] for i in range(3)] == refs

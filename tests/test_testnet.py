@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import statistics
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -44,19 +45,33 @@ def spec_of(**tables) -> dict:
 
 def test_shipped_specs_load():
     names = builtin_specs()
-    assert {"lan-2ms", "wan-200ms", "wan-1000ms", "zipf-2ms", "smoke"} <= set(names)
+    # the names issue 6 asks for: each paper point uniform and Zipf, scale-64, plus CI's smoke
+    paper = {f"paper-{p}{z}" for p in ("lan", "wan-200", "wan-1000") for z in ("", "-zipf")}
+    assert paper | {"paper-lan-zipf-real", "scale-64", "smoke"} <= set(names)
     for name in names:
         spec = load_spec(builtin_spec_path(name))
         assert spec.name == name
         assert spec.compute in ("real", "emulated")
     lan, wan1000 = (
-        load_spec(builtin_spec_path("lan-2ms")),
-        load_spec(builtin_spec_path("wan-1000ms")),
+        load_spec(builtin_spec_path("paper-lan")),
+        load_spec(builtin_spec_path("paper-wan-1000")),
     )
     assert lan.node_count == wan1000.node_count == 4
     assert lan.network.delay_ms("lan", "lan") == 2.0
     assert wan1000.network.delay_ms("r3", "r1") == 1000.0
-    assert load_spec(builtin_spec_path("zipf-2ms")).workload.popularity == "zipf"
+    assert load_spec(builtin_spec_path("paper-lan-zipf")).workload.popularity == "zipf"
+
+
+@pytest.mark.parametrize("point", ["paper-lan", "paper-wan-200", "paper-wan-1000"])
+def test_zipf_variant_differs_only_in_popularity(point):
+    uniform, zipf = (load_spec(builtin_spec_path(n)) for n in (point, point + "-zipf"))
+    assert (uniform.workload.popularity, zipf.workload.popularity) == ("uniform", "zipf")
+    assert replace(zipf.workload, popularity="uniform") == uniform.workload
+    assert (zipf.network, zipf.placement, zipf.node) == (
+        uniform.network,
+        uniform.placement,
+        uniform.node,
+    )
 
 
 @pytest.mark.parametrize(
@@ -131,7 +146,7 @@ def test_distribution_places_nodes_deterministically():
 
 
 def test_request_plan_is_seeded_and_skewed():
-    spec = load_spec(builtin_spec_path("zipf-2ms"))
+    spec = load_spec(builtin_spec_path("paper-lan-zipf"))
     w = spec.workload
     a = driver.build_requests(w, 3, 4)
     assert a == driver.build_requests(w, 3, 4)
@@ -145,6 +160,13 @@ def test_request_plan_is_seeded_and_skewed():
     assert times == sorted(times)
     # Poisson at 2/s: 200 arrivals span ~100 s; 60-150 s is > 4 sigma either way.
     assert 60 < times[-1] < 150
+
+
+def test_oracle_cached_is_longest_prefix_of_an_earlier_prompt():
+    prompts = [[1, 2, 3, 4], [1, 2, 3, 5], [1, 2, 3, 4], [9], [1, 2, 7]]
+    # a repeat reuses all but its last token; unrelated prompts reuse nothing
+    assert driver.oracle_cached(prompts) == [0, 3, 3, 0, 2]
+    assert driver.oracle_cached([]) == []
 
 
 def test_summary_and_consistency_checks():
@@ -171,6 +193,12 @@ def test_summary_and_consistency_checks():
     assert summary["hit_rate"] == 0.8 and summary["max_share"] == 1.0
     assert summary["forwarded_fraction"] == 0.5
     assert summary["latency_s"]["p50"] == pytest.approx(0.25)
+    assert summary["hit_rate_ceiling"] is None  # records without oracle_cached
+    for r in recs:
+        r["oracle_cached"] = 90
+    with_oracle = driver.summarize(recs, 2)
+    assert with_oracle["hit_rate_ceiling"] == 0.9
+    assert with_oracle["hit_of_ceiling"] == pytest.approx(0.8 / 0.9, abs=1e-4)
     assert check_consistency(recs, summary, 5) == []
     assert check_consistency(recs[:3], driver.summarize(recs[:3], 2), 5)  # missing records
     recs[0]["cached_tokens"] = 101
@@ -181,7 +209,7 @@ def test_summary_and_consistency_checks():
 
 
 def test_region_addressing():
-    spec = load_spec(builtin_spec_path("wan-200ms"))
+    spec = load_spec(builtin_spec_path("paper-wan-200"))
     ips = {wan.node_ip(spec, r, k) for r in spec.network.regions for k in range(300)}
     assert len(ips) == 4 * 300
     for region in spec.network.regions:
@@ -194,7 +222,7 @@ def test_region_addressing():
         wan.node_ip(spec, "moon", 0)
     t = wan.suggested_timeouts(str(spec.path), "r0")
     assert t["ping_timeout"] == pytest.approx(3 * 0.4 + 1.0)  # 200 ms one-way: 0.4 s RTT
-    lan = load_spec(builtin_spec_path("lan-2ms"))
+    lan = load_spec(builtin_spec_path("paper-lan"))
     assert wan.suggested_timeouts(str(lan.path), "lan")["connect_timeout"] == 3.0  # floor
 
 
@@ -285,8 +313,9 @@ async def test_wan_delay_doubles_into_ping_rtt(tmp_path):
 
 async def test_without_spec_no_delay(tmp_path):
     rtts, _ = await _two_nodes_rtts(tmp_path, None)
-    # Loopback pings take ~1 ms; 40 ms leaves room for busy cores yet is far below 100 ms.
-    assert statistics.median(rtts) < 0.040, rtts
+    # Loopback pings take ~1 ms; with the 50 ms delay line no ping could beat 99 ms. The best
+    # of 8 is the robust figure: on 2 cores at load ~13 the median reached 62 ms, the best 34.
+    assert min(rtts) < 0.050, rtts
     assert wan.installed() is None
 
 
@@ -308,7 +337,8 @@ def test_smoke_trial_end_to_end(tmp_path):
         logs = Path(arm_result["logs"])
         # every node process put its WAN emulation in place (node assembly calls wan.install)
         for k in range(spec.node_count):
-            assert "WAN emulation: region" in (logs / f"node{k}.log").read_text()
+            log = (logs / f"node{k}.log").read_text()
+            assert "WAN emulation: region" in log
         # Every ping RTT between x and y waits 5 ms in each direction's delay line, so the RTT
         # average each node keeps (status.json snapshot) cannot be below 10 ms (x-x: 2 ms).
         statuses = json.loads((tmp_path / "out" / arm / "status.json").read_text())
