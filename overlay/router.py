@@ -12,7 +12,8 @@ Contract:
   cached tokens reported by the requests it served (stale views cost what they really cost). For
   the local node: RTT 0 and the engine's exact cached prefix, wait and calibrated speeds.
 - A peer is chosen only when ``total_peer + margin < total_local`` where
-  ``margin = max(abs_margin_s, rel_margin * total_local)``, so ties and noise stay local. Peers in
+  ``margin = max(abs_margin_s, rel_margin * total_local, rtt_margin * rtt_peer)``, so ties,
+  noise and the round-trip-sized variance of a forward's cost stay local. Peers in
   push-back, down in the peer table, demoted by the ``trust`` book (``overlay/trust.py``:
   "untrusted"), or without a live view are skipped (the reason is recorded).
 - ``decide`` returns a ``RoutingDecision``: every candidate's estimate, the choice, and
@@ -192,6 +193,11 @@ class RouterConfig:
     # negotiation) before the request/answer exchange. Measured on the emulated WAN at 200 ms
     # one-way: a forward cost ~3 ping round trips more than serving locally.
     forward_round_trips: float = 3.0
+    # A forward must also save this many round trips more than its estimated cost: its real
+    # cost varies by about one round trip (stream setup, the peer's queue moving while the
+    # request travels). On a LAN that is milliseconds; at 200 ms one-way, forwards whose
+    # estimated saving was under one round trip lost on average (paper-wan-200-zipf).
+    rtt_margin: float = 1.0
     max_remote_attempts: int = 2
     confidence_alpha: float = 0.3
     min_confidence: float = 0.05
@@ -203,8 +209,8 @@ class RouterConfig:
     def __post_init__(self) -> None:
         if not (0 <= self.rel_margin < 1 and self.abs_margin_s >= 0 and self.bandwidth_Bps > 0):
             raise ValueError("router margins must be >= 0 (rel < 1) and bandwidth > 0")
-        if self.max_remote_attempts < 0 or self.default_rtt_s < 0:
-            raise ValueError("max_remote_attempts and default_rtt_s must be >= 0")
+        if self.max_remote_attempts < 0 or self.default_rtt_s < 0 or self.rtt_margin < 0:
+            raise ValueError("max_remote_attempts, default_rtt_s and rtt_margin must be >= 0")
 
 
 def rtt_from_peer_table(table: Any) -> Callable[[str], float | None]:
@@ -312,7 +318,11 @@ class Router:
         margin = cfg.abs_margin_s
         if local_est is not None:
             margin = max(cfg.abs_margin_s, cfg.rel_margin * local_est.total_s)
-            better = [c for c in eligible if c.total_s + margin < local_est.total_s]
+            better = [
+                c
+                for c in eligible
+                if c.total_s + max(margin, cfg.rtt_margin * c.rtt_s) < local_est.total_s
+            ]
             remote_order = [c.peer_id for c in better[: cfg.max_remote_attempts]]
             attempts = (*remote_order, LOCAL)
             if remote_order:
