@@ -48,6 +48,7 @@ from prometheus_client import CollectorRegistry
 
 from p2pnode.identity import NodeKey
 from p2pnode.inference.blockhash import BlockRemoved, BlockStored, block_hashes, model_salt
+from p2pnode.inference.models import ShapeOnlyModel
 from p2pnode.overlay.antientropy import AntiEntropyConfig
 from p2pnode.overlay.digest import Digest, DigestBuilder, LoadInfo, fingerprint, seal_digest
 from p2pnode.overlay.forward import RoutedService
@@ -316,22 +317,6 @@ async def cluster(
 PROP_PROMPT_TOKENS = 256
 
 
-def stub_model() -> Any:
-    """What an emulated engine needs of a model (no weights: no torch model in the workers)."""
-    from types import SimpleNamespace
-
-    return SimpleNamespace(
-        name="emulated",
-        model=None,
-        tokenizer=None,
-        model_id="bench-emulated-model",
-        path=None,
-        context_length=8192,
-        vocab_size=49152,
-        eos_token_ids=[2],
-    )
-
-
 def trial_prompt(seed: int) -> list[int]:
     rng = random.Random(1000 + seed)
     return [rng.randrange(3, 49152) for _ in range(PROP_PROMPT_TOKENS)]
@@ -386,7 +371,7 @@ async def _run_worker_nodes(
     index: int, per_proc: int, total: int, bootstrap: str | None, conn
 ) -> None:
     async with cluster(
-        stub_model(),
+        ShapeOnlyModel("bench-emulated-model", context_length=8192),
         per_proc,
         bootstrap=bootstrap,
         expect_views=total - 1,

@@ -39,7 +39,6 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import trio
@@ -47,6 +46,7 @@ from prometheus_client import CollectorRegistry
 
 from p2pnode.identity import NodeKey
 from p2pnode.inference.blockhash import block_hashes
+from p2pnode.inference.models import ShapeOnlyModel
 from p2pnode.overlay.antientropy import AntiEntropyConfig
 from p2pnode.overlay.digest import DigestBuilder, LoadInfo
 from p2pnode.overlay.forward import ForwardConfig, RoutedService
@@ -64,19 +64,6 @@ FORWARD_CONFIG = ForwardConfig(accept_slack_s=20, first_token_slack_s=30, idle_m
 
 logging.getLogger("libp2p").setLevel(logging.CRITICAL)
 log = logging.getLogger("trust_bench")
-
-
-def stub_model() -> Any:
-    return SimpleNamespace(
-        name="emulated",
-        model=None,
-        tokenizer=None,
-        model_id="trust-bench-model",
-        path=None,
-        context_length=4096,
-        vocab_size=49152,
-        eos_token_ids=[2],
-    )
 
 
 def tenant_prompt(tenant: int, question: int) -> list[int]:
@@ -113,7 +100,7 @@ async def cluster() -> AsyncIterator[list[RoutedService]]:
         for _ in nodes:
             engine = await stack.enter_async_context(
                 open_engine(
-                    stub_model(),
+                    ShapeOnlyModel("trust-bench-model"),
                     backend="emulated",
                     calibrate_cost=False,
                     torch_threads=None,

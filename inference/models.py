@@ -37,6 +37,22 @@ class ModelLoadError(RuntimeError):
     """The model could not be found or loaded; the message says what to install or fix."""
 
 
+@dataclass(frozen=True)
+class ShapeOnlyModel:
+    """What an emulated engine (``backend="emulated"``) needs of a model when no weights are
+    loaded: ids and sizes, no tokenizer, no forward. For routing benchmarks and tests with many
+    engines in one process; a real node always uses ``load_model``."""
+
+    model_id: str
+    vocab_size: int = 49152
+    context_length: int = 4096
+    eos_token_ids: tuple[int, ...] = (2,)
+    name: str = "emulated"
+    model: None = None
+    tokenizer: None = None
+    path: None = None
+
+
 @dataclass
 class LoadedModel:
     name: str

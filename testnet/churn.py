@@ -228,16 +228,7 @@ async def drive_with_retries(
             rec["_first_sent"] = first
             return rec
 
-        with trio.move_on_after(max_duration_s):
-            async with trio.open_nursery() as nursery:
-                for p in requests:
-                    holding = False
-                    if p.at_s is not None:
-                        await trio.sleep_until(start + p.at_s)
-                    else:
-                        await slots.acquire()
-                        holding = True
-                    nursery.start_soon(one, p, trio.current_time(), holding)
+        await driver.dispatch(requests, one, slots, start, max_duration_s)
     out = []
     for p, rec in zip(requests, records, strict=True):
         if rec is None:

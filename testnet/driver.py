@@ -34,7 +34,7 @@ import json
 import math
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -202,6 +202,28 @@ class _HttpStatus(Exception):
         super().__init__(f"HTTP {status}: {text}")
 
 
+async def dispatch(
+    requests: Sequence[PlannedRequest],
+    one: Callable[[PlannedRequest, float, bool], Awaitable[None]],
+    slots: trio.Semaphore,
+    start: float,
+    max_duration_s: float,
+) -> None:
+    """Start ``one(request, ready_time, holding_slot)`` for every request: at its planned time
+    (open loop, ``at_s`` set) or, closed loop, once a concurrency slot frees (the slot is then
+    held for it). Everything still running after ``max_duration_s`` is cancelled."""
+    with trio.move_on_after(max_duration_s):
+        async with trio.open_nursery() as nursery:
+            for p in requests:
+                holding = False
+                if p.at_s is not None:
+                    await trio.sleep_until(start + p.at_s)
+                else:
+                    await slots.acquire()
+                    holding = True
+                nursery.start_soon(one, p, trio.current_time(), holding)
+
+
 async def drive(
     apis: Sequence[str],
     requests: Sequence[PlannedRequest],
@@ -264,17 +286,7 @@ async def drive(
             if on_record is not None:
                 on_record(rec)
 
-        with trio.move_on_after(max_duration_s):
-            async with trio.open_nursery() as nursery:
-                for p in requests:
-                    holding = False
-                    if p.at_s is not None:
-                        await trio.sleep_until(start + p.at_s)
-                    else:
-                        # closed loop: the next request starts when a slot frees
-                        await slots.acquire()
-                        holding = True
-                    nursery.start_soon(one, p, trio.current_time(), holding)
+        await dispatch(requests, one, slots, start, max_duration_s)
     out = []
     for p, rec in zip(requests, records, strict=True):
         if rec is None:

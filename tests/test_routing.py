@@ -296,6 +296,28 @@ def test_views_restart_epoch_and_expiry_and_down() -> None:
     assert len(views) == 0
 
 
+def test_replayed_digests_do_not_keep_a_departed_peer_alive() -> None:
+    # A departed peer's old digests keep arriving for a while (gossip caches, relays, late pull
+    # answers); only a newer version or a later signed time counts as hearing from it.
+    clock = Clock()
+    views = PeerViews(expire_after_s=10, clock=clock)
+    b = builder_for(KEY_A)
+    b.on_event(BlockStored(tuple(rand_hashes(3)), None))
+    b.cut()
+    full = dataclasses.replace(b.full(), timestamp=100.0)
+    delta = dataclasses.replace(b.delta_since(0), timestamp=100.0)
+    assert views.apply(full) is ApplyResult.APPLIED
+    clock.t += 6
+    assert views.apply(full) is ApplyResult.STALE  # the same full digest, replayed
+    views.apply(delta)  # a delta of the same version and time: nothing new either
+    assert views.silent_s(KEY_A.peer_id, MODEL) == 6
+    clock.t += 5
+    assert views.expire() == [(KEY_A.peer_id, MODEL)]  # 11 s after it was last really heard
+    assert views.apply(full) is ApplyResult.APPLIED  # no view left: taken as new information
+    assert views.apply(dataclasses.replace(full, timestamp=101.0)) is ApplyResult.APPLIED
+    assert views.silent_s(KEY_A.peer_id, MODEL) == 0
+
+
 def test_views_take_fresh_load_even_on_gap() -> None:
     views = PeerViews()
     state = {"q": 0}

@@ -16,7 +16,6 @@ import random
 import time
 from collections.abc import AsyncIterator, Callable
 from functools import partial
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -26,6 +25,7 @@ from prometheus_client import CollectorRegistry
 
 from p2pnode.identity import NodeKey
 from p2pnode.inference.blockhash import BLOCK_SIZE, block_hashes, model_salt
+from p2pnode.inference.models import ShapeOnlyModel
 from p2pnode.overlay.antientropy import AntiEntropyConfig
 from p2pnode.overlay.digest import Digest, DigestBuilder, LoadInfo, fingerprint
 from p2pnode.overlay.forward import ForwardConfig, RoutedService
@@ -196,20 +196,6 @@ FORWARD_CONFIG = ForwardConfig(accept_slack_s=20, first_token_slack_s=30, idle_m
 MAX_LIAR_REQUESTS = 3  # complete lies until demotion: ceil(log2(1 / min_score)) with defaults
 
 
-def stub_model() -> Any:
-    """What an emulated engine needs of a model (no weights)."""
-    return SimpleNamespace(
-        name="emulated",
-        model=None,
-        tokenizer=None,
-        model_id="trust-emulated-model",
-        path=None,
-        context_length=4096,
-        vocab_size=49152,
-        eos_token_ids=[2],
-    )
-
-
 def tenant_prompt(tenant: int, question: int) -> list[int]:
     prefix = random.Random(tenant)
     suffix = random.Random(10_000 * (tenant + 1) + question)
@@ -243,7 +229,7 @@ async def emulated_cluster(overlay_network: Any) -> AsyncIterator[list[RoutedSer
         for _ in nodes:  # every engine before the services' nursery: scopes must nest
             engine = await stack.enter_async_context(
                 open_engine(
-                    stub_model(),
+                    ShapeOnlyModel("trust-emulated-model"),
                     backend="emulated",
                     calibrate_cost=False,
                     torch_threads=None,
