@@ -55,6 +55,7 @@ from p2pnode.overlay.forward import RoutedService
 from p2pnode.overlay.node import OverlayConfig, open_overlay_node
 from p2pnode.overlay.router import LocalState, Router, RouterConfig
 from p2pnode.overlay.views import PeerViews
+from p2pnode.testnet.localcluster import emulated_routed_services
 
 RESULTS = Path(__file__).resolve().parent / "results" / "routing.json"
 MODEL = "bench-model"
@@ -214,7 +215,6 @@ async def cluster(
     """``n`` overlay nodes on 127.0.0.1 with emulated engines and running services, yielded
     once every node has a live view of ``expect_views`` peers (default: the ``n - 1`` others).
     With ``bootstrap`` all nodes join through it (an overlay spanning several processes)."""
-    from p2pnode.inference.engine import open_engine
 
     t_start = time.perf_counter()
     async with contextlib.AsyncExitStack() as stack:
@@ -243,35 +243,20 @@ async def cluster(
         log.info("%d nodes linked after %.1f s", n, time.perf_counter() - t_start)
         if on_linked is not None:
             on_linked(overlays)
-        engines = []
-        for _ in overlays:  # before the services' nursery: scopes must nest
-            engine = await stack.enter_async_context(
-                open_engine(
-                    loaded,
-                    backend="emulated",
-                    calibrate_cost=False,
-                    torch_threads=None,
-                    cache_budget_tokens=cache_budget_tokens,
-                )
-            )
-            c = engine.cost
-            c.prefill_s_per_token, c.decode_s_per_token, c.overhead_s = PREFILL_S, DECODE_S, 0.01
-            c.alpha = 0.0  # the emulated sleeps must not drift with the machine's load
-            engines.append(engine)
-        async with trio.open_nursery() as nursery:
-            nodes = []
-            for overlay, engine in zip(overlays, engines, strict=True):
-                svc = RoutedService(
-                    overlay,
-                    overlay.config.key,
-                    engine,
-                    router_config=router_config,
-                    antientropy_config=ae_config,
-                    pushback_high=pushback_high,
-                    registry=CollectorRegistry(),
-                )
-                await nursery.start(svc.run)
-                nodes.append(Node(overlay, engine, svc))
+        async with emulated_routed_services(
+            overlays,
+            model=loaded,
+            prefill_s=PREFILL_S,
+            decode_s=DECODE_S,
+            cache_budget_tokens=cache_budget_tokens,
+            router_config=router_config,
+            antientropy_config=ae_config,
+            pushback_high=pushback_high,
+        ) as services:
+            nodes = [
+                Node(overlay, svc.engine, svc)
+                for overlay, svc in zip(overlays, services, strict=True)
+            ]
             want = n - 1 if expect_views is None else expect_views
             # Every node has a live view of every other; in a churning overlay (16 nodes on 2
             # busy cores) go on after ready_timeout_s with what there is, and say so.
@@ -304,7 +289,6 @@ async def cluster(
             counts = [len(x.service.views.live(x.service.model_id)) for x in nodes]
             log.info("views %s of %d after %.1f s", counts, want, time.perf_counter() - t_start)
             yield nodes
-            nursery.cancel_scope.cancel()
         await trio.sleep(1.0)  # digests in flight land before the nodes stop
 
 

@@ -42,7 +42,6 @@ from pathlib import Path
 from typing import Any
 
 import trio
-from prometheus_client import CollectorRegistry
 
 from p2pnode.identity import NodeKey
 from p2pnode.inference.blockhash import block_hashes
@@ -51,6 +50,7 @@ from p2pnode.overlay.antientropy import AntiEntropyConfig
 from p2pnode.overlay.digest import DigestBuilder, LoadInfo
 from p2pnode.overlay.forward import ForwardConfig, RoutedService
 from p2pnode.overlay.node import OverlayConfig, open_overlay_node
+from p2pnode.testnet.localcluster import emulated_routed_services
 
 RESULTS = Path(__file__).resolve().parent / "results" / "trust.json"
 PREFILL_S = 1 / 430
@@ -83,8 +83,6 @@ async def wait_until(predicate: Any, limit_s: float, what: str) -> None:
 
 @contextlib.asynccontextmanager
 async def cluster() -> AsyncIterator[list[RoutedService]]:
-    from p2pnode.inference.engine import open_engine
-
     async with contextlib.AsyncExitStack() as stack:
         nodes = []
         for i in range(4):
@@ -96,37 +94,17 @@ async def cluster() -> AsyncIterator[list[RoutedService]]:
             )
             nodes.append(await stack.enter_async_context(open_overlay_node(cfg)))
         await wait_until(lambda: all(len(n.peers.up_peers()) == 3 for n in nodes), 60, "mesh")
-        engines = []
-        for _ in nodes:
-            engine = await stack.enter_async_context(
-                open_engine(
-                    ShapeOnlyModel("trust-bench-model"),
-                    backend="emulated",
-                    calibrate_cost=False,
-                    torch_threads=None,
-                    cache_budget_tokens=8192,
-                )
-            )
-            c = engine.cost
-            c.prefill_s_per_token, c.decode_s_per_token, c.overhead_s = PREFILL_S, DECODE_S, 0.01
-            c.alpha = 0.0
-            engines.append(engine)
-        async with trio.open_nursery() as nursery:
-            services = []
-            for node, engine in zip(nodes, engines, strict=True):
-                svc = RoutedService(
-                    node,
-                    node.config.key,
-                    engine,
-                    antientropy_config=AE_CONFIG,
-                    forward_config=FORWARD_CONFIG,
-                    registry=CollectorRegistry(),
-                )
-                svc.router.rtt_s = lambda _peer: LAN_RTT_S
-                await nursery.start(svc.run)
-                services.append(svc)
+        async with emulated_routed_services(
+            nodes,
+            model=ShapeOnlyModel("trust-bench-model"),
+            prefill_s=PREFILL_S,
+            decode_s=DECODE_S,
+            cache_budget_tokens=8192,
+            rtt_s=LAN_RTT_S,
+            antientropy_config=AE_CONFIG,
+            forward_config=FORWARD_CONFIG,
+        ) as services:
             yield services
-            nursery.cancel_scope.cancel()
         await trio.sleep(1.0)
 
 

@@ -32,6 +32,7 @@ from p2pnode.overlay.forward import ForwardConfig, RoutedService
 from p2pnode.overlay.router import LOCAL, LocalState, Router
 from p2pnode.overlay.trust import TrustBook, TrustConfig, Verdict, verdict_problem
 from p2pnode.overlay.views import PeerViews
+from p2pnode.testnet.localcluster import emulated_routed_services
 
 logging.getLogger("libp2p").setLevel(logging.ERROR)
 
@@ -216,50 +217,20 @@ async def wait_until(predicate: Callable[[], bool], limit_s: float, what: str) -
 
 @contextlib.asynccontextmanager
 async def emulated_cluster(overlay_network: Any) -> AsyncIterator[list[RoutedService]]:
-    from p2pnode.inference.engine import open_engine
-
-    async with (
-        overlay_network(4, ping_timeout=5.0, health_ping_timeout=10.0) as nodes,
-        contextlib.AsyncExitStack() as stack,
-    ):
+    async with overlay_network(4, ping_timeout=5.0, health_ping_timeout=10.0) as nodes:
         await wait_until(
             lambda: all(len(n.peers.up_peers()) == 3 for n in nodes), 30, "a full mesh"
         )
-        engines = []
-        for _ in nodes:  # every engine before the services' nursery: scopes must nest
-            engine = await stack.enter_async_context(
-                open_engine(
-                    ShapeOnlyModel("trust-emulated-model"),
-                    backend="emulated",
-                    calibrate_cost=False,
-                    torch_threads=None,
-                    cache_budget_tokens=4096,
-                )
-            )
-            c = engine.cost
-            c.prefill_s_per_token, c.decode_s_per_token, c.overhead_s, c.alpha = (
-                PREFILL_S,
-                DECODE_S,
-                0.01,
-                0.0,
-            )
-            engines.append(engine)
-        async with trio.open_nursery() as nursery:
-            services = []
-            for node, engine in zip(nodes, engines, strict=True):
-                svc = RoutedService(
-                    node,
-                    node.config.key,
-                    engine,
-                    antientropy_config=AE_CONFIG,
-                    forward_config=FORWARD_CONFIG,
-                    registry=CollectorRegistry(),
-                )
-                svc.router.rtt_s = lambda _peer: LAN_RTT_S
-                await nursery.start(svc.run)
-                services.append(svc)
+        async with emulated_routed_services(
+            nodes,
+            model=ShapeOnlyModel("trust-emulated-model"),
+            prefill_s=PREFILL_S,
+            decode_s=DECODE_S,
+            rtt_s=LAN_RTT_S,
+            antientropy_config=AE_CONFIG,
+            forward_config=FORWARD_CONFIG,
+        ) as services:
             yield services
-            nursery.cancel_scope.cancel()
         await trio.sleep(1.0)  # digests in flight land before the nodes stop
 
 
