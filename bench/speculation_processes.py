@@ -6,13 +6,17 @@ is held for the one-way delay in userspace, in both processes, so a round trip c
     python bench/speculation_processes.py [--rtts 0,50,100,200] [--new-tokens 32] [--gamma 4]
         [--modes sync:1:4,async:2:4,async:3:2] [--prompts 2] [--edge-core 0] [--verifier-core 1]
 
-A mode is NAME:DEPTH:GAMMA (depth = blocks in flight; 1 is the synchronous baseline). The
+A mode is NAME:DEPTH:GAMMA[:LEAD] (depth = blocks in flight; 1 is the synchronous baseline;
+LEAD > 0: the verifier keeps decoding on its own for up to LEAD tokens while no block of the
+session waits, see ``speculation/verify.py``). The
 verifier child (``--serve``) is started under ``taskset -c VERIFIER_CORE``; this process pins
 itself to EDGE_CORE. Regions of a generated spec: "cloud" (the verifier) and "rN" (the edge
 at RTT N ms, one-way N/2 ms); the edge opens a fresh libp2p node per RTT, dialing from rN.
 
-Target-only remote generation is the verifier decoding alone in its pinned process, timed
-there, plus ONE round trip per request (prompt up, tokens streamed down): computed, not sent.
+Target-only remote generation (``target_remote``) is measured over the same protocol:
+``client.remote_generate`` opens a session with a lead of all the tokens, so the verifier
+streams the target's own tokens (no draft). ``target_local+rtt`` is the verifier's decoding
+timed in its own process plus one round trip per request: what streaming could reach at best.
 ``--delay-in transport`` puts the delay above an undelayed libp2p stream instead (the edge holds
 each block and each result for RTT/2: ``DelayedTransport``), to tell the protocol's cost under
 wan.py's per-write delays apart from the algorithm's.
@@ -105,12 +109,13 @@ class DelayedTransport:
         self.up_send, self.up_recv = trio.open_memory_channel(math.inf)
         self.down_send, self.down_recv = trio.open_memory_channel(math.inf)
 
-    async def open(self, prompt, options) -> None:
+    async def open(self, prompt, options, *, lead: int = 0) -> int:
         await trio.sleep(self.delay)
-        await self.inner.open(prompt, options)
+        granted = await self.inner.open(prompt, options, lead=lead)
         await trio.sleep(self.delay)
         self.nursery.start_soon(self._up)
         self.nursery.start_soon(self._down)
+        return granted
 
     async def _up(self) -> None:
         async for due, block in self.up_recv:
@@ -202,7 +207,7 @@ async def edge_runs(
 ) -> list[dict]:
     from p2pnode.identity import NodeKey
     from p2pnode.overlay.node import OverlayConfig, open_overlay_node
-    from p2pnode.speculation.client import speculative_generate
+    from p2pnode.speculation.client import remote_generate, speculative_generate
     from p2pnode.speculation.draft import load_draft
     from p2pnode.speculation.protocol import P2PVerifierTransport
     from p2pnode.speculation.verify import VerifierError
@@ -234,22 +239,29 @@ async def edge_runs(
         )
         async with open_overlay_node(cfg) as node:
 
-            async def run(prompt, depth, gamma, n, node=node, rtt=rtt):
+            async def run(prompt, depth, gamma, n, lead=0, node=node, rtt=rtt):
                 stamps: list[float] = [time.perf_counter()]  # start, then one per token
                 tr = P2PVerifierTransport(node, info["peer_id"], info["model_id"])
+                on_commit = lambda new: stamps.extend([time.perf_counter()] * len(new))  # noqa: E731
                 async with trio.open_nursery() as nursery:
                     if delay_in == "transport":
                         tr = DelayedTransport(tr, rtt / 2000, nursery)
-                    r = await speculative_generate(
-                        draft,
-                        tr,
-                        prompt,
-                        n,
-                        gamma=gamma,
-                        depth=depth,
-                        eos_token_ids=eos,
-                        on_commit=lambda new: stamps.extend([time.perf_counter()] * len(new)),
-                    )
+                    if depth == 0:  # target-only remote generation
+                        r = await remote_generate(
+                            tr, prompt, n, eos_token_ids=eos, on_commit=on_commit
+                        )
+                    else:
+                        r = await speculative_generate(
+                            draft,
+                            tr,
+                            prompt,
+                            n,
+                            gamma=gamma,
+                            depth=depth,
+                            lead=lead,
+                            eos_token_ids=eos,
+                            on_commit=on_commit,
+                        )
                     nursery.cancel_scope.cancel()
                 return r, stamps
 
@@ -259,23 +271,23 @@ async def edge_runs(
             rows.append(
                 {
                     "rtt_ms": rtt,
-                    "mode": "target_alone",
+                    "mode": "target_local+rtt",
                     "tokens_per_s": n_local / (secs_local + rtt / 1000 * len(prompts)),
                     "inter_token_ms": 1000 * (secs_local + rtt / 1000 * len(prompts)) / n_local,
                     "inter_token_after_first_ms": 1000 * secs_local / n_local,
                 }
             )
-            for name, depth, gamma in modes:
+            for name, depth, gamma, lead in [("target_remote", 0, 0, 0), *modes]:
                 tot = {"n": 0, "secs": 0.0, "acc": 0, "rej": 0, "drafted": 0, "blocks": 0}
                 tot.update(stale=0, sent=0)
                 equal = True
                 for p, ref in zip(prompts, info["refs"], strict=True):
                     try:
-                        r, stamps = await run(p, depth, gamma, new_tokens)
+                        r, stamps = await run(p, depth, gamma, new_tokens, lead)
                     except VerifierError as exc:  # retried once, and counted
                         print(f"  {name}: {exc!r}; retrying", flush=True)
                         tot["failures"] = tot.get("failures", 0) + 1
-                        r, stamps = await run(p, depth, gamma, new_tokens)
+                        r, stamps = await run(p, depth, gamma, new_tokens, lead)
                     equal &= r.tokens == ref
                     s = r.stats
                     tot["n"] += len(r.tokens)
@@ -286,6 +298,7 @@ async def edge_runs(
                     tot["blocks"] += s.blocks_verified
                     tot["stale"] += s.blocks_stale
                     tot["sent"] += s.blocks_sent
+                    tot["lead"] = tot.get("lead", 0) + s.lead_tokens
                     tot["first"] = tot.get("first", 0.0) + stamps[1] - stamps[0]
                     tot["gaps"] = tot.get("gaps", 0.0) + stamps[-1] - stamps[1]
                     tot["n_gaps"] = tot.get("n_gaps", 0) + len(stamps) - 2
@@ -295,6 +308,8 @@ async def edge_runs(
                     "mode": name,
                     "depth": depth,
                     "gamma": gamma,
+                    "lead": lead,
+                    "lead_tokens": tot.get("lead", 0),
                     "tokens_per_s": tot["n"] / tot["secs"],
                     "inter_token_ms": 1000 * tot["secs"] / tot["n"],
                     # after the first token: (last commit - first commit) / tokens in between
@@ -309,13 +324,16 @@ async def edge_runs(
                     "blocks_stale": tot["stale"],
                     "equal_to_target": equal,
                     "failures": tot.get("failures", 0),
-                    "model_tokens_per_s": simulate(alpha, gamma, depth, rtt, t_d, t_v),
+                    # the model replays the client without leads
+                    "model_tokens_per_s": (
+                        simulate(alpha, gamma, depth, rtt, t_d, t_v) if depth and not lead else None
+                    ),
                     "draft_ms": t_d,
                     "verify_ms": [v0, v4],
                     "load": os.getloadavg()[0],
                 }
                 rows.append(row)
-            for r in rows[-1 - len(modes) :]:
+            for r in rows[-2 - len(modes) :]:
                 print(fmt(r), flush=True)
         await trio.sleep(0.2)
     return rows
@@ -381,22 +399,28 @@ def fmt(r: dict) -> str:
         f"inter-token {r['inter_token_ms']:5.0f} ms (after the first "
         f"{r['inter_token_after_first_ms']:4.0f})"
     )
-    if "alpha" in r:
+    if "equal_to_target" in r:
+        line += f"{'' if r['equal_to_target'] else ' OUTPUT DIFFERS'} load {r['load']:.1f}"
+    if r.get("depth"):
         line += (
-            f", d{r['depth']} g{r['gamma']} alpha {r['alpha']:.2f}, tokens/block "
-            f"{r['tokens_per_block']:.2f} (E[A] {r['expected_tokens_per_block']:.2f}), "
-            f"blocks {r['blocks_verified']}/{r['blocks_sent']} stale {r['blocks_stale']}"
-            f"{'' if r['equal_to_target'] else ' OUTPUT DIFFERS'} load {r['load']:.1f}; "
-            f"model {r['model_tokens_per_s']:.1f} tok/s"
+            f", d{r['depth']} g{r['gamma']} lead {r['lead']} alpha {r['alpha']:.2f}, "
+            f"tokens/block {r['tokens_per_block']:.2f} "
+            f"(E[A] {r['expected_tokens_per_block']:.2f}), blocks "
+            f"{r['blocks_verified']}/{r['blocks_sent']} stale {r['blocks_stale']}, "
+            f"{r['lead_tokens']} tokens by lead"
         )
+    if r.get("model_tokens_per_s"):
+        line += f"; model {r['model_tokens_per_s']:.1f} tok/s"
     return line
 
 
-def parse_modes(text: str) -> list[tuple[str, int, int]]:
+def parse_modes(text: str) -> list[tuple[str, int, int, int]]:
     out = []
     for item in text.split(","):
-        name, depth, gamma = item.split(":")
-        out.append((f"{name}-d{depth}g{gamma}", int(depth), int(gamma)))
+        name, depth, gamma, *lead = item.split(":")
+        n = int(lead[0]) if lead else 0
+        tag = f"{name}-d{depth}g{gamma}" + (f"L{n}" if n else "")
+        out.append((tag, int(depth), int(gamma), n))
     return out
 
 
@@ -406,7 +430,7 @@ def main() -> None:
     ap.add_argument("--rtts", default="0,50,100,200")
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--prompts", type=int, default=2)
-    ap.add_argument("--modes", default="sync:1:4,async:2:4,async:3:4,async:3:2")
+    ap.add_argument("--modes", default="sync:1:4,async:3:2,async:3:2:8,async:3:4:8")
     ap.add_argument("--edge-core", type=int, default=0)
     ap.add_argument("--verifier-core", type=int, default=1)
     ap.add_argument(

@@ -304,7 +304,13 @@ def demo(nodes: int, subjects: int, per_subject: int, seed: int) -> None:
 @click.option("--bootstrap", multiple=True, required=True, help="Multiaddr to join through.")
 @click.option("--prompt", required=True, help="User message (wrapped in the chat template).")
 @click.option("--max-tokens", default=64, show_default=True, type=int)
-@click.option("--mode", default="async", show_default=True, type=click.Choice(["async", "sync"]))
+@click.option(
+    "--mode",
+    default="async",
+    show_default=True,
+    type=click.Choice(["async", "sync", "remote"]),
+    help="async: pipelined drafts + verifier lead; sync: draft, wait, verify; remote: target only.",
+)
 @click.option("--temperature", default=0.0, show_default=True, type=float)
 @click.option("--timeout", default=300.0, show_default=True, help="Give up after this many s.")
 def edge(

@@ -280,13 +280,15 @@ def verdict_problem(
     next_token: int,
     committed_len: int,
     vocab_size: int | None,
+    lead: bool = False,
 ) -> str | None:
     """What is impossible about a verifier's answer to a block, or None when nothing is.
 
     The edge holds only the draft, so it cannot recompute the target's choice; it can check that
     the verdict is internally consistent: ``0 <= accepted <= block_len`` (a verifier cannot
     accept tokens that were not sent), ``0 <= next_token < vocab_size``, and ``committed_len ==
-    base_len + accepted + 1`` (the session's length after the block). Limits: this catches a
+    base_len + accepted + 1`` (the session's length after the block; ``>=`` when the session
+    has ``lead`` on, as the verifier may have committed tokens of its own past the block). Limits: this catches a
     broken or careless verifier, not a careful liar. One that answers plausibly but wrongly
     (rejects good draft tokens, or names a valid but wrong next token) passes these checks and
     its tokens are committed. Catching that needs a second opinion: re-verifying a committed
@@ -297,6 +299,8 @@ def verdict_problem(
         return f"accepted {accepted} of a {block_len}-token block"
     if next_token < 0 or (vocab_size is not None and next_token >= vocab_size):
         return f"next token {next_token} outside the vocabulary of {vocab_size}"
-    if committed_len != base_len + accepted + 1:
+    if committed_len < base_len + accepted + 1 or (
+        not lead and committed_len != base_len + accepted + 1
+    ):
         return f"committed length {committed_len}, expected {base_len + accepted + 1}"
     return None

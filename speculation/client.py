@@ -47,6 +47,7 @@ from p2pnode.speculation.verify import (
     BatchedVerifier,
     Block,
     BlockResult,
+    Lead,
     SamplingOptions,
     VerifierError,
     truncate_probs,
@@ -57,6 +58,7 @@ DEFAULT_PROBS_TOP_K = 64  # draft distributions are cut to 64 tokens: exact, and
 # An honest verifier never calls a live block stale (it builds on what that verifier committed);
 # a liar could loop us, and the draft cannot resume from one (nothing new to feed it).
 MAX_LIVE_STALE = 1
+MAX_OVERLAP = 8  # draft tokens a first block may add for the verifier's lead (blocks <= 16)
 
 
 class BadVerdict(VerifierError):
@@ -64,15 +66,15 @@ class BadVerdict(VerifierError):
 
 
 class VerifierTransport(Protocol):
-    async def open(self, prompt: list[int], options: SamplingOptions) -> None: ...
+    async def open(self, prompt: list[int], options: SamplingOptions, *, lead: int = 0) -> int:
+        """Open the session; returns the lead the verifier granted (<= ``lead``)."""
+
     async def send_block(self, block: Block) -> None: ...
-    async def receive_result(self) -> BlockResult: ...
+
+    async def receive_result(self) -> BlockResult | Lead:
+        """The next result or lead token, in the verifier's commit order."""
+
     async def close(self) -> None: ...
-
-
-async def verify_block(transport: VerifierTransport, block: Block) -> BlockResult:
-    await transport.send_block(block)
-    return await transport.receive_result()
 
 
 # ---------------------------------------------------------------- the draft's own state
@@ -141,6 +143,7 @@ class SpecStats:
     drafted: int = 0  # draft tokens in verified blocks
     accepted: int = 0
     rejections: int = 0  # verified blocks not fully accepted
+    lead_tokens: int = 0  # committed by the verifier on its own (lead)
     seconds: float = 0.0
 
     @property
@@ -171,23 +174,6 @@ class SpecResult:
     stats: SpecStats = field(default_factory=SpecStats)
 
 
-def _impossible(block: Block, res: BlockResult, vocab: int | None, live_stale: int) -> str | None:
-    if res.stale:
-        return (
-            f"{live_stale} live blocks in a row called stale"
-            if live_stale >= MAX_LIVE_STALE
-            else None
-        )
-    return verdict_problem(
-        block_len=len(block.tokens),
-        base_len=block.base_len,
-        accepted=res.accepted,
-        next_token=res.next_token,
-        committed_len=res.committed_len,
-        vocab_size=vocab,
-    )
-
-
 def _finished(out: list[int], max_new: int, eos: frozenset[int]) -> bool:
     return len(out) >= max_new or any(t in eos for t in out)
 
@@ -200,6 +186,34 @@ def _trim(out: list[int], max_new: int, eos: frozenset[int]) -> list[int]:
     return out
 
 
+class _Committed:
+    """The edge's copy of the session's committed tokens, fed in the verifier's commit order.
+
+    Every verdict must agree with what was committed before it and leave no gap; the verifier
+    cannot rewrite a token it already gave (that is a ``BadVerdict``, never a silent fix)."""
+
+    def __init__(self, prompt: list[int], vocab: int | None, on_commit) -> None:
+        self.tokens = list(prompt)
+        self.vocab = vocab
+        self.on_commit = on_commit
+
+    def place(self, position: int, tokens: list[int]) -> None:
+        if position > len(self.tokens):
+            raise BadVerdict(f"verifier skipped tokens {len(self.tokens)}..{position - 1}")
+        new = []
+        for p, t in enumerate(tokens, start=position):
+            if p < len(self.tokens):
+                if self.tokens[p] != t:
+                    raise BadVerdict(f"verifier changed committed token {p}: {self.tokens[p]}->{t}")
+                continue
+            if t < 0 or (self.vocab is not None and t >= self.vocab):
+                raise BadVerdict(f"token {t} outside the vocabulary of {self.vocab}")
+            self.tokens.append(t)
+            new.append(t)
+        if new and self.on_commit is not None:
+            self.on_commit(new)
+
+
 async def speculative_generate(
     draft: DraftModel,
     transport: VerifierTransport,
@@ -208,6 +222,7 @@ async def speculative_generate(
     *,
     gamma: int = 4,
     depth: int = 1,
+    lead: int = 0,
     options: SamplingOptions | None = None,
     eos_token_ids: tuple[int, ...] | list[int] = (),
     probs_top_k: int = DEFAULT_PROBS_TOP_K,
@@ -216,57 +231,101 @@ async def speculative_generate(
     """See the module contract. ``on_commit(new_ids)`` is called as tokens become final (for
     streaming, and so a caller can resume on another verifier from prompt + committed ids)."""
     options = options or GREEDY
-    if not prompt or max_new_tokens < 1 or gamma < 1 or depth < 1:
-        raise ValueError("need a non-empty prompt, max_new_tokens >= 1, gamma >= 1, depth >= 1")
+    if not prompt or max_new_tokens < 1 or gamma < 1 or depth < 1 or lead < 0:
+        raise ValueError(
+            "need a non-empty prompt, max_new_tokens >= 1, gamma >= 1, depth >= 1, lead >= 0"
+        )
     eos, stats, started = frozenset(eos_token_ids), SpecStats(), time.perf_counter()
+    vocab = getattr(getattr(draft.model, "config", None), "vocab_size", None)
     d = DraftRunner(draft, options, top_k=probs_top_k, seed=options.seed)
     d.tokens = list(prompt)
-    committed = list(prompt)
-    inflight: deque[Block] = deque()
-    vocab = getattr(getattr(draft.model, "config", None), "vocab_size", None)
+    c = _Committed(prompt, vocab, on_commit)
+    sent: deque[Block] = deque()  # every block sent and not answered yet, in order
     # Shared between the drafting loop (owns ``d``) and the receiver task (owns the verdicts).
-    # ``dirty``: a verdict killed every block in flight; the drafter crops ``d`` before going on.
+    # Blocks numbered below ``live_from`` build on tokens the verifier did not commit (dead);
+    # ``dirty``: ``d`` no longer extends the committed tokens; the drafter resyncs it first.
     st = {"number": 0, "live_from": 0, "live_stale": 0, "dirty": False}
+    # With lead, the first block after a reset is lengthened by ``overlap``: about as many
+    # tokens as the verifier commits on its own before that block arrives (measured on earlier
+    # first blocks), so that ``gamma`` of its drafts still reach past the leads to be verified.
+    firsts: set[int] = set()
+    overlap = [0.0]
     wake = [trio.Event()]
     failure: list[Exception] = []
 
     def done() -> bool:
-        return _finished(committed[len(prompt) :], max_new_tokens, eos)
+        return _finished(c.tokens[len(prompt) :], max_new_tokens, eos)
+
+    def live() -> int:
+        return sum(b.number >= st["live_from"] for b in sent)
 
     def notify() -> None:
         wake[0].set()
         wake[0] = trio.Event()
 
-    def take(res: BlockResult) -> None:
-        nonlocal committed
-        if res.number < st["live_from"]:  # built on a wrong guess; the verifier skipped it
-            stats.blocks_stale += 1
+    def resync() -> None:
+        if d.follows(c.tokens):
             return
-        if not inflight or res.number != inflight[0].number:
+        if c.tokens[: len(d.tokens)] != d.tokens:  # a wrong token in d: every block is dead
+            st["live_from"] = st["number"]
+        st["dirty"] = True  # (else the verifier's own tokens ran ahead of the draft: catch up)
+
+    def take(res: BlockResult) -> None:
+        if not sent or res.number != sent[0].number:
             raise BadVerdict(f"verifier answered block {res.number}, which is not in flight")
-        block = inflight.popleft()
+        block, alive = sent.popleft(), res.number >= st["live_from"]
         # Trust hook: reject impossible verdicts (the edge then fails over, see edge.py).
-        st["live_stale"] = st["live_stale"] + 1 if res.stale else 0
-        problem = _impossible(block, res, vocab, st["live_stale"])
+        if res.stale:
+            stats.blocks_stale += 1
+            st["live_stale"] += alive
+            if st["live_stale"] >= MAX_LIVE_STALE:
+                raise BadVerdict(f"{st['live_stale']} live blocks in a row called stale")
+            return
+        st["live_stale"] = 0 if alive else st["live_stale"]
+        problem = verdict_problem(
+            block_len=len(block.tokens),
+            base_len=block.base_len,
+            accepted=res.accepted,
+            next_token=res.next_token,
+            committed_len=res.committed_len,
+            vocab_size=vocab,
+            lead=lead > 0,
+        )
+        base = block.base_len
+        if problem is None and (base > len(c.tokens) or c.tokens[base - 1] != block.base_token):
+            problem = "a verdict on a block whose base was never committed"
         if problem is not None:
             raise BadVerdict(f"verifier answered block {res.number} impossibly: {problem}")
-        if not res.stale:
-            new = [*block.tokens[: res.accepted], res.next_token]
-            committed += new
-            if on_commit is not None:
-                on_commit(new)
-            stats.blocks_verified += 1
-            stats.drafted += len(block.tokens)
-            stats.accepted += res.accepted
-            stats.rejections += res.accepted < len(block.tokens)
-        if res.stale or not d.follows(committed):  # misprediction: all in flight are dead
-            inflight.clear()
-            st["live_from"], st["dirty"] = st["number"], True
+        if block.number in firsts:
+            firsts.discard(block.number)
+            led = min(len(c.tokens) - base, len(block.tokens))
+            overlap[0] += 0.5 * (led - overlap[0])
+        c.place(base, [*block.tokens[: res.accepted], res.next_token])
+        if res.committed_len != len(c.tokens):
+            raise BadVerdict(f"verifier says {res.committed_len} committed, sent {len(c.tokens)}")
+        if not alive:
+            stats.blocks_stale += 1
+            return
+        stats.blocks_verified += 1
+        stats.drafted += len(block.tokens)
+        stats.accepted += res.accepted
+        stats.rejections += res.accepted < len(block.tokens)
+
+    def take_lead(ev: Lead) -> None:
+        if lead == 0 or ev.position != len(c.tokens):
+            raise BadVerdict(f"unexpected lead token at {ev.position} ({len(c.tokens)} committed)")
+        c.place(ev.position, [ev.token])
+        stats.lead_tokens += 1
 
     async def receiver() -> None:
         try:
             while not done():
-                take(await transport.receive_result())
+                msg = await transport.receive_result()
+                if isinstance(msg, Lead):
+                    take_lead(msg)
+                else:
+                    take(msg)
+                resync()
                 notify()
         except Exception as exc:  # handed to the drafting loop, which raises it
             failure.append(exc)
@@ -275,7 +334,7 @@ async def speculative_generate(
     async def draft_one(argmax: bool = False) -> tuple[list[int], torch.Tensor | None]:
         return await trio.to_thread.run_sync(lambda: d.extend(1, argmax=argmax))
 
-    await transport.open(prompt, options)
+    await transport.open(prompt, options, lead=lead)
     try:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(receiver)
@@ -283,27 +342,31 @@ async def speculative_generate(
             # call so a verdict that kills it is seen within one draft step, not one block.
             try:
                 part: tuple[int, list[int], list[torch.Tensor]] | None = None
+                size, first = gamma, True
                 while not done() and not failure:
                     if st["dirty"]:
-                        d.reset_to(committed)
-                        st["dirty"], part = False, None
-                    full = len(inflight) >= depth or len(d.tokens) - len(prompt) >= max_new_tokens
+                        d.reset_to(c.tokens)
+                        st["dirty"], part, first = False, None, True
+                    full = live() >= depth or len(d.tokens) - len(prompt) >= max_new_tokens
                     if full and part is None:  # a block being drafted is always finished
                         await wake[0].wait()
                         continue
                     if part is None:
-                        if inflight:  # guess the bonus token of the block in flight, build on it
+                        if live():  # guess the bonus token of the block in flight, build on it
                             await draft_one(argmax=True)
                             if st["dirty"]:
                                 continue
                         part = (len(d.tokens), [], [])
+                        size = gamma + (
+                            min(round(overlap[0]), MAX_OVERLAP) if first and lead else 0
+                        )
                     toks, q = await draft_one()
                     if st["dirty"]:
                         continue
                     part[1].extend(toks)
                     if q is not None:
                         part[2].append(q)
-                    if len(part[1]) < gamma:
+                    if len(part[1]) < size:
                         continue
                     base, toks, rows = part
                     block = Block(
@@ -313,7 +376,10 @@ async def speculative_generate(
                         tuple(toks),
                         torch.cat(rows) if rows else None,
                     )
-                    inflight.append(block)  # before the send: a verdict may arrive during it
+                    sent.append(block)  # before the send: a verdict may arrive during it
+                    if first and lead:
+                        firsts.add(block.number)
+                    first = False
                     st["number"] += 1
                     stats.blocks_sent += 1
                     part = None
@@ -327,7 +393,51 @@ async def speculative_generate(
         with trio.CancelScope(shield=True):
             await transport.close()
     stats.seconds = time.perf_counter() - started
-    return SpecResult(_trim(committed[len(prompt) :], max_new_tokens, eos), stats)
+    return SpecResult(_trim(c.tokens[len(prompt) :], max_new_tokens, eos), stats)
+
+
+async def remote_generate(
+    transport: VerifierTransport,
+    prompt: list[int],
+    max_new_tokens: int,
+    *,
+    options: SamplingOptions | None = None,
+    eos_token_ids: tuple[int, ...] | list[int] = (),
+    on_commit: Callable[[list[int]], None] | None = None,
+) -> SpecResult:
+    """Target-only remote generation over the same protocol (no draft): the verifier streams
+    lead tokens; when its lead budget runs out an empty block asks for the next token and
+    refills it. The baseline speculation is measured against, and the output it must equal."""
+    options = options or GREEDY
+    eos, stats, started = frozenset(eos_token_ids), SpecStats(), time.perf_counter()
+    c = _Committed(prompt, None, on_commit)
+    granted = await transport.open(prompt, options, lead=max_new_tokens)
+    try:
+        budget, number = granted, 0
+        while not _finished(c.tokens[len(prompt) :], max_new_tokens, eos):
+            if budget == 0:
+                block = Block(number, len(c.tokens), c.tokens[-1], ())
+                number += 1
+                await transport.send_block(block)
+            msg = await transport.receive_result()
+            if isinstance(msg, Lead):
+                if msg.position != len(c.tokens):
+                    raise BadVerdict(f"lead token at {msg.position}, {len(c.tokens)} committed")
+                c.place(msg.position, [msg.token])
+                budget -= 1
+                stats.lead_tokens += 1
+            elif msg.stale or msg.accepted != 0:
+                raise BadVerdict(f"an empty block answered with {msg}")
+            else:
+                c.place(len(c.tokens), [msg.next_token])
+                if msg.committed_len != len(c.tokens):
+                    raise BadVerdict(f"verifier says {msg.committed_len} committed")
+                budget = granted
+    finally:
+        with trio.CancelScope(shield=True):
+            await transport.close()
+    stats.seconds = time.perf_counter() - started
+    return SpecResult(_trim(c.tokens[len(prompt) :], max_new_tokens, eos), stats)
 
 
 # ---------------------------------------------------------------- baselines and transports
@@ -370,11 +480,17 @@ class InProcessTransport:
         self._sid: str | None = None
         self._server = trio.CancelScope()
 
-    async def open(self, prompt: list[int], options: SamplingOptions) -> None:
+    async def open(self, prompt: list[int], options: SamplingOptions, *, lead: int = 0) -> int:
         await trio.sleep(self.delay)
-        self._sid = await self.verifier.open_session(prompt, options, self.verifier.model_id)
+        self._sid = await self.verifier.open_session(
+            prompt, options, self.verifier.model_id, lead=lead, on_lead=self._down
+        )
         await trio.sleep(self.delay)
         self._nursery.start_soon(self._serve)
+        return self.verifier.sessions[self._sid].lead
+
+    def _down(self, answer: object) -> None:
+        self._down_send.send_nowait((trio.current_time() + self.delay, answer))
 
     async def _serve(self) -> None:
         with self._server:
@@ -384,12 +500,12 @@ class InProcessTransport:
                     answer: object = await self.verifier.verify(self._sid, block)
                 except VerifierError as exc:
                     answer = exc
-                self._down_send.send_nowait((trio.current_time() + self.delay, answer))
+                self._down(answer)
 
     async def send_block(self, block: Block) -> None:
         self._up_send.send_nowait((trio.current_time() + self.delay, block))
 
-    async def receive_result(self) -> BlockResult:
+    async def receive_result(self) -> BlockResult | Lead:
         arrive_at, answer = await self._down_recv.receive()
         await trio.sleep_until(arrive_at)
         if isinstance(answer, VerifierError):

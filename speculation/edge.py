@@ -11,8 +11,11 @@ Contract:
   ``EdgeResult`` (text, token ids, acceptance, tokens/s, verifiers used). A ``str`` prompt is
   wrapped in the chat template as one user turn; a list of ``{"role", "content"}`` dicts is
   used as is; a list of ints is sent as token ids. ``mode="sync"`` drafts, waits, verifies;
-  ``"async"`` keeps 3 blocks of 2 drafts in flight (see ``client.speculative_generate``;
-  ``gamma=`` overrides the per-mode block size).
+  ``"async"`` keeps 2 blocks of 4 drafts in flight and lets the verifier decode on its own
+  (lead, up to 8 tokens) while a rejection's correction travels (see
+  ``client.speculative_generate``; ``gamma=`` overrides the per-mode block size);
+  ``"remote"`` is target-only remote generation (the verifier streams the target's tokens, no
+  draft): the fastest choice where the draft is barely cheaper than the target.
 - ``edge.stream(...)``: same arguments, an async iterator of text pieces as tokens are committed.
 - Failover: when a verifier dies, hangs past ``result_timeout_s`` or refuses mid-session, the
   edge opens a new session on the next verifier from prompt + the tokens already committed, so a
@@ -38,7 +41,12 @@ from dataclasses import dataclass, field
 import trio
 
 from p2pnode.overlay.trust import TrustBook
-from p2pnode.speculation.client import BadVerdict, SpecStats, speculative_generate
+from p2pnode.speculation.client import (
+    BadVerdict,
+    SpecStats,
+    remote_generate,
+    speculative_generate,
+)
 from p2pnode.speculation.draft import DraftModel, load_draft
 from p2pnode.speculation.protocol import P2PVerifierTransport
 from p2pnode.speculation.verify import (
@@ -50,11 +58,11 @@ from p2pnode.speculation.verify import (
 )
 
 log = logging.getLogger(__name__)
-# mode -> (blocks in flight, draft tokens per block). Async: short blocks, 3 in flight: a block
-# built on a guess survives with probability alpha^(gamma+1), so at the measured alpha ~0.75-0.8
-# gamma 2 keeps more of the pipeline alive than gamma 4 (bench/speculation_processes.py models
-# and measures both). Sync keeps gamma 4: it pays a round trip per block, longer blocks amortize it.
-MODES = {"sync": (1, 4), "async": (3, 2)}
+# mode -> (blocks in flight, draft tokens per block, verifier lead). Async: with the verifier's
+# lead filling the round trip after each rejection, 2 blocks of 4 measured best at 0-100 ms RTT
+# (bench/speculation_processes.py; without lead, 3 blocks of 2 were best, as a block built on a
+# guess survives with probability alpha^(gamma+1)). Sync pays a round trip per block: gamma 4.
+MODES = {"sync": (1, 4, 0), "async": (2, 4, 8), "remote": (0, 0, 0)}
 _CALLER_ERRORS = (BadRequest, BadBlock, SessionLimit)
 
 
@@ -183,18 +191,30 @@ class EdgeClient:
             transport = P2PVerifierTransport(
                 self.node, peer, self.model_id, result_timeout_s=self.result_timeout_s
             )
+            depth, gamma, lead = MODES[mode]
             try:
-                r = await speculative_generate(
-                    self.draft,
-                    transport,
-                    ids + committed,
-                    max_tokens - len(committed),
-                    gamma=self.gamma or MODES[mode][1],
-                    depth=MODES[mode][0],
-                    options=options,
-                    eos_token_ids=self.eos_token_ids,
-                    on_commit=on_commit,
-                )
+                if depth == 0:
+                    r = await remote_generate(
+                        transport,
+                        ids + committed,
+                        max_tokens - len(committed),
+                        options=options,
+                        eos_token_ids=self.eos_token_ids,
+                        on_commit=on_commit,
+                    )
+                else:
+                    r = await speculative_generate(
+                        self.draft,
+                        transport,
+                        ids + committed,
+                        max_tokens - len(committed),
+                        gamma=self.gamma or gamma,
+                        depth=depth,
+                        lead=lead,
+                        options=options,
+                        eos_token_ids=self.eos_token_ids,
+                        on_commit=on_commit,
+                    )
             except _CALLER_ERRORS:
                 raise
             except (Exception, trio.TooSlowError) as exc:  # dead, hung or refusing verifier
@@ -244,6 +264,7 @@ class EdgeClient:
             "drafted",
             "accepted",
             "rejections",
+            "lead_tokens",
         ):
             setattr(total, name, getattr(total, name) + getattr(part, name))
 
@@ -321,7 +342,8 @@ def run_edge_cli(
         return (
             f"{r.text}\n\n[{len(r.tokens)} tokens in {r.seconds:.2f} s = {r.tokens_per_s:.2f} "
             f"tok/s; acceptance {r.acceptance:.2f} over {r.stats.drafted} drafted "
-            f"(per-token alpha {r.stats.alpha:.2f}); mode {mode}; "
+            f"(per-token alpha {r.stats.alpha:.2f}); {r.stats.lead_tokens} tokens by verifier "
+            f"lead; mode {mode}; "
             f"verifiers {', '.join(p[-8:] for p in r.verifiers)}]"
         )
 

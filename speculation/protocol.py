@@ -1,9 +1,9 @@
 """The verifier protocol over a libp2p stream: ``/p2pnode/verify/1``.
 
 Contract (one stream = one session; frames and schemas from ``p2pnode.overlay.wire``):
-- edge -> verifier ``verify-open`` {model_id, prompt, temperature, top_p, seed}; the verifier
-  answers ``verify-opened`` {committed_len, max_tokens, max_block} or ``verify-refused``
-  {code, message} and closes. ``code`` is the name of the ``VerifierError`` subclass
+- edge -> verifier ``verify-open`` {model_id, prompt, temperature, top_p, seed, lead}; the
+  verifier answers ``verify-opened`` {committed_len, max_tokens, max_block, lead (granted)} or
+  ``verify-refused`` {code, message} and closes. ``code`` is the name of the ``VerifierError`` subclass
   (``VerifierFull``, ``SessionLimit``, ``WrongModel``, ``PeerLimited``, ...) or ``BadMessage``.
 - then any number of ``verify-block`` {number, base_len, base_token, tokens, q_width, q_ids,
   q_vals}, each answered in order by ``verify-result`` {number, accepted, next_token,
@@ -11,6 +11,9 @@ Contract (one stream = one session; frames and schemas from ``p2pnode.overlay.wi
   result arrives (pipelining). For sampling, each draft token's q row travels sparse: ``q_width``
   entries per row, ids as little-endian int32 and probabilities as little-endian float32 bytes,
   so the verifier rebuilds the very q the edge drew from (exact; rows must sum to 1).
+- With lead granted, the verifier also sends ``verify-lead`` {position, token}: a token it
+  committed on its own (``verify.BatchedVerifier``'s lead). Results and leads share one writer,
+  so the edge reads them in the verifier's commit order.
 - ``verify-close`` {} (or the edge closing its side) ends the session. On an error the verifier
   sends ``verify-error`` {code, message} and ends it. A reset stream, a block slower than
   ``verifier.idle_timeout_s`` or a malformed frame also end it: the session is always released.
@@ -26,6 +29,7 @@ Contract (one stream = one session; frames and schemas from ``p2pnode.overlay.wi
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import field
 
 import numpy as np
@@ -39,6 +43,7 @@ from p2pnode.speculation.verify import (
     BatchedVerifier,
     Block,
     BlockResult,
+    Lead,
     SamplingOptions,
     VerifierError,
 )
@@ -48,6 +53,7 @@ LIMIT = wire.PROTOCOL_LIMITS[VERIFY_PROTOCOL]
 MAX_PROMPT = 8192
 MAX_BLOCK = 64
 MAX_Q_WIDTH = 256  # 2 KiB per draft token on the wire
+MAX_LEAD = 4096
 OPEN_TIMEOUT_S = 30.0
 REFUSE_TIMEOUT_S = 5.0  # a refusal is one small frame; generous for a starved event loop
 _I32 = {"ge": 0, "le": 2**31 - 1}
@@ -62,6 +68,7 @@ class VerifyOpen:
     temperature: float = field(default=0.0, metadata=wire.bounded(ge=0, le=100))
     top_p: float = field(default=1.0, metadata=wire.bounded(ge=0, le=1))
     seed: int | None = field(default=None, metadata=wire.bounded(ge=-(2**63), le=2**63 - 1))
+    lead: int = field(default=0, metadata=wire.bounded(ge=0, le=MAX_LEAD))
 
 
 @wire.message("verify-opened")
@@ -69,6 +76,13 @@ class VerifyOpened:
     committed_len: int = field(metadata=wire.bounded(**_I32))
     max_tokens: int = field(metadata=wire.bounded(**_I32))
     max_block: int = field(metadata=wire.bounded(**_I32))
+    lead: int = field(default=0, metadata=wire.bounded(ge=0, le=MAX_LEAD))
+
+
+@wire.message("verify-lead")
+class VerifyLead:
+    position: int = field(metadata=wire.bounded(**_I32))
+    token: int = field(metadata=wire.bounded(**_I32))
 
 
 @wire.message("verify-refused")
@@ -189,17 +203,33 @@ async def _serve_stream(
             opts = SamplingOptions(req.temperature, req.top_p, req.seed)
             if limiter is not None:
                 held.enter_context(limiter.session(peer))
-            sid = await verifier.open_session(list(req.prompt), opts, req.model_id)
+            out_send, out_recv = trio.open_memory_channel[object](math.inf)
+            sid = await verifier.open_session(
+                list(req.prompt),
+                opts,
+                req.model_id,
+                lead=req.lead,
+                on_lead=lambda ev: out_send.send_nowait(VerifyLead(ev.position, ev.token)),
+            )
         except (wire.WireError, VerifierError, LimitExceeded) as exc:
             with trio.move_on_after(REFUSE_TIMEOUT_S):
                 await _send(stream, VerifyRefused(_code(exc), str(exc)[:1024]))
             return
         try:
             s = verifier.sessions[sid]
-            opened = VerifyOpened(s.committed_len, verifier.max_tokens, verifier.max_block)
-            await _send(stream, opened)
+            opened = VerifyOpened(s.committed_len, verifier.max_tokens, verifier.max_block, s.lead)
+            await _send(stream, opened)  # before the writer starts: leads wait in out_recv
             _release(stream)
-            await _serve_blocks(stream, verifier, sid, limiter, peer)
+            failure: Exception | None = None
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_write_out, stream, out_recv, nursery.cancel_scope)
+                try:
+                    await _serve_blocks(stream, verifier, sid, limiter, peer, out_send)
+                except (wire.WireError, VerifierError, LimitExceeded) as exc:
+                    failure = exc  # answered below, after what is queued (no ExceptionGroup)
+                out_send.close()  # the writer drains what is queued, then ends
+            if failure is not None:
+                raise failure
         except (wire.WireError, VerifierError, LimitExceeded) as exc:
             with trio.move_on_after(REFUSE_TIMEOUT_S):
                 await _send(stream, VerifyError(_code(exc), str(exc)[:1024]))
@@ -207,8 +237,24 @@ async def _serve_stream(
             verifier.close_session(sid)
 
 
+async def _write_out(stream, out: trio.MemoryReceiveChannel, scope: trio.CancelScope) -> None:
+    """The session's only writer: results and leads leave in the verifier's commit order."""
+    try:
+        async for msg in out:
+            await _send(stream, msg)
+            if isinstance(msg, VerifyResult):
+                _release(stream)
+    except Exception:  # the stream is gone: end the session (the reader would wait for blocks)
+        scope.cancel()
+
+
 async def _serve_blocks(
-    stream, verifier: BatchedVerifier, sid: str, limiter: PeerLimiter | None, peer: str
+    stream,
+    verifier: BatchedVerifier,
+    sid: str,
+    limiter: PeerLimiter | None,
+    peer: str,
+    out: trio.MemorySendChannel,
 ) -> None:
     while True:
         # Only the wait for the next block is timed: a verification queued behind a busy
@@ -229,8 +275,7 @@ async def _serve_blocks(
         q = decode_q(msg, verifier.vocab_size)
         block = Block(msg.number, msg.base_len, msg.base_token, tuple(msg.tokens), q)
         r = await verifier.verify(sid, block)
-        await _send(stream, VerifyResult(r.number, r.accepted, r.next_token, r.committed_len))
-        _release(stream)
+        out.send_nowait(VerifyResult(r.number, r.accepted, r.next_token, r.committed_len))
 
 
 def _release(stream) -> None:
@@ -264,10 +309,15 @@ class P2PVerifierTransport:
         self.stream = None
         self.opened: VerifyOpened | None = None
 
-    async def open(self, prompt: list[int], options: SamplingOptions) -> None:
+    async def open(self, prompt: list[int], options: SamplingOptions, *, lead: int = 0) -> int:
         self.stream = await self.node.open_stream(self.peer_id, VERIFY_PROTOCOL)
         req = VerifyOpen(
-            self.model_id, list(prompt), options.temperature, options.top_p, options.seed
+            self.model_id,
+            list(prompt),
+            options.temperature,
+            options.top_p,
+            options.seed,
+            min(lead, MAX_LEAD),
         )
         await _send(self.stream, req)
         with trio.fail_after(OPEN_TIMEOUT_S):
@@ -277,7 +327,10 @@ class P2PVerifierTransport:
         reply = wire.from_wire(obj, VerifyOpened, VerifyRefused)
         if isinstance(reply, VerifyRefused):
             raise _error(reply.code, reply.message)
+        if reply.lead > lead:
+            raise VerifierError(f"verifier granted lead {reply.lead}, more than the {lead} asked")
         self.opened = reply
+        return reply.lead
 
     async def send_block(self, block: Block) -> None:
         width, ids, vals = encode_q(block.draft_probs)
@@ -286,14 +339,16 @@ class P2PVerifierTransport:
         )
         await _send(self.stream, msg)
 
-    async def receive_result(self) -> BlockResult:
+    async def receive_result(self) -> BlockResult | Lead:
         with trio.move_on_after(self.result_timeout_s):
             obj = await wire.read_frame(self.stream, limit=LIMIT)
             if obj is None:
                 raise VerifierError("verifier closed the stream: open a new session")
-            msg = wire.from_wire(obj, VerifyResult, VerifyError)
+            msg = wire.from_wire(obj, VerifyResult, VerifyLead, VerifyError)
             if isinstance(msg, VerifyError):
                 raise _error(msg.code, msg.message)
+            if isinstance(msg, VerifyLead):
+                return Lead(msg.position, msg.token)
             return BlockResult(msg.number, msg.accepted, msg.next_token, msg.committed_len)
         raise VerifierError(f"no verification result within {self.result_timeout_s:.0f} s")
 

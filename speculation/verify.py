@@ -14,8 +14,21 @@ Contract:
   ``await verify(session_id, block)`` queues the block; the ``run()`` task gathers queued blocks of
   different sessions (up to ``max_batch``, waiting at most ``max_wait_ms`` for more) into ONE
   forward pass of the target, then crops each cache to its accepted length.
-  A block states the committed length and last token it builds on; if they differ from the
-  session's (the edge guessed wrong while pipelining) the result is ``stale`` and costs nothing.
+  A block states the committed length and last token it builds on; if the session holds fewer
+  tokens or another token there (the edge guessed wrong while pipelining) the result is ``stale``
+  and costs nothing.
+- Lead (``open_session(..., lead=n, on_lead=callback)``): while no block of the session is
+  waiting, the verifier keeps decoding on its own, up to ``n`` tokens after the session's last
+  block, and hands each token to ``on_lead(Lead(position, token))`` in commit order (the
+  callback runs before any later result of the session is returned). These are the target's own
+  tokens, so a rejection no longer leaves the verifier idle for a round trip. A block that
+  arrives after leads is compared with them: its draft tokens already committed by a lead are
+  accepted while they agree; the first disagreement ends the block (``accepted`` = the agreeing
+  count, ``next_token`` = the lead token there, ``committed_len`` = the session's length, no
+  compute); only the part beyond the leads is verified. So ``committed_len >= base_len +
+  accepted + 1`` with leads (``==`` without). The budget refills when the edge's pipeline breaks
+  (a rejection, a stale or a superseded block) and empties on a fully accepted block, whose
+  successor is usually in flight already; a block of zero tokens (nothing to accept) refills it.
 - Refusals are ``VerifierError`` subclasses with a message saying what to do: ``VerifierFull``
   (max sessions), ``SessionLimit`` (max tokens per session / context), ``UnknownSession`` (closed,
   or reaped after ``idle_timeout_s``), ``SessionBusy`` (one block at a time per session),
@@ -34,6 +47,7 @@ from __future__ import annotations
 
 import math
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -113,6 +127,14 @@ class Block:
 
 
 @dataclass(frozen=True)
+class Lead:
+    """A token the verifier committed on its own while no block of the session was waiting."""
+
+    position: int  # its index in the session's tokens (prompt + output)
+    token: int
+
+
+@dataclass(frozen=True)
 class BlockResult:
     number: int
     accepted: int  # -1: stale block, nothing verified
@@ -176,21 +198,40 @@ def truncate_probs(probs: torch.Tensor, k: int) -> torch.Tensor:
 class _Session:
     sid: str
     options: SamplingOptions
-    committed_len: int
-    last_token: int
+    tokens: list[int]  # committed: prompt + output; the cache holds all but the last
     cache: DynamicCache
     generator: torch.Generator
     last_used: float
-    busy: bool = False
+    lead: int = 0  # tokens it may commit on its own after each block
+    lead_left: int = 0
+    on_lead: Callable[[Lead], None] | None = None
+    busy: bool = False  # a block submitted and not yet returned to its caller
+
+    @property
+    def committed_len(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def last_token(self) -> int:
+        return self.tokens[-1]
 
 
 @dataclass
 class _Pending:
+    """One session's row of a batch: a block to verify, or (``block`` None) a lead step."""
+
     session: _Session
-    block: Block
+    block: Block | None
     done: trio.Event = field(default_factory=trio.Event)
     result: BlockResult | None = None
     error: Exception | None = None
+    lead: Lead | None = None
+    skip: int = 0  # draft tokens already committed by leads (compared, not recomputed)
+    abandoned: bool = False  # its caller was cancelled before the result
+
+    @property
+    def draft(self) -> tuple[int, ...]:
+        return () if self.block is None else self.block.tokens[self.skip :]
 
 
 class BatchedVerifier:
@@ -204,6 +245,7 @@ class BatchedVerifier:
         max_batch: int = 8,
         max_wait_ms: float = 2.0,
         idle_timeout_s: float = 120.0,
+        max_lead: int = 64,
     ) -> None:
         self.target = target
         self.model_id = target.model_id
@@ -214,16 +256,31 @@ class BatchedVerifier:
         self.max_batch = max_batch
         self.max_wait_s = max_wait_ms / 1000
         self.idle_timeout_s = idle_timeout_s
+        self.max_lead = max_lead
         self.sessions: dict[str, _Session] = {}
         self.stats = {"batches": 0, "blocks": 0, "stale": 0, "accepted": 0, "drafted": 0}
-        self._send, self._recv = trio.open_memory_channel[_Pending](math.inf)
+        self.stats.update(lead=0, superseded=0)
+        # None in the queue is a wake-up: a session may lead now (opened, or its block returned)
+        self._send, self._recv = trio.open_memory_channel[_Pending | None](math.inf)
         self._device = trio.Lock()  # one forward at a time: prefill or batch
 
     # -- sessions
 
     async def open_session(
-        self, prompt: list[int], options: SamplingOptions, model_id: str | None = None
+        self,
+        prompt: list[int],
+        options: SamplingOptions,
+        model_id: str | None = None,
+        *,
+        lead: int = 0,
+        on_lead: Callable[[Lead], None] | None = None,
     ) -> str:
+        """Prefill ``prompt``; returns the session id. ``lead`` (clamped to ``max_lead``) needs
+        ``on_lead``: see the module contract."""
+        if isinstance(lead, bool) or not isinstance(lead, int) or lead < 0:
+            raise BadRequest(f"lead must be an int >= 0, got {lead!r}")
+        if lead and on_lead is None:
+            raise BadRequest("lead > 0 needs on_lead, the callback that receives lead tokens")
         if model_id is not None and model_id != self.model_id:
             raise WrongModel(f"this verifier serves {self.model_id}, not {model_id}")
         self._reap_idle()
@@ -241,15 +298,20 @@ class BatchedVerifier:
                 await trio.to_thread.run_sync(self._prefill, cache, prompt[:-1])
         if len(self.sessions) >= self.max_sessions:  # others opened while we prefilled
             raise VerifierFull(f"verifier is at its {self.max_sessions} sessions: retry later")
+        lead = min(lead, self.max_lead)
         self.sessions[sid] = _Session(
             sid,
             options,
-            len(prompt),
-            prompt[-1],
+            list(prompt),
             cache,
             make_generator(options.seed),
             trio.current_time(),
+            lead=lead,
+            lead_left=lead,
+            on_lead=on_lead,
         )
+        if lead:
+            self._send.send_nowait(None)
         return sid
 
     def close_session(self, sid: str) -> None:
@@ -279,14 +341,21 @@ class BatchedVerifier:
         if s.busy:
             raise SessionBusy(f"session {sid} already has a block in flight: wait for its result")
         s.last_used = trio.current_time()
-        if block.base_len != s.committed_len or block.base_token != s.last_token:
-            self.stats["stale"] += 1
-            return BlockResult(block.number, -1, -1, s.committed_len)
         self._validate(s, block)
         item = _Pending(s, block)
         s.busy = True
         self._send.send_nowait(item)
-        await item.done.wait()
+        try:
+            await item.done.wait()
+        finally:
+            # Cleared here, not in the batching loop: the caller sends this result before the
+            # loop can see the session idle and commit a lead token after it (commit order).
+            if item.done.is_set():
+                s.busy = False
+                if s.lead_left:
+                    self._send.send_nowait(None)
+            else:
+                item.abandoned = True
         s.last_used = trio.current_time()
         if item.error is not None:
             raise item.error
@@ -298,7 +367,7 @@ class BatchedVerifier:
         if k > self.max_block:
             raise BadBlock(f"block of {k} tokens exceeds the limit of {self.max_block}")
         self._check_ids(block.tokens, "block")
-        if s.committed_len + k + 1 > self.max_tokens:
+        if s.committed_len + 1 > self.max_tokens or block.base_len + k + 1 > self.max_tokens:
             raise SessionLimit(f"session reached its {self.max_tokens} tokens: open a new one")
         q = block.draft_probs
         if q is not None and (q.shape != (k, self.vocab_size) or not bool(torch.isfinite(q).all())):
@@ -312,28 +381,87 @@ class BatchedVerifier:
         """The batching loop; start it in a nursery before calling ``verify``."""
         task_status.started()
         while True:
-            with trio.move_on_after(max(self.idle_timeout_s / 4, 0.05)) as waiting:
-                first = await self._recv.receive()
-            self._reap_idle()
-            if waiting.cancelled_caught:
-                continue
-            batch = [first]
-            deadline = trio.current_time() + self.max_wait_s
-            while len(batch) < self.max_batch:
-                try:
-                    batch.append(self._recv.receive_nowait())
-                    continue
-                except trio.WouldBlock:
-                    pass
-                if trio.current_time() >= deadline:
-                    break
-                with trio.move_on_at(deadline):
-                    batch.append(await self._recv.receive())
-            async with self._device:
-                await trio.to_thread.run_sync(self._run_batch, batch)
+            batch = await self._gather()
+            compute = [item for item in batch if self._plan(item)]
+            if compute:
+                async with self._device:
+                    await trio.to_thread.run_sync(self._run_batch, compute)
             for item in batch:
-                item.session.busy = False
-                item.done.set()
+                self._finish(item)
+
+    def _leaders(self, exclude: set[str]) -> list[_Session]:
+        return [
+            s
+            for s in self.sessions.values()
+            if s.lead_left > 0
+            and not s.busy
+            and s.sid not in exclude
+            and s.committed_len + 1 < self.max_tokens
+        ]
+
+    async def _gather(self) -> list[_Pending]:
+        """Queued blocks of different sessions (waiting up to ``max_wait_s`` for more), then a
+        lead step for each session with lead budget and no block waiting, up to ``max_batch``."""
+        got: list[_Pending | None] = []
+        if not self._leaders(set()):
+            with trio.move_on_after(max(self.idle_timeout_s / 4, 0.05)):
+                got.append(await self._recv.receive())
+            self._reap_idle()
+            if not got:
+                return []
+        deadline = trio.current_time() + self.max_wait_s
+        while sum(item is not None for item in got) < self.max_batch:
+            try:
+                got.append(self._recv.receive_nowait())
+                continue
+            except trio.WouldBlock:
+                pass
+            if trio.current_time() >= deadline:
+                break
+            with trio.move_on_at(deadline):
+                got.append(await self._recv.receive())
+        batch = [item for item in got if item is not None]
+        with_block = {item.session.sid for item in batch}
+        for s in self._leaders(with_block)[: self.max_batch - len(batch)]:
+            batch.append(_Pending(s, None))
+        return batch
+
+    def _plan(self, item: _Pending) -> bool:
+        """Answer what needs no forward pass (stale, or decided by leads); True: compute."""
+        s, block = item.session, item.block
+        if block is None:
+            return True
+        n, base, d = s.committed_len, block.base_len, block.tokens
+        if not 1 <= base <= n or s.tokens[base - 1] != block.base_token:
+            s.lead_left = s.lead
+            self.stats["stale"] += 1
+            item.result = BlockResult(block.number, -1, -1, n)
+            return False
+        item.skip = min(n - base, len(d))
+        for i in range(item.skip):
+            if d[i] != s.tokens[base + i]:
+                s.lead_left = s.lead
+                self.stats["superseded"] += 1
+                item.result = BlockResult(block.number, i, s.tokens[base + i], n)
+                return False
+        if base + len(d) < n:  # every draft token agreed with a lead; the next one is known
+            item.result = BlockResult(block.number, len(d), s.tokens[base + len(d)], n)
+            return False
+        if n + len(item.draft) + 1 > self.max_tokens:
+            item.error = SessionLimit(
+                f"session reached its {self.max_tokens} tokens: open a new one"
+            )
+            return False
+        return True
+
+    def _finish(self, item: _Pending) -> None:
+        s = item.session
+        if item.block is not None:
+            if item.abandoned:
+                s.busy = False
+            item.done.set()
+        elif item.lead is not None and s.on_lead is not None and s.sid in self.sessions:
+            s.on_lead(item.lead)
 
     # -- worker-thread side (no trio calls below)
 
@@ -347,14 +475,16 @@ class BatchedVerifier:
                 logits = self._forward(batch)
             self.stats["batches"] += 1
             for item, lg in zip(batch, logits, strict=True):
-                item.result = self._accept(item, lg)
+                self._accept(item, lg)
         except Exception as exc:  # a bug must not kill the loop nor hang the callers
             for item in batch:
-                if item.result is None:
+                if item.block is None:  # no retry loop on a broken model: leading stops
+                    item.session.lead_left = 0
+                elif item.result is None:
                     item.error = VerifierError(f"verification failed: {exc!r}")
 
     def _forward(self, batch: list[_Pending]) -> list[torch.Tensor]:
-        inputs = [[it.session.last_token, *it.block.tokens] for it in batch]
+        inputs = [[it.session.last_token, *it.draft] for it in batch]
         model = self.target.model
         if len(batch) == 1:
             cache = batch[0].session.cache
@@ -394,22 +524,31 @@ class BatchedVerifier:
             )
         return [out.logits[i, : len(x)] for i, x in enumerate(inputs)]
 
-    def _accept(self, item: _Pending, logits: torch.Tensor) -> BlockResult:
-        s, block = item.session, item.block
+    def _accept(self, item: _Pending, logits: torch.Tensor) -> None:
+        s, block, draft = item.session, item.block, item.draft
         if s.options.greedy:
-            n, nxt = verify_greedy(logits, block.tokens)
+            n, nxt = verify_greedy(logits, draft)
         else:
             p = probs_from_logits(logits, s.options.temperature, s.options.top_p)
-            n, nxt = verify_sampling(p, block.draft_probs, block.tokens, s.generator)
-        unused = len(block.tokens) - n
+            q = None if block is None or block.draft_probs is None else block.draft_probs
+            n, nxt = verify_sampling(p, None if q is None else q[item.skip :], draft, s.generator)
+        unused = len(draft) - n
         if unused:
             s.cache.crop(-unused)
-        s.committed_len += n + 1
-        s.last_token = nxt
+        s.tokens += [*draft[:n], nxt]
+        if block is None:
+            s.lead_left -= 1
+            self.stats["lead"] += 1
+            item.lead = Lead(s.committed_len - 1, nxt)
+            return
+        # Lead only where the edge's pipeline broke (a rejection): its blocks in flight are dead
+        # and the next useful one is a round trip away. After a full acceptance the next block
+        # is usually on its way already, and a lead step would only delay it.
+        s.lead_left = s.lead if n < len(draft) or not draft else 0
         self.stats["blocks"] += 1
         self.stats["accepted"] += n
-        self.stats["drafted"] += len(block.tokens)
-        return BlockResult(block.number, n, nxt, s.committed_len)
+        self.stats["drafted"] += len(draft)
+        item.result = BlockResult(block.number, item.skip + n, nxt, s.committed_len)
 
 
 def _stack_left_padded(

@@ -21,6 +21,7 @@ from p2pnode.overlay.node import OverlayConfig, open_overlay_node
 from p2pnode.speculation.client import (
     DraftRunner,
     inprocess_transport,
+    remote_generate,
     speculative_generate,
     target_generate,
 )
@@ -44,6 +45,7 @@ from p2pnode.speculation.verify import (
     BadRequest,
     BatchedVerifier,
     Block,
+    Lead,
     SamplingOptions,
     SessionLimit,
     UnknownSession,
@@ -268,39 +270,97 @@ async def test_verifier_refusals(target, prompts) -> None:
         nursery.cancel_scope.cancel()
 
 
+async def test_verifier_lead_commits_target_tokens_and_blocks_merge_with_them(
+    target, prompts
+) -> None:
+    # The verifier leads 3 tokens on its own; they must be the target's greedy tokens. A block
+    # whose drafts agree with the leads is verified only beyond them; one that disagrees inside
+    # the leads is answered from them (no forward); a block of zero tokens is one plain step.
+    p = prompts[2]
+    ref = target_generate(target, p, 7)
+    leads: list[Lead] = []
+    v = BatchedVerifier(target, max_wait_ms=1)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(v.run)
+        sid = await v.open_session(p, SamplingOptions(), lead=3, on_lead=leads.append)
+        with trio.fail_after(30):
+            for _ in range(3000):  # bounded; each lead is one target step (~70 ms)
+                if len(leads) >= 3:
+                    break
+                await trio.sleep(0.01)
+        await trio.sleep(0.3)  # the budget is spent: no fourth lead
+        assert leads == [Lead(len(p) + i, ref[i]) for i in range(3)]
+        n = len(p)
+        agree = await v.verify(sid, Block(0, n, p[-1], tuple(ref[:5])))
+        # 3 drafts matched the leads, 2 were verified (both right), then the target's token
+        assert (agree.accepted, agree.next_token, agree.committed_len) == (5, ref[5], n + 6)
+        forwards = v.stats["batches"]
+        wrong = (ref[0], (ref[1] + 1) % target.vocab_size)
+        superseded = await v.verify(sid, Block(1, n, p[-1], wrong))
+        assert (superseded.accepted, superseded.next_token) == (1, ref[1])
+        assert superseded.committed_len == n + 6 and v.stats["batches"] == forwards
+        with pytest.raises(UnknownSession):
+            await v.verify("nope", Block(2, n, p[-1], ()))
+        step = await v.verify(sid, Block(2, n + 6, ref[5], ()))
+        assert (step.accepted, step.next_token, step.committed_len) == (0, ref[6], n + 7)
+        with pytest.raises(BadRequest, match="on_lead"):
+            await v.open_session(p, SamplingOptions(), lead=2)
+        nursery.cancel_scope.cancel()
+
+
 # ---------------------------------------------------------------- edge client
 
 
 async def test_greedy_speculation_equals_target_several_tenants_at_once(
     target, draft, prompts
 ) -> None:
-    # Three edges at once on one batched verifier: sync, async (2 blocks in flight) over a
-    # 20 ms link, async with 3 blocks in flight (verdicts land while later blocks are drafted).
+    # Four edges at once on one batched verifier: sync, async (2 blocks in flight) over a
+    # 20 ms link, async with 3 blocks in flight (verdicts land while later blocks are drafted),
+    # async with the verifier's lead over a 30 ms link; plus target-only remote generation.
     eos = target.eos_token_ids
+    cases = [(0, 1, 0.0, 0), (1, 2, 0.02, 0), (2, 3, 0.0, 0), (0, 2, 0.03, 4)]
     refs = [target_generate(target, p, 8, eos_token_ids=eos) for p in prompts]
     verifier = BatchedVerifier(target, max_wait_ms=20)
     got: dict[int, list[int]] = {}
+    led: list[int] = []
 
-    async def edge(i: int, depth: int, delay: float) -> None:
+    async def edge(k: int, i: int, depth: int, delay: float, lead: int) -> None:
         async with inprocess_transport(verifier, one_way_delay_s=delay) as transport:
             r = await speculative_generate(
-                draft, transport, prompts[i], 8, gamma=3, depth=depth, eos_token_ids=eos
+                draft,
+                transport,
+                prompts[i],
+                8,
+                gamma=3,
+                depth=depth,
+                lead=lead,
+                eos_token_ids=eos,
             )
-        got[i] = r.tokens
+        got[k] = r.tokens
+        if lead:
+            led.append(r.stats.lead_tokens)
         s = r.stats
         # every verified block is either fully accepted or has exactly one rejected position
         assert s.rejections <= s.blocks_verified <= s.blocks_sent
         assert s.tokens_per_block == (s.accepted + s.blocks_verified) / s.blocks_verified
 
+    async def remote() -> None:
+        async with inprocess_transport(verifier, one_way_delay_s=0.01) as transport:
+            got[4] = (await remote_generate(transport, prompts[1], 8, eos_token_ids=eos)).tokens
+
     async with trio.open_nursery() as nursery:
         await nursery.start(verifier.run)
         with trio.fail_after(120):
             async with trio.open_nursery() as edges:
-                for i, (depth, delay) in enumerate([(1, 0.0), (2, 0.02), (3, 0.0)]):
-                    edges.start_soon(edge, i, depth, delay)
+                for k, case in enumerate(cases):
+                    edges.start_soon(edge, k, *case)
+                edges.start_soon(remote)
         nursery.cancel_scope.cancel()
-    assert [got[i] for i in range(3)] == refs
-    assert verifier.stats["batches"] < verifier.stats["blocks"]  # tenants shared forwards
+    assert [got[k] for k in range(5)] == [refs[0], refs[1], refs[2], refs[0], refs[1]]
+    # the lead edge opened with lead: the verifier decoded at least while the first block was
+    # drafted and crossed the 30 ms link (~0.1 s), one target step being ~70 ms
+    assert led and led[0] >= 1
+    assert verifier.stats["batches"] < verifier.stats["blocks"] + verifier.stats["lead"]
     assert not verifier.sessions  # every transport closed its session
 
 
@@ -342,8 +402,9 @@ async def test_sampled_speculation_first_token_follows_target(target, draft) -> 
 
     async def one(o: SamplingOptions) -> None:
         async with edges, inprocess_transport(verifier) as transport:
+            lead = 2 * (o.seed % 2)  # half the runs let the verifier sample on its own too
             got = await speculative_generate(
-                draft, transport, prompt, 2, gamma=2, depth=2, options=o
+                draft, transport, prompt, 2, gamma=2, depth=2, lead=lead, options=o
             )
         firsts.append(got.tokens[0])
 
@@ -384,12 +445,25 @@ async def test_greedy_over_libp2p_equals_target_and_sessions_are_released(
     async with overlay_network(2) as (server, edge), trio.open_nursery() as nursery:
         await nursery.start(verifier.run)
         serve_verifier(server, verifier)
-        for depth in (1, 2):
+        for depth, lead in ((1, 0), (2, 0), (2, 6)):  # sync, async, async + verifier lead
             transport = P2PVerifierTransport(edge, server.peer_id, draft.target_model_id)
             got = await speculative_generate(
-                draft, transport, prompts[0], 10, gamma=4, depth=depth, eos_token_ids=eos
+                draft,
+                transport,
+                prompts[0],
+                10,
+                gamma=4,
+                depth=depth,
+                lead=lead,
+                eos_token_ids=eos,
             )
-            assert got.tokens == ref, depth
+            assert got.tokens == ref, (depth, lead)
+        # target-only over the wire: leads of 3, refilled by empty blocks (verify-lead frames)
+        verifier.max_lead = 3
+        transport = P2PVerifierTransport(edge, server.peer_id, draft.target_model_id)
+        got = await remote_generate(transport, prompts[0], 10, eos_token_ids=eos)
+        assert got.tokens == ref and 3 <= got.stats.lead_tokens < 10
+        verifier.max_lead = 64
         wrong = P2PVerifierTransport(edge, server.peer_id, "other-model@0")
         with pytest.raises(WrongModel):
             await wrong.open(prompts[0], SamplingOptions())
@@ -448,7 +522,7 @@ async def test_edge_discovers_verifiers_fails_over_then_raises_no_verifier(
 
             async def kill_v1_mid_session() -> None:
                 for _ in range(9000):  # bounded: 90 s at most, like the generation below
-                    if v1.stats["blocks"] >= 2:
+                    if v1.stats["blocks"] + v1.stats["lead"] >= 2:  # mid-session
                         break
                     await trio.sleep(0.01)
                 stop1.set()

@@ -413,3 +413,34 @@ async def test_verifier_calling_every_block_stale_is_cut_off(target) -> None:
                 with pytest.raises(BadVerdict, match="stale"):
                     await speculative_generate(draft, transport, [1, 2, 3, 4], 8, gamma=2)
             nursery.cancel_scope.cancel()
+
+
+async def test_verifier_rewriting_history_with_leads_is_caught(target) -> None:
+    from p2pnode.speculation.client import BadVerdict, inprocess_transport, speculative_generate
+    from p2pnode.speculation.draft import DraftModel
+    from p2pnode.speculation.verify import BatchedVerifier, Lead
+
+    class LeadRewriter(BatchedVerifier):
+        """Sends each lead token one position early: over a token the edge already holds."""
+
+        async def open_session(self, prompt, options, model_id=None, *, lead=0, on_lead=None):
+            def early(ev: Lead) -> None:
+                on_lead(Lead(ev.position - 1, ev.token))
+
+            return await super().open_session(
+                prompt, options, model_id, lead=lead, on_lead=early if on_lead else None
+            )
+
+    draft = DraftModel(
+        target.model, target.tokenizer, target.path, target.model_id, 0, torch.float32
+    )
+    verifier = LeadRewriter(target)
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(verifier.run)
+            async with inprocess_transport(verifier, one_way_delay_s=0.05) as transport:
+                with pytest.raises(BadVerdict, match="lead token at"):
+                    await speculative_generate(
+                        draft, transport, [1, 2, 3, 4], 8, gamma=2, depth=2, lead=4
+                    )
+            nursery.cancel_scope.cancel()
