@@ -478,6 +478,30 @@ def main() -> None:
     result = {"delay_in": args.delay_in, "rows": rows, "load_end": os.getloadavg()}
     out.write_text(json.dumps(result, indent=2))
     print(f"wrote {out}")
+    print(f"wrote {plot(rows, out.with_suffix('.png'))}")
+
+
+def plot(rows: list[dict], path: Path) -> Path:
+    """tok/s against RTT, one line per mode (the figure the README's table comes from)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for mode in dict.fromkeys(r["mode"] for r in rows):
+        pts = [(r["rtt_ms"], r["tokens_per_s"]) for r in rows if r["mode"] == mode]
+        ax.plot(*zip(*pts, strict=True), marker="o", label=mode)
+    ax.set_xlabel("injected RTT (ms)")
+    ax.set_ylabel("tokens/s (incl. first token)")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title("edge speculation vs target-only, separate pinned processes")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
 
 
 if __name__ == "__main__":

@@ -17,8 +17,18 @@ Contract:
   drafting within one draft step (not one block) and the edge redrafts at once. A block built on
   a guess survives with probability ~alpha^(gamma+1): at alpha ~0.75 short blocks (gamma 2) with
   3 in flight beat gamma 4 (bench/speculation_processes.py models and measures it).
+- ``lead=n`` (async): the verifier decodes on its own, up to n tokens, whenever no block of the
+  session waits after a rejection (see ``verify.py``), so a rejection no longer idles it for a
+  round trip. Its tokens arrive as ``Lead`` in commit order and are committed at once; a lead
+  that contradicts the draft kills the blocks in flight like a rejection, one that runs past the
+  draft just moves it forward. The first block after a reset is lengthened by the overlap
+  measured on earlier ones, so its last ``gamma`` drafts reach past the verifier's own tokens.
+  Every verdict must agree with what is committed (``_Committed``), else ``BadVerdict``.
+- ``remote_generate(transport, prompt, n)``: target-only remote generation over the same
+  protocol (the verifier streams leads; empty blocks refill the budget): the baseline, and the
+  fastest mode where the draft is barely cheaper than the target.
 - The verifier is reached through ``VerifierTransport`` (open / send_block / receive_result /
-  close; results come back in order). ``inprocess_transport(verifier, one_way_delay_s=...)`` is the
+  close; results and leads come back in the verifier's commit order). ``inprocess_transport(verifier, one_way_delay_s=...)`` is the
   in-process one, with a userspace one-way delay (trio.sleep) on each direction, FIFO like a
   stream; ``p2pnode.speculation.protocol`` provides the libp2p one.
 - Draft and target forwards run in worker threads (``trio.to_thread``) so the event loop keeps

@@ -292,25 +292,39 @@ class BatchedVerifier:
             raise SessionLimit(f"prompt of {len(prompt)} tokens exceeds {self.max_tokens - 1}")
         self._check_ids(prompt, "prompt")
         sid = secrets.token_hex(8)
-        cache = DynamicCache()
+        cache, generator, lead = (
+            DynamicCache(),
+            make_generator(options.seed),
+            min(lead, self.max_lead),
+        )
+        first: int | None = None
         async with self._device:
-            if len(prompt) > 1:
+            if lead:  # the prefill's last logits give the first token: a lead at once
+                first = await trio.to_thread.run_sync(
+                    self._prefill_and_pick, cache, prompt, options, generator
+                )
+            elif len(prompt) > 1:
                 await trio.to_thread.run_sync(self._prefill, cache, prompt[:-1])
         if len(self.sessions) >= self.max_sessions:  # others opened while we prefilled
             raise VerifierFull(f"verifier is at its {self.max_sessions} sessions: retry later")
-        lead = min(lead, self.max_lead)
-        self.sessions[sid] = _Session(
+        s = _Session(
             sid,
             options,
             list(prompt),
             cache,
-            make_generator(options.seed),
+            generator,
             trio.current_time(),
             lead=lead,
             lead_left=lead,
             on_lead=on_lead,
         )
-        if lead:
+        self.sessions[sid] = s
+        if first is not None and on_lead is not None:
+            s.tokens.append(first)
+            s.lead_left -= 1
+            self.stats["lead"] += 1
+            on_lead(Lead(len(prompt), first))
+        if s.lead_left:
             self._send.send_nowait(None)
         return sid
 
@@ -468,6 +482,22 @@ class BatchedVerifier:
     @torch.inference_mode()
     def _prefill(self, cache: DynamicCache, ids: list[int]) -> None:
         self.target.model(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True)
+
+    @torch.inference_mode()
+    def _prefill_and_pick(
+        self,
+        cache: DynamicCache,
+        ids: list[int],
+        options: SamplingOptions,
+        generator: torch.Generator,
+    ) -> int:
+        logits = self.target.model(
+            input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True, logits_to_keep=1
+        ).logits[0]
+        if options.greedy:
+            return verify_greedy(logits, ())[1]
+        p = probs_from_logits(logits, options.temperature, options.top_p)
+        return verify_sampling(p, None, (), generator)[1]
 
     def _run_batch(self, batch: list[_Pending]) -> None:
         try:
