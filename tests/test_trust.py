@@ -392,8 +392,6 @@ async def test_verifier_with_impossible_verdicts_is_failed_over_then_skipped(tar
 
 
 async def test_verifier_calling_every_block_stale_is_cut_off(target) -> None:
-    from p2pnode.speculation.client import BadVerdict, inprocess_transport, speculative_generate
-    from p2pnode.speculation.draft import DraftModel
     from p2pnode.speculation.verify import BatchedVerifier, BlockResult
 
     class StaleForever(BatchedVerifier):
@@ -402,22 +400,28 @@ async def test_verifier_calling_every_block_stale_is_cut_off(target) -> None:
         async def verify(self, sid: str, block: Any) -> BlockResult:
             return BlockResult(block.number, -1, -1, block.base_len)
 
+    await _edge_must_catch(target, StaleForever(target), "stale")
+
+
+async def _edge_must_catch(target, verifier, match: str, *, delay_s: float = 0.0, **kw) -> None:
+    """Generate against ``verifier``: the edge must stop with a BadVerdict matching ``match``."""
+    from p2pnode.speculation.client import BadVerdict, inprocess_transport, speculative_generate
+    from p2pnode.speculation.draft import DraftModel
+
+    # The target stands in as its own draft (fast to build); what is tested is the edge's check.
     draft = DraftModel(
         target.model, target.tokenizer, target.path, target.model_id, 0, torch.float32
     )
-    verifier = StaleForever(target)
     with trio.fail_after(60):
         async with trio.open_nursery() as nursery:
             await nursery.start(verifier.run)
-            async with inprocess_transport(verifier) as transport:
-                with pytest.raises(BadVerdict, match="stale"):
-                    await speculative_generate(draft, transport, [1, 2, 3, 4], 8, gamma=2)
+            async with inprocess_transport(verifier, one_way_delay_s=delay_s) as transport:
+                with pytest.raises(BadVerdict, match=match):
+                    await speculative_generate(draft, transport, [1, 2, 3, 4], 8, gamma=2, **kw)
             nursery.cancel_scope.cancel()
 
 
 async def test_verifier_rewriting_history_with_leads_is_caught(target) -> None:
-    from p2pnode.speculation.client import BadVerdict, inprocess_transport, speculative_generate
-    from p2pnode.speculation.draft import DraftModel
     from p2pnode.speculation.verify import BatchedVerifier, Lead
 
     class LeadRewriter(BatchedVerifier):
@@ -431,16 +435,6 @@ async def test_verifier_rewriting_history_with_leads_is_caught(target) -> None:
                 prompt, options, model_id, lead=lead, on_lead=early if on_lead else None
             )
 
-    draft = DraftModel(
-        target.model, target.tokenizer, target.path, target.model_id, 0, torch.float32
+    await _edge_must_catch(
+        target, LeadRewriter(target), "lead token at", delay_s=0.05, depth=2, lead=4
     )
-    verifier = LeadRewriter(target)
-    with trio.fail_after(60):
-        async with trio.open_nursery() as nursery:
-            await nursery.start(verifier.run)
-            async with inprocess_transport(verifier, one_way_delay_s=0.05) as transport:
-                with pytest.raises(BadVerdict, match="lead token at"):
-                    await speculative_generate(
-                        draft, transport, [1, 2, 3, 4], 8, gamma=2, depth=2, lead=4
-                    )
-            nursery.cancel_scope.cancel()
