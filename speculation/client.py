@@ -465,16 +465,17 @@ def target_generate(
     """The target alone: a plain KV-cached decoding loop (the reference speculation must match)."""
     options = options or GREEDY
     eos, gen, cache = frozenset(eos_token_ids), make_generator(options.seed), DynamicCache()
-    x, out = torch.tensor([prompt]), []
+    device = next(target.model.parameters()).device
+    x, out = torch.tensor([prompt], device=device), []
     while not _finished(out, max_new_tokens, eos):
         logits = target.model(input_ids=x, past_key_values=cache, use_cache=True).logits[0, -1]
         if options.greedy:
             token = int(logits.argmax())
         else:
-            p = probs_from_logits(logits, options.temperature, options.top_p)
+            p = probs_from_logits(logits.float().cpu(), options.temperature, options.top_p)
             token = int(torch.multinomial(p, 1, generator=gen))
         out.append(token)
-        x = torch.tensor([[token]])
+        x = torch.tensor([[token]], device=device)
     return out
 
 

@@ -35,6 +35,10 @@ Contract:
   ``BadBlock`` / ``BadRequest`` (malformed input), ``WrongModel``, ``PeerLimited`` (the edge's
   peer went over a per-peer limit of ``overlay/limits.py``: sessions, rate, bytes in flight).
 
+Device: inputs are built on the target's device (a CUDA target needs no wrapper); greedy
+acceptance runs there, sampling copies the few logit rows to the CPU and draws with the
+session's seeded CPU generator. (Not yet run on a GPU here: no device lent, see issue 9.)
+
 Batching choice: each session keeps its own ``DynamicCache``; a batch stacks them LEFT-padded to
 the longest cache and RIGHT-pads the new tokens, with a 2-D attention mask hiding both pads and
 explicit per-row position ids (true positions). Cached keys already carry their RoPE rotation, so
@@ -248,6 +252,7 @@ class BatchedVerifier:
         max_lead: int = 64,
     ) -> None:
         self.target = target
+        self.device = _device_of(target.model)
         self.model_id = target.model_id
         self.vocab_size = target.vocab_size
         self.max_sessions = max_sessions
@@ -479,9 +484,12 @@ class BatchedVerifier:
 
     # -- worker-thread side (no trio calls below)
 
+    def _ids(self, rows: list[list[int]]) -> torch.Tensor:
+        return torch.tensor(rows, device=self.device)
+
     @torch.inference_mode()
     def _prefill(self, cache: DynamicCache, ids: list[int]) -> None:
-        self.target.model(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True)
+        self.target.model(input_ids=self._ids([ids]), past_key_values=cache, use_cache=True)
 
     @torch.inference_mode()
     def _prefill_and_pick(
@@ -492,11 +500,11 @@ class BatchedVerifier:
         generator: torch.Generator,
     ) -> int:
         logits = self.target.model(
-            input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True, logits_to_keep=1
+            input_ids=self._ids([ids]), past_key_values=cache, use_cache=True, logits_to_keep=1
         ).logits[0]
         if options.greedy:
             return verify_greedy(logits, ())[1]
-        p = probs_from_logits(logits, options.temperature, options.top_p)
+        p = probs_from_logits(logits.float().cpu(), options.temperature, options.top_p)
         return verify_sampling(p, None, (), generator)[1]
 
     def _run_batch(self, batch: list[_Pending]) -> None:
@@ -518,7 +526,7 @@ class BatchedVerifier:
         model = self.target.model
         if len(batch) == 1:
             cache = batch[0].session.cache
-            out = model(input_ids=torch.tensor(inputs), past_key_values=cache, use_cache=True)
+            out = model(input_ids=self._ids(inputs), past_key_values=cache, use_cache=True)
             return [out.logits[0]]
         lens = [it.session.cache.get_seq_length() for it in batch]
         lmax, nmax = max(lens), max(len(x) for x in inputs)
@@ -538,9 +546,9 @@ class BatchedVerifier:
             mask[i, lmax - n : lmax + len(x)] = 1
             pos[i] = torch.arange(n, n + nmax)
         out = model(
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=pos,
+            input_ids=ids.to(self.device),
+            attention_mask=mask.to(self.device),
+            position_ids=pos.to(self.device),
             past_key_values=cache,
             use_cache=True,
         )
@@ -558,8 +566,8 @@ class BatchedVerifier:
         s, block, draft = item.session, item.block, item.draft
         if s.options.greedy:
             n, nxt = verify_greedy(logits, draft)
-        else:
-            p = probs_from_logits(logits, s.options.temperature, s.options.top_p)
+        else:  # on the CPU: the session's generator is a CPU one (seeded, device-independent)
+            p = probs_from_logits(logits.float().cpu(), s.options.temperature, s.options.top_p)
             q = None if block is None or block.draft_probs is None else block.draft_probs
             n, nxt = verify_sampling(p, None if q is None else q[item.skip :], draft, s.generator)
         unused = len(draft) - n
@@ -581,6 +589,14 @@ class BatchedVerifier:
         item.result = BlockResult(block.number, item.skip + n, nxt, s.committed_len)
 
 
+def _device_of(model) -> torch.device:
+    """Where the target's weights live: inputs go there, sampling stays on the CPU."""
+    try:
+        return next(model.parameters()).device
+    except (AttributeError, StopIteration):  # a wrapper without parameters (bench/gpu_check.py)
+        return torch.device("cpu")
+
+
 def _stack_left_padded(
     batch: list[_Pending], lens: list[int], li: int, lmax: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -595,7 +611,7 @@ def _stack_left_padded(
             ks.append(None)
             vs.append(None)
     like = next(k for k in ks if k is not None)
-    zero = torch.zeros(1, like.shape[1], lmax, like.shape[3], dtype=like.dtype)
+    zero = torch.zeros(1, like.shape[1], lmax, like.shape[3], dtype=like.dtype, device=like.device)
     return (
         torch.cat([zero if k is None else k for k in ks]),
         torch.cat([zero if v is None else v for v in vs]),
