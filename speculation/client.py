@@ -120,6 +120,14 @@ class DraftRunner:
         self.tokens = list(committed)
 
     @torch.inference_mode()
+    def prefill(self) -> None:
+        """Cache all tokens but the last (``extend`` feeds it): runs while the session opens."""
+        if len(self.tokens) - 1 > self.cache_len:
+            x = torch.tensor([self.tokens[self.cache_len : -1]])
+            self.model(input_ids=x, past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+            self.cache_len = len(self.tokens) - 1
+
+    @torch.inference_mode()
     def extend(self, n: int, *, argmax: bool = False) -> tuple[list[int], torch.Tensor | None]:
         """Draft ``n`` tokens after ``self.tokens``; returns them and their q rows (sampling)."""
         out: list[int] = []
@@ -344,7 +352,9 @@ async def speculative_generate(
     async def draft_one(argmax: bool = False) -> tuple[list[int], torch.Tensor | None]:
         return await trio.to_thread.run_sync(lambda: d.extend(1, argmax=argmax))
 
-    await transport.open(prompt, options, lead=lead)
+    async with trio.open_nursery() as opening:  # the draft's prefill overlaps the open
+        opening.start_soon(trio.to_thread.run_sync, d.prefill)
+        await transport.open(prompt, options, lead=lead)
     try:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(receiver)

@@ -30,6 +30,7 @@ Contract:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -43,12 +44,13 @@ import trio
 from p2pnode.overlay.trust import TrustBook
 from p2pnode.speculation.client import (
     BadVerdict,
+    SpecResult,
     SpecStats,
     remote_generate,
     speculative_generate,
 )
 from p2pnode.speculation.draft import DraftModel, load_draft
-from p2pnode.speculation.protocol import P2PVerifierTransport
+from p2pnode.speculation.protocol import OPEN_TIMEOUT_S, P2PVerifierTransport, open_spare
 from p2pnode.speculation.verify import (
     BadBlock,
     BadRequest,
@@ -63,6 +65,8 @@ log = logging.getLogger(__name__)
 # (bench/speculation_processes.py; without lead, 3 blocks of 2 were best, as a block built on a
 # guess survives with probability alpha^(gamma+1)). Sync pays a round trip per block: gamma 4.
 MODES = {"sync": (1, 4, 0), "async": (2, 4, 8), "remote": (0, 0, 0)}
+# A spare stream is used only while the verifier still waits for its open (OPEN_TIMEOUT_S).
+SPARE_MAX_AGE_S = OPEN_TIMEOUT_S * 2 / 3
 _CALLER_ERRORS = (BadRequest, BadBlock, SessionLimit)
 
 
@@ -77,6 +81,7 @@ class EdgeResult:
     stats: SpecStats = field(default_factory=SpecStats)
     verifiers: list[str] = field(default_factory=list)  # in the order they were used
     seconds: float = 0.0
+    warm: bool = False  # the first session started on a spare stream (no stream negotiation)
 
     @property
     def failovers(self) -> int:
@@ -112,6 +117,7 @@ class EdgeClient:
         self.gamma = gamma
         self.result_timeout_s = result_timeout_s
         self._fixed = list(verifiers) if verifiers is not None else None
+        self._spares: dict[str, tuple[object, float]] = {}  # peer -> (stream, opened at)
         eos = getattr(self.tokenizer, "eos_token_id", None)
         self.eos_token_ids: tuple[int, ...] = (eos,) if isinstance(eos, int) else ()
 
@@ -189,39 +195,36 @@ class EdgeClient:
             peer = candidates[0]
             result.verifiers.append(peer)
             transport = P2PVerifierTransport(
-                self.node, peer, self.model_id, result_timeout_s=self.result_timeout_s
+                self.node,
+                peer,
+                self.model_id,
+                result_timeout_s=self.result_timeout_s,
+                spare=self._take_spare(peer),
             )
-            depth, gamma, lead = MODES[mode]
-            try:
-                if depth == 0:
-                    r = await remote_generate(
+            failure: Exception | None = None
+            async with trio.open_nursery() as side:
+                side.start_soon(self._refill_spare, peer)  # for the next request to this peer
+                try:
+                    r = await self._session(
                         transport,
+                        mode,
                         ids + committed,
                         max_tokens - len(committed),
-                        options=options,
-                        eos_token_ids=self.eos_token_ids,
-                        on_commit=on_commit,
+                        options,
+                        on_commit,
                     )
-                else:
-                    r = await speculative_generate(
-                        self.draft,
-                        transport,
-                        ids + committed,
-                        max_tokens - len(committed),
-                        gamma=self.gamma or gamma,
-                        depth=depth,
-                        lead=lead,
-                        options=options,
-                        eos_token_ids=self.eos_token_ids,
-                        on_commit=on_commit,
-                    )
-            except _CALLER_ERRORS:
-                raise
-            except (Exception, trio.TooSlowError) as exc:  # dead, hung or refusing verifier
-                log.info("verifier %s failed (%r); failing over", peer, exc)
-                if isinstance(exc, BadVerdict):
+                except Exception as exc:  # handled below, outside the nursery
+                    failure = exc
+                    side.cancel_scope.cancel()
+            if len(result.verifiers) == 1:
+                result.warm = transport.used_spare
+            if isinstance(failure, _CALLER_ERRORS):
+                raise failure
+            if failure is not None:  # dead, hung or refusing verifier
+                log.info("verifier %s failed (%r); failing over", peer, failure)
+                if isinstance(failure, BadVerdict):
                     self.trust.observe_fault(peer)
-                tried[peer] = repr(exc)[:200]
+                tried[peer] = repr(failure)[:200]
                 continue
             self._add(result.stats, r.stats)
             break
@@ -230,6 +233,53 @@ class EdgeClient:
         result.seconds = time.perf_counter() - started
         result.stats.seconds = result.seconds
         return result
+
+    async def _session(self, transport, mode, ids, max_tokens, options, on_commit) -> SpecResult:
+        depth, gamma, lead = MODES[mode]
+        if depth == 0:
+            return await remote_generate(
+                transport,
+                ids,
+                max_tokens,
+                options=options,
+                eos_token_ids=self.eos_token_ids,
+                on_commit=on_commit,
+            )
+        return await speculative_generate(
+            self.draft,
+            transport,
+            ids,
+            max_tokens,
+            gamma=self.gamma or gamma,
+            depth=depth,
+            lead=lead,
+            options=options,
+            eos_token_ids=self.eos_token_ids,
+            on_commit=on_commit,
+        )
+
+    def _take_spare(self, peer: str):
+        stream, opened_at = self._spares.pop(peer, (None, 0.0))
+        if stream is not None and trio.current_time() - opened_at > SPARE_MAX_AGE_S:
+            return None  # the verifier has dropped it or soon will; it closes its side
+        return stream
+
+    async def _refill_spare(self, peer: str) -> None:
+        """Open the stream the next session with ``peer`` will start on (saves 2 RTT)."""
+        if peer in self._spares:
+            return
+        with trio.move_on_after(5):
+            try:
+                self._spares[peer] = (await open_spare(self.node, peer), trio.current_time())
+            except Exception as exc:  # a dead peer: the next request opens its own stream
+                log.debug("no spare stream to %s: %r", peer, exc)
+
+    async def aclose(self) -> None:
+        """Drop the spare streams (``open_edge`` calls this on exit)."""
+        spares, self._spares = self._spares, {}
+        for stream, _ in spares.values():
+            with trio.move_on_after(2), contextlib.suppress(Exception):  # already gone
+                await stream.reset()
 
     async def stream(
         self, prompt: str | list[dict] | list[int], max_tokens: int = 64, **kw
@@ -307,9 +357,14 @@ async def open_edge(
                 roles={"edge"},
             )
             node = await stack.enter_async_context(open_overlay_node(cfg))
-        yield EdgeClient(
+        client = EdgeClient(
             node, draft, verifiers=verifiers, gamma=gamma, result_timeout_s=result_timeout_s
         )
+        try:
+            yield client
+        finally:
+            with trio.CancelScope(shield=True):
+                await client.aclose()
 
 
 def run_edge_cli(

@@ -197,7 +197,9 @@ async def _serve_stream(
         try:
             with trio.move_on_after(OPEN_TIMEOUT_S):
                 obj = await wire.read_frame(stream, limit=LIMIT)
-            if obj is None:
+            if obj is None:  # an idle spare (or a silent peer): the edge must see it closed
+                with trio.move_on_after(REFUSE_TIMEOUT_S), contextlib.suppress(Exception):
+                    await stream.close()
                 return
             req = wire.from_wire(obj, VerifyOpen)
             opts = SamplingOptions(req.temperature, req.top_p, req.seed)
@@ -301,16 +303,29 @@ def _error(code: str, message: str) -> VerifierError:
 
 
 class P2PVerifierTransport:
-    """``VerifierTransport`` over one ``/p2pnode/verify/1`` stream to ``peer_id``."""
+    """``VerifierTransport`` over one ``/p2pnode/verify/1`` stream to ``peer_id``.
 
-    def __init__(self, node, peer_id: str, model_id: str, *, result_timeout_s: float = 120.0):
+    ``spare``: a stream already opened to that peer (``open_spare``), which saves the stream
+    negotiation (2 round trips in py-libp2p) on the session's first token. A spare the verifier
+    already dropped (it waits ``OPEN_TIMEOUT_S`` for the open) is replaced by a fresh stream."""
+
+    def __init__(
+        self,
+        node,
+        peer_id: str,
+        model_id: str,
+        *,
+        result_timeout_s: float = 120.0,
+        spare=None,
+    ):
         self.node, self.peer_id, self.model_id = node, peer_id, model_id
         self.result_timeout_s = result_timeout_s
         self.stream = None
+        self.spare = spare
+        self.used_spare = False
         self.opened: VerifyOpened | None = None
 
     async def open(self, prompt: list[int], options: SamplingOptions, *, lead: int = 0) -> int:
-        self.stream = await self.node.open_stream(self.peer_id, VERIFY_PROTOCOL)
         req = VerifyOpen(
             self.model_id,
             list(prompt),
@@ -319,18 +334,31 @@ class P2PVerifierTransport:
             options.seed,
             min(lead, MAX_LEAD),
         )
-        await _send(self.stream, req)
-        with trio.fail_after(OPEN_TIMEOUT_S):
-            obj = await wire.read_frame(self.stream, limit=LIMIT)
-        if obj is None:
+        reply = None
+        if self.spare is not None:
+            self.stream, self.spare = self.spare, None
+            with contextlib.suppress(Exception):  # dropped by the verifier, reset, ...
+                reply = await self._request_open(req)
+                self.used_spare = reply is not None
+            if reply is None:
+                await _drop(self.stream)
+        if reply is None:
+            self.stream = await self.node.open_stream(self.peer_id, VERIFY_PROTOCOL)
+            reply = await self._request_open(req)
+        if reply is None:
             raise VerifierError("verifier closed the stream before answering the open")
-        reply = wire.from_wire(obj, VerifyOpened, VerifyRefused)
         if isinstance(reply, VerifyRefused):
             raise _error(reply.code, reply.message)
         if reply.lead > lead:
             raise VerifierError(f"verifier granted lead {reply.lead}, more than the {lead} asked")
         self.opened = reply
         return reply.lead
+
+    async def _request_open(self, req: VerifyOpen) -> VerifyOpened | VerifyRefused | None:
+        await _send(self.stream, req)
+        with trio.fail_after(OPEN_TIMEOUT_S):
+            obj = await wire.read_frame(self.stream, limit=LIMIT)
+        return None if obj is None else wire.from_wire(obj, VerifyOpened, VerifyRefused)
 
     async def send_block(self, block: Block) -> None:
         width, ids, vals = encode_q(block.draft_probs)
@@ -353,6 +381,9 @@ class P2PVerifierTransport:
         raise VerifierError(f"no verification result within {self.result_timeout_s:.0f} s")
 
     async def close(self) -> None:
+        if self.spare is not None:
+            await _drop(self.spare)
+            self.spare = None
         if self.stream is None:
             return
         stream, self.stream = self.stream, None
@@ -361,13 +392,23 @@ class P2PVerifierTransport:
                 await _send(stream, VerifyClose())
                 await stream.close()
             except Exception:  # the peer may already be gone; reset to release our side
-                with contextlib.suppress(Exception):
-                    await stream.reset()
+                await _drop(stream)
+
+
+async def open_spare(node, peer_id: str):
+    """A ``/p2pnode/verify/1`` stream to ``peer_id`` for a later session's ``spare=``."""
+    return await node.open_stream(peer_id, VERIFY_PROTOCOL)
+
+
+async def _drop(stream) -> None:
+    with trio.move_on_after(2), contextlib.suppress(Exception):
+        await stream.reset()
 
 
 __all__ = [
     "VERIFY_PROTOCOL",
     "P2PVerifierTransport",
+    "open_spare",
     "serve_verifier",
     "encode_q",
     "decode_q",

@@ -531,8 +531,40 @@ async def test_edge_discovers_verifiers_fails_over_then_raises_no_verifier(
             with trio.fail_after(90):
                 r = await pinned.generate(prompts[0], 12, mode="async")
             assert r.tokens == ref  # resumed on v2 from prompt + committed: same greedy output
-            assert r.verifiers == [n1.peer_id, n2.peer_id] and v2.stats["blocks"] >= 1
+            assert r.verifiers == [n1.peer_id, n2.peer_id]
+            assert v2.stats["blocks"] + v2.stats["lead"] >= 1  # v2 committed the rest
             stop2.set()
             with trio.fail_after(30), pytest.raises(NoVerifier):
                 await pinned.generate(prompts[2], 4, mode="sync")
+        nursery.cancel_scope.cancel()
+
+
+async def test_edge_starts_the_next_request_on_a_spare_stream(
+    target, draft, prompts, overlay_network, monkeypatch
+) -> None:
+    # The first request opens its stream (2 round trips of negotiation) and a spare for the next
+    # one; the second starts on the spare. A spare the verifier already dropped (its open timeout
+    # shortened here to 0.5 s) is replaced by a fresh stream, with the same output.
+    from p2pnode.speculation import edge as edge_mod
+    from p2pnode.speculation import protocol
+
+    eos = target.eos_token_ids
+    ref = target_generate(target, prompts[2], 6, eos_token_ids=eos)
+    verifier = BatchedVerifier(target)
+    async with overlay_network(2) as (server, node), trio.open_nursery() as nursery:
+        await nursery.start(verifier.run)
+        serve_verifier(server, verifier)
+        client = EdgeClient(node, draft, verifiers=[server.peer_id])
+        with trio.fail_after(60):
+            first = await client.generate(prompts[2], 6, mode="remote")
+            second = await client.generate(prompts[2], 6, mode="async")
+            assert first.tokens == second.tokens == ref
+            assert (first.warm, second.warm) == (False, True)
+            monkeypatch.setattr(protocol, "OPEN_TIMEOUT_S", 0.5)
+            monkeypatch.setattr(edge_mod, "SPARE_MAX_AGE_S", 100.0)
+            await client.generate(prompts[2], 2, mode="sync")  # leaves a spare behind
+            await trio.sleep(1.0)  # > 0.5 s: the verifier closes the idle spare
+            third = await client.generate(prompts[2], 6, mode="sync")
+            assert third.tokens == ref and not third.warm
+            await client.aclose()
         nursery.cancel_scope.cancel()
