@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 from collections import Counter
+from contextlib import asynccontextmanager
 from functools import partial
 
 import pytest
@@ -436,15 +437,23 @@ def test_sparse_q_round_trip_is_exact() -> None:
         decode_q(VerifyBlock(0, 5, 1, [1, 2, 3], width, ids, vals), 10)  # ids beyond vocab
 
 
+@asynccontextmanager
+async def _verifier_and_edge_nodes(target, overlay_network):
+    """A batched verifier served on one loopback overlay node, and a second node to be the edge."""
+    verifier = BatchedVerifier(target)
+    async with overlay_network(2) as (server, edge), trio.open_nursery() as nursery:
+        await nursery.start(verifier.run)
+        serve_verifier(server, verifier)
+        yield verifier, server, edge
+        nursery.cancel_scope.cancel()
+
+
 async def test_greedy_over_libp2p_equals_target_and_sessions_are_released(
     target, draft, prompts, overlay_network
 ) -> None:
     eos = target.eos_token_ids
     ref = target_generate(target, prompts[0], 10, eos_token_ids=eos)
-    verifier = BatchedVerifier(target)
-    async with overlay_network(2) as (server, edge), trio.open_nursery() as nursery:
-        await nursery.start(verifier.run)
-        serve_verifier(server, verifier)
+    async with _verifier_and_edge_nodes(target, overlay_network) as (verifier, server, edge):
         for depth, lead in ((1, 0), (2, 0), (2, 6)):  # sync, async, async + verifier lead
             transport = P2PVerifierTransport(edge, server.peer_id, draft.target_model_id)
             got = await speculative_generate(
@@ -483,7 +492,6 @@ async def test_greedy_over_libp2p_equals_target_and_sessions_are_released(
                     break
                 await trio.sleep(0.05)
         assert not verifier.sessions
-        nursery.cancel_scope.cancel()
 
 
 async def _hold_verifier_node(model_id, verifier, stop: trio.Event, *, bootstrap, task_status):
@@ -550,10 +558,7 @@ async def test_edge_starts_the_next_request_on_a_spare_stream(
 
     eos = target.eos_token_ids
     ref = target_generate(target, prompts[2], 6, eos_token_ids=eos)
-    verifier = BatchedVerifier(target)
-    async with overlay_network(2) as (server, node), trio.open_nursery() as nursery:
-        await nursery.start(verifier.run)
-        serve_verifier(server, verifier)
+    async with _verifier_and_edge_nodes(target, overlay_network) as (_, server, node):
         client = EdgeClient(node, draft, verifiers=[server.peer_id])
         with trio.fail_after(60):
             first = await client.generate(prompts[2], 6, mode="remote")
@@ -567,4 +572,3 @@ async def test_edge_starts_the_next_request_on_a_spare_stream(
             third = await client.generate(prompts[2], 6, mode="sync")
             assert third.tokens == ref and not third.warm
             await client.aclose()
-        nursery.cancel_scope.cancel()
