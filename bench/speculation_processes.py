@@ -20,6 +20,8 @@ timed in its own process plus one round trip per request: what streaming could r
 ``--delay-in transport`` puts the delay above an undelayed libp2p stream instead (the edge holds
 each block and each result for RTT/2: ``DelayedTransport``), to tell the protocol's cost under
 wan.py's per-write delays apart from the algorithm's.
+``--warm`` starts each session on a stream opened beforehand (as ``EdgeClient`` does for every
+request after its first), so the first token pays no stream negotiation (2 RTT in py-libp2p).
 Every speculative output is checked token for token against the target's greedy output.
 Writes bench/results/speculation_processes.json.
 """
@@ -203,13 +205,13 @@ def serve(spec: Path, n_prompts: int, new_tokens: int) -> None:
 
 
 async def edge_runs(
-    spec: Path, info: dict, rtts: list[int], modes, new_tokens: int, delay_in: str
+    spec: Path, info: dict, rtts: list[int], modes, new_tokens: int, delay_in: str, warm: bool
 ) -> list[dict]:
     from p2pnode.identity import NodeKey
     from p2pnode.overlay.node import OverlayConfig, open_overlay_node
     from p2pnode.speculation.client import remote_generate, speculative_generate
     from p2pnode.speculation.draft import load_draft
-    from p2pnode.speculation.protocol import P2PVerifierTransport
+    from p2pnode.speculation.protocol import P2PVerifierTransport, open_spare
     from p2pnode.speculation.verify import VerifierError
     from p2pnode.testnet import wan
 
@@ -240,8 +242,9 @@ async def edge_runs(
         async with open_overlay_node(cfg) as node:
 
             async def run(prompt, depth, gamma, n, lead=0, node=node, rtt=rtt):
+                spare = await open_spare(node, info["peer_id"]) if warm else None
                 stamps: list[float] = [time.perf_counter()]  # start, then one per token
-                tr = P2PVerifierTransport(node, info["peer_id"], info["model_id"])
+                tr = P2PVerifierTransport(node, info["peer_id"], info["model_id"], spare=spare)
                 on_commit = lambda new: stamps.extend([time.perf_counter()] * len(new))  # noqa: E731
                 async with trio.open_nursery() as nursery:
                     if delay_in == "transport":
@@ -440,6 +443,12 @@ def main() -> None:
         help="wan: testnet/wan.py delays every libp2p TCP write in both processes; transport: "
         "the edge delays blocks and results above an undelayed libp2p stream",
     )
+    ap.add_argument(
+        "--warm",
+        action="store_true",
+        help="start each session on a stream opened beforehand (untimed), as EdgeClient does "
+        "for every request after its first: no stream negotiation in the first token",
+    )
     args = ap.parse_args()
     if args.serve is not None:
         serve(args.serve, args.prompts, args.new_tokens)
@@ -465,7 +474,9 @@ def main() -> None:
                 f"load at start {os.getloadavg()}; cores edge {args.edge_core}, verifier "
                 f"{args.verifier_core}; {args.prompts} prompts x {args.new_tokens} tokens"
             )
-            rows = trio.run(edge_runs, spec, info, rtts, modes, args.new_tokens, args.delay_in)
+            rows = trio.run(
+                edge_runs, spec, info, rtts, modes, args.new_tokens, args.delay_in, args.warm
+            )
         finally:
             if child.stdin is not None:
                 child.stdin.close()
@@ -473,9 +484,15 @@ def main() -> None:
                 child.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 child.kill()
-    out = Path(__file__).parent / "results" / f"speculation_processes_{args.delay_in}.json"
+    tag = args.delay_in + ("_warm" if args.warm else "")
+    out = Path(__file__).parent / "results" / f"speculation_processes_{tag}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    result = {"delay_in": args.delay_in, "rows": rows, "load_end": os.getloadavg()}
+    result = {
+        "delay_in": args.delay_in,
+        "warm": args.warm,
+        "rows": rows,
+        "load_end": os.getloadavg(),
+    }
     out.write_text(json.dumps(result, indent=2))
     print(f"wrote {out}")
     print(f"wrote {plot(rows, out.with_suffix('.png'))}")
