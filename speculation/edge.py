@@ -22,6 +22,8 @@ Contract:
   greedy output is the same as without the failure. With no verifier left it raises
   ``NoVerifier`` (the message lists what each one answered). Caller mistakes (``BadRequest``,
   ``BadBlock``, ``SessionLimit``) are raised at once, not retried.
+- ``await edge.audit(result)``: a second opinion on a greedy result; a verifier that answered
+  plausibly but wrongly is blamed once a third one confirms it (``speculation._audit``).
 - Trust: a verifier whose verdict is impossible (``client.BadVerdict``: see
   ``overlay.trust.verdict_problem``) is failed over like a dead one and loses trust in
   ``edge.trust`` (a ``TrustBook``); a demoted verifier is left out of ``find_verifiers`` until
@@ -42,6 +44,7 @@ from dataclasses import dataclass, field
 import trio
 
 from p2pnode.overlay.trust import TrustBook
+from p2pnode.speculation._audit import Audit, audit_result
 from p2pnode.speculation.client import (
     BadVerdict,
     SpecResult,
@@ -82,6 +85,17 @@ class EdgeResult:
     verifiers: list[str] = field(default_factory=list)  # in the order they were used
     seconds: float = 0.0
     warm: bool = False  # the first session started on a spare stream (no stream negotiation)
+    prompt_ids: list[int] = field(default_factory=list)
+    greedy: bool = True
+    starts: list[int] = field(default_factory=list)  # tokens index where each verifier began
+
+    def producer_of(self, index: int) -> str:
+        """The verifier that committed ``tokens[index]`` (failover splits a result)."""
+        owner = self.verifiers[0]
+        for start, peer in zip(self.starts, self.verifiers, strict=True):
+            if start <= index:
+                owner = peer
+        return owner
 
     @property
     def failovers(self) -> int:
@@ -175,7 +189,7 @@ class EdgeClient:
         options = SamplingOptions(temperature, top_p, seed)
         ids = self.encode(prompt)
         committed: list[int] = []
-        result = EdgeResult("", [])
+        result = EdgeResult("", [], prompt_ids=ids, greedy=options.greedy)
         started = time.perf_counter()
         tried: dict[str, str] = {}
 
@@ -194,6 +208,7 @@ class EdgeClient:
                 )
             peer = candidates[0]
             result.verifiers.append(peer)
+            result.starts.append(len(committed))
             transport = P2PVerifierTransport(
                 self.node,
                 peer,
@@ -233,6 +248,11 @@ class EdgeClient:
         result.seconds = time.perf_counter() - started
         result.stats.seconds = result.seconds
         return result
+
+    async def audit(self, result: EdgeResult, **kw) -> Audit:
+        """A second opinion on a greedy result (see ``speculation._audit``): re-verifies a window
+        of its tokens on other verifiers and blames whoever was wrong in ``self.trust``."""
+        return await audit_result(self, result, **kw)
 
     async def _session(self, transport, mode, ids, max_tokens, options, on_commit) -> SpecResult:
         depth, gamma, lead = MODES[mode]

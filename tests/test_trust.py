@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import random
 import time
 from collections.abc import AsyncIterator, Callable
@@ -438,3 +439,50 @@ async def test_verifier_rewriting_history_with_leads_is_caught(target) -> None:
     await _edge_must_catch(
         target, LeadRewriter(target), "lead token at", delay_s=0.05, depth=2, lead=4
     )
+
+
+async def test_audit_catches_a_plausible_liar_and_clears_an_honest_result(target) -> None:
+    # The liar commits its runner-up token wherever a block starts: every verdict is possible
+    # (it passes verdict_problem), only the tokens are wrong. An audit on two honest verifiers
+    # finds the first wrong token; the third opinion confirms it and the liar is blamed.
+    from p2pnode.overlay.node import OverlayConfig, open_overlay_node
+    from p2pnode.speculation.client import target_generate
+    from p2pnode.speculation.draft import DraftModel
+    from p2pnode.speculation.edge import EdgeClient
+    from p2pnode.speculation.verify import BatchedVerifier
+
+    class RunnerUp(BatchedVerifier):
+        def _accept(self, item: Any, logits: torch.Tensor) -> None:
+            logits = logits.clone()
+            logits[0, logits[0].argmax()] = -math.inf
+            super()._accept(item, logits)
+
+    draft = DraftModel(
+        target.model, target.tokenizer, target.path, target.model_id, 0, torch.float32
+    )
+    prompt = [1, 504, 3458, 282]
+    ref = target_generate(target, prompt, 6)
+    stop = trio.Event()
+    async with trio.open_nursery() as nursery:
+        liar, h1, h2 = [
+            await nursery.start(partial(_verifier_node, target.model_id, v, stop))
+            for v in (RunnerUp(target), BatchedVerifier(target), BatchedVerifier(target))
+        ]
+        cfg = OverlayConfig(key=NodeKey.generate(), bootstrap=[n.addrs[0] for n in (liar, h1, h2)])
+        async with open_overlay_node(cfg) as node:
+            ids = [liar.peer_id, h1.peer_id, h2.peer_id]
+            edge = EdgeClient(node, draft, verifiers=ids)
+            with trio.fail_after(120):
+                lied = await edge.generate(prompt, 6, mode="sync")
+                assert lied.verifiers == [liar.peer_id] and lied.tokens != ref
+                audit = await edge.audit(lied, start=0)
+                assert audit.verdict == "producer-wrong" and audit.blamed == [liar.peer_id]
+                assert audit.opinions == {h1.peer_id: 0, h2.peer_id: 0}  # wrong from token 0
+                honest = EdgeClient(node, draft, verifiers=[h1.peer_id, h2.peer_id])
+                good = await honest.generate(prompt, 6, mode="async")
+                assert good.tokens == ref
+                ok = await honest.audit(good, window=4, auditors=[liar.peer_id, h2.peer_id])
+                # the liar, auditing, stops at the window's first token; h2 accepts it all
+                assert ok.verdict == "auditor-wrong" and ok.blamed == [liar.peer_id]
+        stop.set()
+    assert edge.trust.score(liar.peer_id) < edge.trust.score(h1.peer_id)
