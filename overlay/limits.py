@@ -21,7 +21,8 @@ Contract:
   ``digest``   digest size and fingerprint counts (``LimitsConfig.max_digest_*``, checked by
                anti-entropy).
 - Scopes: ``forward``, ``verify`` (session streams/opens), ``verify_block``, ``digest_pull``,
-  ``digest_gossip`` (messages), ``digest_gossip_bytes``. Defaults (``LimitsConfig()``) sit well
+  ``digest_gossip`` (messages), ``digest_gossip_bytes``, ``ping`` (echo streams, held by the
+  overlay node's own limiter) and ``ping_echo`` (echoes). Defaults (``LimitsConfig()``) sit well
   above what an honest node does (see the comments there) and are always on.
 - The limiter's own memory is bounded: idle peers (nothing held) are forgotten oldest first past
   ``max_tracked_peers``; a forgotten peer comes back with full buckets.
@@ -95,6 +96,10 @@ class LimitsConfig:
     digest_gossip: Budget = Budget(rate_per_s=10.0, burst=30.0)
     # Bytes per publisher: decoding costs ~0.5 us per fingerprint, up to 8 per byte.
     digest_gossip_bytes: Budget = Budget(rate_per_s=64.0 * KiB, burst=512.0 * KiB)
+    # Liveness keeps ONE persistent ping stream per peer and pings only after a silence of
+    # ping_interval (1 s): 2 streams and 20 echoes/s are several times what it ever sends.
+    ping: Budget = Budget(rate_per_s=1.0, burst=4.0, max_concurrent=2, max_concurrent_total=2048)
+    ping_echo: Budget = Budget(rate_per_s=20.0, burst=40.0)
     max_sessions_per_peer: int = 4
     max_bytes_in_flight: int = 8 * MiB  # per peer: two maximal forward prompts
     max_digest_bytes: int = MAX_DIGEST_BYTES

@@ -48,6 +48,7 @@ from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import trio
@@ -71,6 +72,7 @@ from p2pnode.identity import (
 from p2pnode.overlay._errors import BadMultiaddr, BootstrapFailed, PeerUnreachable
 from p2pnode.overlay.dht import OverlayDHT
 from p2pnode.overlay.host import make_host, parse_multiaddr
+from p2pnode.overlay.limits import PeerLimiter, remote_peer
 from p2pnode.overlay.peers import PeerState, PeerTable
 
 __all__ = [
@@ -233,6 +235,7 @@ class OverlayNode:
         self._record_retry: dict[str, tuple[float, float]] = {}  # pid -> (next try, delay)
         # Cost figures for benchmarks and status: probes, misses, stream opens, lookups.
         self.counters: Counter[str] = Counter()
+        self.limiter = PeerLimiter()  # what one peer may make this node do (ping streams, echoes)
         self._dial_limiter = trio.CapacityLimiter(BACKGROUND_PARALLEL)
         self._fetch_limiter = trio.CapacityLimiter(BACKGROUND_PARALLEL)
         self._wake_discovery = trio.Event()
@@ -839,18 +842,22 @@ class OverlayNode:
                 last_publish = trio.current_time()
 
 
-async def _serve_ping(stream: INetStream) -> None:
-    """Echo 32-byte pings until the peer closes; a silent peer is dropped after a minute."""
+async def _serve_ping(stream: INetStream, limiter: PeerLimiter) -> None:
+    """Echo 32-byte pings until the peer closes; a silent peer is dropped after a minute. A peer
+    over its ``ping`` streams or ``ping_echo`` rate (``overlay/limits.py``) is reset."""
+    peer = remote_peer(stream)
     try:
-        while True:
-            with trio.fail_after(60):
-                payload = b""
-                while len(payload) < PING_LENGTH:
-                    chunk = await stream.read(PING_LENGTH - len(payload))
-                    if not chunk:
-                        return
-                    payload += chunk
-            await stream.write(payload)
+        with limiter.admit(peer, "ping"):
+            while True:
+                with trio.fail_after(60):
+                    payload = b""
+                    while len(payload) < PING_LENGTH:
+                        chunk = await stream.read(PING_LENGTH - len(payload))
+                        if not chunk:
+                            return
+                        payload += chunk
+                limiter.charge(peer, "ping_echo")
+                await stream.write(payload)
     except (Exception, trio.TooSlowError):
         await _reset_quietly(stream)
     finally:
@@ -893,7 +900,7 @@ async def open_overlay_node(config: OverlayConfig) -> AsyncIterator[OverlayNode]
     node = OverlayNode(config, host, pubsub, dht)
     node._bootstrap_infos = [b for b in bootstrap if _peer_str(b.peer_id) != node.peer_id]
     host.get_network().register_notifee(_ConnectionWatcher(node))
-    host.set_stream_handler(TProtocol(PING_PROTOCOL), _serve_ping)
+    host.set_stream_handler(TProtocol(PING_PROTOCOL), partial(_serve_ping, limiter=node.limiter))
     try:
         async with (
             host.run(listen_addrs=listen),

@@ -351,3 +351,35 @@ async def test_too_many_speculation_sessions_are_refused_per_peer(
             for t in (first, elsewhere, again):
                 await t.close()
         nursery.cancel_scope.cancel()
+
+
+async def test_ping_streams_and_echoes_are_limited_per_peer(overlay_network: Any) -> None:
+    # A peer may hold 2 ping streams at once and get 20 echoes/s (burst 40): liveness uses one
+    # stream and pings only after a silence. Three streams at once: at least one is reset (the
+    # node's own liveness stream may hold a slot too). 100 pings written at once on a stream
+    # that answered: the echoes stop near the burst and the stream is reset.
+    from p2pnode.overlay._errors import PeerUnreachable
+    from p2pnode.overlay.node import PING_LENGTH, PING_PROTOCOL
+
+    async def echoes(stream: Any, n: int) -> int:
+        got = b""
+        with trio.move_on_after(10), contextlib.suppress(Exception):
+            await stream.write(b"p" * PING_LENGTH * n)
+            while len(got) < PING_LENGTH * n:
+                chunk = await stream.read(PING_LENGTH * n - len(got))
+                if not chunk:
+                    break
+                got += chunk
+        return len(got) // PING_LENGTH
+
+    async with overlay_network(2, **CALM) as (server, client):
+        streams = []
+        for _ in range(3):  # a refused stream may already fail to open (reset in negotiation)
+            with contextlib.suppress(PeerUnreachable):
+                streams.append(await client.open_stream(server.peer_id, PING_PROTOCOL))
+        answered = [s for s in streams if await echoes(s, 1) == 1]
+        assert 1 <= len(answered) <= 2
+        flood = await echoes(answered[0], 100)
+        assert 30 <= flood < 99, flood  # burst 40 minus the probe above, plus ~20/s refill
+        assert server.limiter.refused.get("ping:streams", 0) >= 1
+        assert server.limiter.refused.get("ping_echo:rate", 0) >= 1
