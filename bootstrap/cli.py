@@ -313,6 +313,9 @@ def demo(nodes: int, subjects: int, per_subject: int, seed: int) -> None:
 )
 @click.option("--temperature", default=0.0, show_default=True, type=float)
 @click.option("--timeout", default=300.0, show_default=True, help="Give up after this many s.")
+@click.option(
+    "--audit", is_flag=True, help="Greedy only: have another verifier re-check up to 16 tokens."
+)
 def edge(
     bootstrap: tuple[str, ...],
     prompt: str,
@@ -320,12 +323,15 @@ def edge(
     mode: str,
     temperature: float,
     timeout: float,
+    audit: bool,
 ) -> None:
     """Speculative generation: local W4A16 draft, verified by a verifier peer of the overlay."""
     from p2pnode.speculation.edge import run_edge_cli
 
     try:
-        click.echo(run_edge_cli(list(bootstrap), prompt, max_tokens, mode, temperature, timeout))
+        click.echo(
+            run_edge_cli(list(bootstrap), prompt, max_tokens, mode, temperature, timeout, audit)
+        )
     except Exception as exc:  # our errors carry the message to show; no traceback
         raise click.ClickException(str(exc)) from None
 

@@ -394,8 +394,10 @@ def run_edge_cli(
     mode: str,
     temperature: float,
     timeout: float,
+    audit: bool = False,
 ) -> str:
-    """``p2pnode edge``: one generation; returns the text and a stats line (blocking).
+    """``p2pnode edge``: one generation; returns the text and a stats line (blocking). With
+    ``audit`` (greedy only) a second verifier re-checks up to 16 of its tokens.
 
     The draft runs on ONE torch thread (env ``P2PNODE_TORCH_THREADS`` overrides): torch's
     default of one thread per core made each draft step spin in OpenMP barriers whenever other
@@ -414,12 +416,22 @@ def run_edge_cli(
                             break
                         await trio.sleep(0.5)
                 r = await edge.generate(prompt, max_tokens, temperature, mode=mode)
+                checked = ""
+                if audit:
+                    try:
+                        a = await edge.audit(r)
+                        checked = (
+                            f"\n[audit: {a.verdict} on tokens {a.start}..{a.start + a.checked - 1}"
+                            f"{'; blamed ' + ', '.join(p[-8:] for p in a.blamed) if a.blamed else ''}]"
+                        )
+                    except (BadRequest, NoVerifier) as exc:
+                        checked = f"\n[audit not done: {exc}]"
         return (
             f"{r.text}\n\n[{len(r.tokens)} tokens in {r.seconds:.2f} s = {r.tokens_per_s:.2f} "
             f"tok/s; acceptance {r.acceptance:.2f} over {r.stats.drafted} drafted "
             f"(per-token alpha {r.stats.alpha:.2f}); {r.stats.lead_tokens} tokens by verifier "
             f"lead; mode {mode}; "
-            f"verifiers {', '.join(p[-8:] for p in r.verifiers)}]"
+            f"verifiers {', '.join(p[-8:] for p in r.verifiers)}]{checked}"
         )
 
     try:
