@@ -308,8 +308,8 @@ def demo(nodes: int, subjects: int, per_subject: int, seed: int) -> None:
     "--mode",
     default="async",
     show_default=True,
-    type=click.Choice(["async", "sync", "remote"]),
-    help="async: pipelined drafts + verifier lead; sync: draft, wait, verify; remote: target only.",
+    type=click.Choice(["async", "sync", "remote", "auto"]),
+    help="async: drafts + verifier lead; sync: draft-wait-verify; remote: target only; auto.",
 )
 @click.option("--temperature", default=0.0, show_default=True, type=float)
 @click.option("--timeout", default=300.0, show_default=True, help="Give up after this many s.")

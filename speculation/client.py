@@ -28,9 +28,10 @@ Contract:
   protocol (the verifier streams leads; empty blocks refill the budget): the baseline, and the
   fastest mode where the draft is barely cheaper than the target.
 - The verifier is reached through ``VerifierTransport`` (open / send_block / receive_result /
-  close; results and leads come back in the verifier's commit order). ``inprocess_transport(verifier, one_way_delay_s=...)`` is the
-  in-process one, with a userspace one-way delay (trio.sleep) on each direction, FIFO like a
-  stream; ``p2pnode.speculation.protocol`` provides the libp2p one.
+  close; results and leads come back in the verifier's commit order).
+  ``inprocess_transport(verifier, one_way_delay_s=...)`` is the in-process one, with a userspace
+  one-way delay (trio.sleep) on each direction, FIFO like a stream;
+  ``p2pnode.speculation.protocol`` provides the libp2p one.
 - Draft and target forwards run in worker threads (``trio.to_thread``) so the event loop keeps
   moving frames and timers while torch computes.
 """

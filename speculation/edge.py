@@ -15,7 +15,10 @@ Contract:
   (lead, up to 8 tokens) while a rejection's correction travels (see
   ``client.speculative_generate``; ``gamma=`` overrides the per-mode block size);
   ``"remote"`` is target-only remote generation (the verifier streams the target's tokens, no
-  draft): the fastest choice where the draft is barely cheaper than the target.
+  draft): the fastest choice where the draft is barely cheaper than the target. ``"auto"``
+  measures: its first requests try "async" then "remote", later ones use the faster (tokens/s,
+  smoothed per mode in ``edge.mode_rates``) and retry the other every ``AUTO_EXPLORE``-th time;
+  ``EdgeResult.mode`` says which ran.
 - ``edge.stream(...)``: same arguments, an async iterator of text pieces as tokens are committed.
 - Failover: when a verifier dies, hangs past ``result_timeout_s`` or refuses mid-session, the
   edge opens a new session on the next verifier from prompt + the tokens already committed, so a
@@ -68,6 +71,8 @@ log = logging.getLogger(__name__)
 # (bench/speculation_processes.py; without lead, 3 blocks of 2 were best, as a block built on a
 # guess survives with probability alpha^(gamma+1)). Sync pays a round trip per block: gamma 4.
 MODES = {"sync": (1, 4, 0), "async": (2, 4, 8), "remote": (0, 0, 0)}
+AUTO_MODES = ("async", "remote")
+AUTO_EXPLORE = 8  # every 8th "auto" request retries the slower mode (load and peers change)
 # A spare stream is used only while the verifier still waits for its open (OPEN_TIMEOUT_S).
 SPARE_MAX_AGE_S = OPEN_TIMEOUT_S * 2 / 3
 _CALLER_ERRORS = (BadRequest, BadBlock, SessionLimit)
@@ -85,6 +90,7 @@ class EdgeResult:
     verifiers: list[str] = field(default_factory=list)  # in the order they were used
     seconds: float = 0.0
     warm: bool = False  # the first session started on a spare stream (no stream negotiation)
+    mode: str = ""  # the mode that ran ("auto" resolved)
     prompt_ids: list[int] = field(default_factory=list)
     greedy: bool = True
     starts: list[int] = field(default_factory=list)  # tokens index where each verifier began
@@ -132,6 +138,8 @@ class EdgeClient:
         self.result_timeout_s = result_timeout_s
         self._fixed = list(verifiers) if verifiers is not None else None
         self._spares: dict[str, tuple[object, float]] = {}  # peer -> (stream, opened at)
+        self.mode_rates: dict[str, float] = {}  # "auto": smoothed tokens/s per mode
+        self._auto_runs = 0
         eos = getattr(self.tokenizer, "eos_token_id", None)
         self.eos_token_ids: tuple[int, ...] = (eos,) if isinstance(eos, int) else ()
 
@@ -182,14 +190,15 @@ class EdgeClient:
         mode: str = "async",
         _sink: trio.MemorySendChannel | None = None,
     ) -> EdgeResult:
-        if mode not in MODES:
-            raise BadRequest(f"mode must be one of {sorted(MODES)}, got {mode!r}")
+        if mode not in MODES and mode != "auto":
+            raise BadRequest(f"mode must be one of {sorted([*MODES, 'auto'])}, got {mode!r}")
+        auto, mode = mode == "auto", self._pick_mode() if mode == "auto" else mode
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise BadRequest(f"max_tokens must be an int >= 1, got {max_tokens!r}")
         options = SamplingOptions(temperature, top_p, seed)
         ids = self.encode(prompt)
         committed: list[int] = []
-        result = EdgeResult("", [], prompt_ids=ids, greedy=options.greedy)
+        result = EdgeResult("", [], prompt_ids=ids, greedy=options.greedy, mode=mode)
         started = time.perf_counter()
         tried: dict[str, str] = {}
 
@@ -247,7 +256,19 @@ class EdgeClient:
         result.text = self.tokenizer.decode(result.tokens, skip_special_tokens=True)
         result.seconds = time.perf_counter() - started
         result.stats.seconds = result.seconds
+        if auto and result.tokens:
+            old = self.mode_rates.get(mode)
+            rate = result.tokens_per_s
+            self.mode_rates[mode] = rate if old is None else old + 0.5 * (rate - old)
         return result
+
+    def _pick_mode(self) -> str:
+        self._auto_runs += 1
+        untried = [m for m in AUTO_MODES if m not in self.mode_rates]
+        if untried:
+            return untried[0]
+        ranked = sorted(AUTO_MODES, key=lambda m: -self.mode_rates[m])
+        return ranked[1] if self._auto_runs % AUTO_EXPLORE == 0 else ranked[0]
 
     async def audit(self, result: EdgeResult, **kw) -> Audit:
         """A second opinion on a greedy result (see ``speculation._audit``): re-verifies a window
@@ -420,9 +441,10 @@ def run_edge_cli(
                 if audit:
                     try:
                         a = await edge.audit(r)
+                        blamed = ", ".join(p[-8:] for p in a.blamed) or "nobody"
                         checked = (
-                            f"\n[audit: {a.verdict} on tokens {a.start}..{a.start + a.checked - 1}"
-                            f"{'; blamed ' + ', '.join(p[-8:] for p in a.blamed) if a.blamed else ''}]"
+                            f"\n[audit: {a.verdict} on tokens {a.start}..{a.start + a.checked - 1};"
+                            f" blamed {blamed}]"
                         )
                     except (BadRequest, NoVerifier) as exc:
                         checked = f"\n[audit not done: {exc}]"

@@ -3,8 +3,9 @@
 Contract (one stream = one session; frames and schemas from ``p2pnode.overlay.wire``):
 - edge -> verifier ``verify-open`` {model_id, prompt, temperature, top_p, seed, lead}; the
   verifier answers ``verify-opened`` {committed_len, max_tokens, max_block, lead (granted)} or
-  ``verify-refused`` {code, message} and closes. ``code`` is the name of the ``VerifierError`` subclass
-  (``VerifierFull``, ``SessionLimit``, ``WrongModel``, ``PeerLimited``, ...) or ``BadMessage``.
+  ``verify-refused`` {code, message} and closes. ``code`` is the name of the ``VerifierError``
+  subclass (``VerifierFull``, ``SessionLimit``, ``WrongModel``, ``PeerLimited``, ...) or
+  ``BadMessage``.
 - then any number of ``verify-block`` {number, base_len, base_token, tokens, q_width, q_ids,
   q_vals}, each answered in order by ``verify-result`` {number, accepted, next_token,
   committed_len} (accepted = -1: stale). The edge may send the next block before the previous

@@ -572,3 +572,20 @@ async def test_edge_starts_the_next_request_on_a_spare_stream(
             third = await client.generate(prompts[2], 6, mode="sync")
             assert third.tokens == ref and not third.warm
             await client.aclose()
+
+
+async def test_auto_mode_tries_both_then_keeps_the_faster(
+    target, draft, prompts, overlay_network
+) -> None:
+    eos = target.eos_token_ids
+    ref = target_generate(target, prompts[2], 5, eos_token_ids=eos)
+    async with _verifier_and_edge_nodes(target, overlay_network) as (_, server, node):
+        client = EdgeClient(node, draft, verifiers=[server.peer_id])
+        with trio.fail_after(60):
+            runs = [await client.generate(prompts[2], 5, mode="auto") for _ in range(3)]
+        await client.aclose()
+    assert [r.tokens for r in runs] == [ref] * 3
+    assert [r.mode for r in runs[:2]] == ["async", "remote"]
+    assert runs[2].mode == max(client.mode_rates, key=client.mode_rates.get)
+    with pytest.raises(BadRequest, match="auto"):
+        await client.generate(prompts[2], 5, mode="fastest")
