@@ -8,7 +8,8 @@ reaching H over a veth pair. Policy routing lets only traffic from H reach B's a
 dial out to R, but nothing can dial B (a direct dial fails with "no route to host"). B
 (`p2pnode join --relay R`) reserves a slot on R and advertises its circuit address in its node
 record; A, given only B's peer id, opens an overlay stream to it: the direct dial fails, the dial
-falls back to the circuit, and our ping protocol echoes over the relayed connection. Namespace,
+falls back to the circuit, our ping protocol echoes over the relayed connection, and B (the
+real model) serves an inference request forwarded over it. Namespace,
 veth, rule and routes are removed after the test, also when it fails.
 """
 
@@ -28,10 +29,14 @@ import pytest
 import trio
 
 from p2pnode.identity import NodeKey
+from p2pnode.inference.models import load_model
 from p2pnode.overlay._errors import BadMultiaddr, OverlayError
+from p2pnode.overlay.forward import ForwardRequest, forward_request
 from p2pnode.overlay.node import PING_LENGTH, PING_PROTOCOL, OverlayConfig, open_overlay_node
 from p2pnode.overlay.relay import circuit_addr, is_circuit_addr, open_relay
+from p2pnode.speculation.client import target_generate
 
+PROMPT = [1, 504, 3458, 282, 2821]
 # Unique per test process, so parallel runs and leftovers of a killed run do not collide.
 _TAG = os.getpid() % 200 + 20
 NS = f"p2pr{os.getpid()}"
@@ -100,7 +105,8 @@ def _start_nat_node(tmp_path: Path, relay_addr: str) -> tuple[subprocess.Popen, 
         "--listen", f"/ip4/{NS_IP}/tcp/0",
         "--bootstrap", relay_addr,
         "--relay", relay_addr,
-        "--model", "none",
+        "--model", "default",
+        "--torch-threads", "1",
         "--api-port", "0",
         "--log-level", "info",
     ]  # fmt: skip
@@ -145,8 +151,8 @@ async def test_node_without_inbound_route_is_reached_through_relay(nat_namespace
             relay_addr = next(a for a in relay_node.addrs if HOST_IP in a)
             local_relay_addr = next(a for a in relay_node.addrs if "/127.0.0.1/" in a)
             proc, home = _start_nat_node(tmp_path, relay_addr)
-            # B's start-up: imports and libp2p only (--model none), slow on 2 busy cores
-            await _wait(lambda: (home / "runtime.json").exists(), 60, "B wrote no runtime", log)
+            # B starts: imports, the model (~2 s once converted), libp2p; slow on 2 busy cores
+            await _wait(lambda: (home / "runtime.json").exists(), 90, "B wrote no runtime", log)
             nat_id = _peer_id_of(home)
             async with (
                 open_overlay_node(
@@ -175,6 +181,19 @@ async def test_node_without_inbound_route_is_reached_through_relay(nat_namespace
                 assert circuit_addr(relay_addr, nat_id) in record.addrs, record.addrs
                 # 5. A's liveness pings run over the relay too
                 await _wait(lambda: _rtt(public, nat_id) is not None, 10, "no ping RTT", log)
+                # 6. inference over the relay: B serves a forwarded request with the real model,
+                #    token for token the target's greedy output
+                ref = target_generate(load_model(None), PROMPT, 4)
+                request = ForwardRequest(model_id=record.models[0], prompt=PROMPT, max_tokens=4)
+                out = await forward_request(
+                    public,
+                    nat_id,
+                    request,
+                    accept_timeout_s=30,
+                    first_token_timeout_s=60,  # B's first request on 2 busy cores
+                    idle_timeout_s=30,
+                )
+                assert out.tokens == ref, (out.tokens, ref, _tail(log))
     finally:
         if proc is not None:
             proc.terminate()
