@@ -448,6 +448,17 @@ async def _verifier_and_edge_nodes(target, overlay_network):
         nursery.cancel_scope.cancel()
 
 
+@asynccontextmanager
+async def _edge_client(target, draft, overlay_network):
+    """An ``EdgeClient`` pinned to one served verifier (see ``_verifier_and_edge_nodes``)."""
+    async with _verifier_and_edge_nodes(target, overlay_network) as (_, server, node):
+        client = EdgeClient(node, draft, verifiers=[server.peer_id])
+        try:
+            yield client
+        finally:
+            await client.aclose()
+
+
 async def test_greedy_over_libp2p_equals_target_and_sessions_are_released(
     target, draft, prompts, overlay_network
 ) -> None:
@@ -556,10 +567,8 @@ async def test_edge_starts_the_next_request_on_a_spare_stream(
     from p2pnode.speculation import edge as edge_mod
     from p2pnode.speculation import protocol
 
-    eos = target.eos_token_ids
-    ref = target_generate(target, prompts[2], 6, eos_token_ids=eos)
-    async with _verifier_and_edge_nodes(target, overlay_network) as (_, server, node):
-        client = EdgeClient(node, draft, verifiers=[server.peer_id])
+    ref = target_generate(target, prompts[2], 6, eos_token_ids=target.eos_token_ids)
+    async with _edge_client(target, draft, overlay_network) as client:
         with trio.fail_after(60):
             first = await client.generate(prompts[2], 6, mode="remote")
             second = await client.generate(prompts[2], 6, mode="async")
@@ -571,19 +580,15 @@ async def test_edge_starts_the_next_request_on_a_spare_stream(
             await trio.sleep(1.0)  # > 0.5 s: the verifier closes the idle spare
             third = await client.generate(prompts[2], 6, mode="sync")
             assert third.tokens == ref and not third.warm
-            await client.aclose()
 
 
 async def test_auto_mode_tries_both_then_keeps_the_faster(
     target, draft, prompts, overlay_network
 ) -> None:
-    eos = target.eos_token_ids
-    ref = target_generate(target, prompts[2], 5, eos_token_ids=eos)
-    async with _verifier_and_edge_nodes(target, overlay_network) as (_, server, node):
-        client = EdgeClient(node, draft, verifiers=[server.peer_id])
+    ref = target_generate(target, prompts[2], 5, eos_token_ids=target.eos_token_ids)
+    async with _edge_client(target, draft, overlay_network) as client:
         with trio.fail_after(60):
             runs = [await client.generate(prompts[2], 5, mode="auto") for _ in range(3)]
-        await client.aclose()
     assert [r.tokens for r in runs] == [ref] * 3
     assert [r.mode for r in runs[:2]] == ["async", "remote"]
     assert runs[2].mode == max(client.mode_rates, key=client.mode_rates.get)
