@@ -68,8 +68,11 @@ GREEDY = SamplingOptions()
 DEFAULT_PROBS_TOP_K = 64  # draft distributions are cut to 64 tokens: exact, and cheap on the wire
 # An honest verifier never calls a live block stale (it builds on what that verifier committed);
 # a liar could loop us, and the draft cannot resume from one (nothing new to feed it).
-MAX_LIVE_STALE = 1
-MAX_OVERLAP = 8  # draft tokens a first block may add for the verifier's lead (blocks <= 16)
+# An honest verifier never calls a live block stale (it builds on tokens that verifier commits);
+# 2 in a row rather than 1 leaves room for a corner case we did not foresee at the price of one
+# wasted block from a liar.
+MAX_LIVE_STALE = 2
+MAX_OVERLAP = 8  # draft tokens a first block may add for the verifier's lead
 
 
 class BadVerdict(VerifierError):
@@ -81,6 +84,8 @@ class VerifierTransport(Protocol):
         """Open the session; returns the lead the verifier granted (<= ``lead``)."""
 
     async def send_block(self, block: Block) -> None: ...
+
+    # Optional: ``max_block``, the verifier's block limit once open (caps lengthened blocks).
 
     async def receive_result(self) -> BlockResult | Lead:
         """The next result or lead token, in the verifier's commit order."""
@@ -278,6 +283,12 @@ async def speculative_generate(
     def live() -> int:
         return sum(b.number >= st["live_from"] for b in sent)
 
+    def ends_at_draft() -> bool:
+        """A live block in flight ends where the draft does: its bonus token comes next. (After
+        the verifier's own tokens ran past the blocks in flight, nothing is left to guess.)"""
+        last = next((b for b in reversed(sent) if b.number >= st["live_from"]), None)
+        return last is not None and last.base_len + len(last.tokens) == len(d.tokens)
+
     def notify() -> None:
         wake[0].set()
         wake[0] = trio.Event()
@@ -353,10 +364,17 @@ async def speculative_generate(
     async def draft_one(argmax: bool = False) -> tuple[list[int], torch.Tensor | None]:
         return await trio.to_thread.run_sync(lambda: d.extend(1, argmax=argmax))
 
-    async with trio.open_nursery() as opening:  # the draft's prefill overlaps the open
-        opening.start_soon(trio.to_thread.run_sync, d.prefill)
-        await transport.open(prompt, options, lead=lead)
     try:
+        opened: list[Exception] = []
+        async with trio.open_nursery() as opening:  # the draft's prefill overlaps the open
+            opening.start_soon(trio.to_thread.run_sync, d.prefill)
+            try:
+                await transport.open(prompt, options, lead=lead)
+            except Exception as exc:  # raised below as itself, not inside an ExceptionGroup
+                opened.append(exc)
+        if opened:
+            raise opened[0]
+        max_block = getattr(transport, "max_block", None) or gamma + MAX_OVERLAP
         async with trio.open_nursery() as nursery:
             nursery.start_soon(receiver)
             # The block being drafted: (base_len, tokens, q rows), drafted ONE token per worker
@@ -373,14 +391,13 @@ async def speculative_generate(
                         await wake[0].wait()
                         continue
                     if part is None:
-                        if live():  # guess the bonus token of the block in flight, build on it
+                        if ends_at_draft():  # guess the bonus of the block in flight, build on it
                             await draft_one(argmax=True)
                             if st["dirty"]:
                                 continue
                         part = (len(d.tokens), [], [])
-                        size = gamma + (
-                            min(round(overlap[0]), MAX_OVERLAP) if first and lead else 0
-                        )
+                        extra = min(round(overlap[0]), MAX_OVERLAP) if first and lead else 0
+                        size = max(gamma, min(gamma + extra, max_block))
                     toks, q = await draft_one()
                     if st["dirty"]:
                         continue
@@ -432,8 +449,8 @@ async def remote_generate(
     options = options or GREEDY
     eos, stats, started = frozenset(eos_token_ids), SpecStats(), time.perf_counter()
     c = _Committed(prompt, None, on_commit)
-    granted = await transport.open(prompt, options, lead=max_new_tokens)
     try:
+        granted = await transport.open(prompt, options, lead=max_new_tokens)
         budget, number = granted, 0
         while not _finished(c.tokens[len(prompt) :], max_new_tokens, eos):
             if budget == 0:
@@ -495,6 +512,7 @@ class InProcessTransport:
 
     def __init__(self, verifier: BatchedVerifier, nursery: trio.Nursery, one_way_delay_s: float):
         self.verifier = verifier
+        self.max_block = verifier.max_block
         self.delay = one_way_delay_s
         self._nursery = nursery
         self._up_send, self._up_recv = trio.open_memory_channel[tuple[float, Block]](math.inf)

@@ -35,7 +35,6 @@ Contract:
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import os
@@ -56,7 +55,12 @@ from p2pnode.speculation.client import (
     speculative_generate,
 )
 from p2pnode.speculation.draft import DraftModel, load_draft
-from p2pnode.speculation.protocol import OPEN_TIMEOUT_S, P2PVerifierTransport, open_spare
+from p2pnode.speculation.protocol import (
+    OPEN_TIMEOUT_S,
+    P2PVerifierTransport,
+    drop_stream,
+    open_spare,
+)
 from p2pnode.speculation.verify import (
     BadBlock,
     BadRequest,
@@ -223,7 +227,7 @@ class EdgeClient:
                 peer,
                 self.model_id,
                 result_timeout_s=self.result_timeout_s,
-                spare=self._take_spare(peer),
+                spare=await self._take_spare(peer),
             )
             failure: Exception | None = None
             async with trio.open_nursery() as side:
@@ -299,10 +303,11 @@ class EdgeClient:
             on_commit=on_commit,
         )
 
-    def _take_spare(self, peer: str):
+    async def _take_spare(self, peer: str):
         stream, opened_at = self._spares.pop(peer, (None, 0.0))
         if stream is not None and trio.current_time() - opened_at > SPARE_MAX_AGE_S:
-            return None  # the verifier has dropped it or soon will; it closes its side
+            await drop_stream(stream)  # the verifier has dropped it or soon will
+            return None
         return stream
 
     async def _refill_spare(self, peer: str) -> None:
@@ -311,16 +316,20 @@ class EdgeClient:
             return
         with trio.move_on_after(5):
             try:
-                self._spares[peer] = (await open_spare(self.node, peer), trio.current_time())
+                stream = await open_spare(self.node, peer)
             except Exception as exc:  # a dead peer: the next request opens its own stream
                 log.debug("no spare stream to %s: %r", peer, exc)
+                return
+            if peer in self._spares:  # a concurrent request refilled it first
+                await drop_stream(stream)
+            else:
+                self._spares[peer] = (stream, trio.current_time())
 
     async def aclose(self) -> None:
         """Drop the spare streams (``open_edge`` calls this on exit)."""
         spares, self._spares = self._spares, {}
         for stream, _ in spares.values():
-            with trio.move_on_after(2), contextlib.suppress(Exception):  # already gone
-                await stream.reset()
+            await drop_stream(stream)
 
     async def stream(
         self, prompt: str | list[dict] | list[int], max_tokens: int = 64, **kw

@@ -207,12 +207,15 @@ async def _serve_stream(
             if limiter is not None:
                 held.enter_context(limiter.session(peer))
             out_send, out_recv = trio.open_memory_channel[object](math.inf)
+
+            def on_lead(news: Lead | VerifierError) -> None:  # raises once out_send is closed
+                if isinstance(news, Lead):
+                    out_send.send_nowait(VerifyLead(news.position, news.token))
+                else:  # leading stopped early: the edge must not wait for more
+                    out_send.send_nowait(VerifyError(_code(news), str(news)[:1024]))
+
             sid = await verifier.open_session(
-                list(req.prompt),
-                opts,
-                req.model_id,
-                lead=req.lead,
-                on_lead=lambda ev: out_send.send_nowait(VerifyLead(ev.position, ev.token)),
+                list(req.prompt), opts, req.model_id, lead=req.lead, on_lead=on_lead
             )
         except (wire.WireError, VerifierError, LimitExceeded) as exc:
             with trio.move_on_after(REFUSE_TIMEOUT_S):
@@ -342,7 +345,7 @@ class P2PVerifierTransport:
                 reply = await self._request_open(req)
                 self.used_spare = reply is not None
             if reply is None:
-                await _drop(self.stream)
+                await drop_stream(self.stream)
         if reply is None:
             self.stream = await self.node.open_stream(self.peer_id, VERIFY_PROTOCOL)
             reply = await self._request_open(req)
@@ -354,6 +357,10 @@ class P2PVerifierTransport:
             raise VerifierError(f"verifier granted lead {reply.lead}, more than the {lead} asked")
         self.opened = reply
         return reply.lead
+
+    @property
+    def max_block(self) -> int | None:
+        return self.opened.max_block if self.opened is not None else None
 
     async def _request_open(self, req: VerifyOpen) -> VerifyOpened | VerifyRefused | None:
         await _send(self.stream, req)
@@ -383,7 +390,7 @@ class P2PVerifierTransport:
 
     async def close(self) -> None:
         if self.spare is not None:
-            await _drop(self.spare)
+            await drop_stream(self.spare)
             self.spare = None
         if self.stream is None:
             return
@@ -393,7 +400,7 @@ class P2PVerifierTransport:
                 await _send(stream, VerifyClose())
                 await stream.close()
             except Exception:  # the peer may already be gone; reset to release our side
-                await _drop(stream)
+                await drop_stream(stream)
 
 
 async def open_spare(node, peer_id: str):
@@ -401,7 +408,8 @@ async def open_spare(node, peer_id: str):
     return await node.open_stream(peer_id, VERIFY_PROTOCOL)
 
 
-async def _drop(stream) -> None:
+async def drop_stream(stream) -> None:
+    """Reset ``stream``, quietly and within 2 s (a peer may already be gone)."""
     with trio.move_on_after(2), contextlib.suppress(Exception):
         await stream.reset()
 
@@ -409,6 +417,7 @@ async def _drop(stream) -> None:
 __all__ = [
     "VERIFY_PROTOCOL",
     "P2PVerifierTransport",
+    "drop_stream",
     "open_spare",
     "serve_verifier",
     "encode_q",

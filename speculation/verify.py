@@ -20,7 +20,10 @@ Contract:
 - Lead (``open_session(..., lead=n, on_lead=callback)``): while no block of the session is
   waiting, the verifier keeps decoding on its own, up to ``n`` tokens after the session's last
   block, and hands each token to ``on_lead(Lead(position, token))`` in commit order (the
-  callback runs before any later result of the session is returned). These are the target's own
+  callback runs before any later result of the session is returned). When leading has to stop
+  early, the callback gets the ``VerifierError`` instead (``SessionLimit`` at the context limit,
+  ``VerifierError`` when the forward failed) and the session leads no more; a callback that
+  raises is treated the same way, never as the loop's error. These are the target's own
   tokens, so a rejection no longer leaves the verifier idle for a round trip. A block that
   arrives after leads is compared with them: its draft tokens already committed by a lead are
   accepted while they agree; the first disagreement ends the block (``accepted`` = the agreeing
@@ -208,7 +211,7 @@ class _Session:
     last_used: float
     lead: int = 0  # tokens it may commit on its own after each block
     lead_left: int = 0
-    on_lead: Callable[[Lead], None] | None = None
+    on_lead: Callable[[Lead | VerifierError], None] | None = None
     busy: bool = False  # a block submitted and not yet returned to its caller
 
     @property
@@ -278,7 +281,7 @@ class BatchedVerifier:
         model_id: str | None = None,
         *,
         lead: int = 0,
-        on_lead: Callable[[Lead], None] | None = None,
+        on_lead: Callable[[Lead | VerifierError], None] | None = None,
     ) -> str:
         """Prefill ``prompt``; returns the session id. ``lead`` (clamped to ``max_lead``) needs
         ``on_lead``: see the module contract."""
@@ -324,11 +327,11 @@ class BatchedVerifier:
             on_lead=on_lead,
         )
         self.sessions[sid] = s
-        if first is not None and on_lead is not None:
+        if first is not None:
             s.tokens.append(first)
             s.lead_left -= 1
             self.stats["lead"] += 1
-            on_lead(Lead(len(prompt), first))
+            self._tell(s, Lead(len(prompt), first))
         if s.lead_left:
             self._send.send_nowait(None)
         return sid
@@ -409,6 +412,7 @@ class BatchedVerifier:
                 self._finish(item)
 
     def _leaders(self, exclude: set[str]) -> list[_Session]:
+        self._stop_leads_at_limit()
         return [
             s
             for s in self.sessions.values()
@@ -479,8 +483,27 @@ class BatchedVerifier:
             if item.abandoned:
                 s.busy = False
             item.done.set()
-        elif item.lead is not None and s.on_lead is not None and s.sid in self.sessions:
-            s.on_lead(item.lead)
+        elif item.lead is not None:
+            self._tell(s, item.lead)
+        elif item.error is not None:  # the lead step failed: say so instead of going silent
+            self._tell(s, item.error)
+
+    def _tell(self, s: _Session, news: Lead | VerifierError) -> None:
+        """Hand a lead token (or why leading stopped) to the session's callback."""
+        if s.on_lead is None or s.sid not in self.sessions:
+            return
+        if not isinstance(news, Lead):
+            s.lead_left = 0
+        try:
+            s.on_lead(news)
+        except Exception:  # the session's consumer is gone (closed channel, ...): stop leading
+            s.lead_left = 0
+
+    def _stop_leads_at_limit(self) -> None:
+        for s in self.sessions.values():
+            if s.lead_left > 0 and not s.busy and s.committed_len + 1 >= self.max_tokens:
+                msg = f"session reached its {self.max_tokens} tokens: open a new one"
+                self._tell(s, SessionLimit(msg))
 
     # -- worker-thread side (no trio calls below)
 
@@ -516,9 +539,7 @@ class BatchedVerifier:
                 self._accept(item, lg)
         except Exception as exc:  # a bug must not kill the loop nor hang the callers
             for item in batch:
-                if item.block is None:  # no retry loop on a broken model: leading stops
-                    item.session.lead_left = 0
-                elif item.result is None:
+                if item.result is None and item.lead is None:  # leads: reported by _finish
                     item.error = VerifierError(f"verification failed: {exc!r}")
 
     def _forward(self, batch: list[_Pending]) -> list[torch.Tensor]:

@@ -306,6 +306,17 @@ async def test_verifier_lead_commits_target_tokens_and_blocks_merge_with_them(
         assert (step.accepted, step.next_token, step.committed_len) == (0, ref[6], n + 7)
         with pytest.raises(BadRequest, match="on_lead"):
             await v.open_session(p, SamplingOptions(), lead=2)
+        # At the context limit leading stops with a SessionLimit, not silence.
+        short = BatchedVerifier(target, max_tokens_per_session=len(p) + 3, max_wait_ms=1)
+        await nursery.start(short.run)
+        news: list = []
+        await short.open_session(p, SamplingOptions(), lead=8, on_lead=news.append)
+        with trio.fail_after(30):
+            for _ in range(3000):
+                if news and isinstance(news[-1], SessionLimit):
+                    break
+                await trio.sleep(0.01)
+        assert news[:-1] == [Lead(len(p), ref[0]), Lead(len(p) + 1, ref[1])]
         nursery.cancel_scope.cancel()
 
 
@@ -487,6 +498,17 @@ async def test_greedy_over_libp2p_equals_target_and_sessions_are_released(
         wrong = P2PVerifierTransport(edge, server.peer_id, "other-model@0")
         with pytest.raises(WrongModel):
             await wrong.open(prompts[0], SamplingOptions())
+        wrong = P2PVerifierTransport(edge, server.peer_id, "other-model@0")
+        with pytest.raises(WrongModel):  # the refusal itself, not wrapped in an ExceptionGroup
+            await speculative_generate(draft, wrong, prompts[0], 4, depth=2, lead=4)
+        # An edge that leaves while the verifier leads: the verifier's loop must live on.
+        quitter = P2PVerifierTransport(edge, server.peer_id, draft.target_model_id)
+        await quitter.open(prompts[2], SamplingOptions(), lead=8)
+        assert isinstance(await quitter.receive_result(), Lead)
+        await quitter.close()
+        await trio.sleep(0.3)  # leads of the closing session land on a closed channel
+        again = P2PVerifierTransport(edge, server.peer_id, draft.target_model_id)
+        assert (await remote_generate(again, prompts[0], 3, eos_token_ids=eos)).tokens == ref[:3]
         # A sampled session over the wire (sparse q rows), then an edge that vanishes mid-session.
         sampled = P2PVerifierTransport(edge, server.peer_id, draft.target_model_id)
         got = await speculative_generate(
