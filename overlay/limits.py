@@ -20,7 +20,8 @@ Contract:
                ``release()`` or the end of the block;
   ``digest``   digest size and fingerprint counts (``LimitsConfig.max_digest_*``, checked by
                anti-entropy).
-- Scopes: ``forward``, ``verify`` (session streams/opens), ``verify_block``, ``digest_pull``,
+- Scopes: ``forward``, ``verify`` (session streams/opens), ``verify_block``, ``verify_lead``
+  (tokens a verifier decodes on its own for the peer), ``digest_pull``,
   ``digest_gossip`` (messages), ``digest_gossip_bytes``, ``ping`` (echo streams, held by the
   overlay node's own limiter) and ``ping_echo`` (echoes). Defaults (``LimitsConfig()``) sit well
   above what an honest node does (see the comments there) and are always on.
@@ -87,6 +88,9 @@ class LimitsConfig:
     verify: Budget = Budget(rate_per_s=4.0, burst=8.0, max_concurrent=8, max_concurrent_total=64)
     # One block in flight per session (SessionBusy); stale blocks cost nothing but a frame.
     verify_block: Budget = Budget(rate_per_s=200.0, burst=400.0)
+    # Lead tokens are target decoding steps the peer asks for without sending drafts (blocks
+    # refill the lead): 4 sessions streaming ~100 tok/s each from a GPU verifier fit in this.
+    verify_lead: Budget = Budget(rate_per_s=500.0, burst=1000.0)
     # Honest pulls: at most one per pull_min_interval_s (2 s; 0.3 s in tests) per (peer, model).
     digest_pull: Budget = Budget(
         rate_per_s=5.0, burst=10.0, max_concurrent=2, max_concurrent_total=16

@@ -20,7 +20,8 @@ Contract (one stream = one session; frames and schemas from ``p2pnode.overlay.wi
   ``verifier.idle_timeout_s`` or a malformed frame also end it: the session is always released.
 - Per-peer limits (``overlay/limits.py``, ``serve_verifier(..., limiter=)``): a ``verify`` stream
   slot and rate token per stream, at most ``max_sessions_per_peer`` open sessions, a
-  ``verify_block`` token per block, and the bytes of the request being served; excess is refused
+  ``verify_block`` token per block, a ``verify_lead`` token per lead token the verifier decodes
+  for the peer, and the bytes of the request being served; excess is refused
   with code ``PeerLimited`` (``verify-refused`` before the session opened, else ``verify-error``).
 - ``serve_verifier(node, verifier)`` registers the handler; the caller runs ``verifier.run`` in
   a nursery. ``P2PVerifierTransport(node, peer_id, model_id)`` is the edge side, a
@@ -210,6 +211,12 @@ async def _serve_stream(
 
             def on_lead(news: Lead | VerifierError) -> None:  # raises once out_send is closed
                 if isinstance(news, Lead):
+                    try:
+                        if limiter is not None:
+                            limiter.charge(peer, "verify_lead")
+                    except LimitExceeded as exc:  # told to the edge; raising stops the leading
+                        out_send.send_nowait(VerifyError(_code(exc), str(exc)[:1024]))
+                        raise
                     out_send.send_nowait(VerifyLead(news.position, news.token))
                 else:  # leading stopped early: the edge must not wait for more
                     out_send.send_nowait(VerifyError(_code(news), str(news)[:1024]))

@@ -311,7 +311,11 @@ async def test_too_many_speculation_sessions_are_refused_per_peer(
     loaded: Any, overlay_network: Any
 ) -> None:
     limiter = PeerLimiter(
-        LimitsConfig(max_sessions_per_peer=2, verify_block=Budget(rate_per_s=0.5, burst=2))
+        LimitsConfig(
+            max_sessions_per_peer=2,
+            verify_block=Budget(rate_per_s=0.5, burst=2),
+            verify_lead=Budget(rate_per_s=0.5, burst=2),
+        )
     )
     verifier = BatchedVerifier(loaded, max_sessions=8)
     opts = SamplingOptions()
@@ -348,7 +352,15 @@ async def test_too_many_speculation_sessions_are_refused_per_peer(
             await first.send_block(Block(2, r.committed_len, r.next_token, ()))
             with pytest.raises(PeerLimited, match="verify_block"):
                 await first.receive_result()
-            for t in (first, elsewhere, again):
+            # Tokens the verifier decodes on its own count too: 2 leads, then PeerLimited.
+            await elsewhere.close()
+            leader = transport(other)
+            assert await leader.open([1, 2, 3], opts, lead=8) == 8
+            got = [await leader.receive_result() for _ in range(2)]
+            assert [type(g).__name__ for g in got] == ["Lead", "Lead"]
+            with pytest.raises(PeerLimited, match="verify_lead"):
+                await leader.receive_result()
+            for t in (first, leader, again):
                 await t.close()
         nursery.cancel_scope.cancel()
 
