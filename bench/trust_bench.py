@@ -47,10 +47,9 @@ from p2pnode.identity import NodeKey
 from p2pnode.inference.blockhash import block_hashes
 from p2pnode.inference.models import ShapeOnlyModel
 from p2pnode.overlay.antientropy import AntiEntropyConfig
-from p2pnode.overlay.digest import DigestBuilder, LoadInfo
 from p2pnode.overlay.forward import ForwardConfig, RoutedService
 from p2pnode.overlay.node import OverlayConfig, open_overlay_node
-from p2pnode.testnet.localcluster import emulated_routed_services
+from p2pnode.testnet.localcluster import emulated_routed_services, forge_liar
 
 RESULTS = Path(__file__).resolve().parent / "results" / "trust.json"
 PREFILL_S = 1 / 430
@@ -106,16 +105,6 @@ async def cluster() -> AsyncIterator[list[RoutedService]]:
         ) as services:
             yield services
         await trio.sleep(1.0)
-
-
-def turn_liar(liar: RoutedService, victim: str) -> None:
-    view = liar.views.get(victim, liar.model_id)
-    assert view is not None
-    lie = LoadInfo(prefill_s_per_token=PREFILL_S / 10, decode_s_per_token=DECODE_S / 10)
-    forged = DigestBuilder(liar.node.peer_id, liar.model_id, fp_bits=view.fp_bits)
-    forged.load_fn = lambda: lie
-    forged.sync(fp << (64 - view.fp_bits) for fp in view.fingerprints)
-    liar.antientropy.builders[liar.model_id] = forged
 
 
 def holds(origin: RoutedService, peer: str, tenant: int) -> bool:
@@ -190,7 +179,7 @@ async def trial(policy: str, args: argparse.Namespace, seed: int) -> dict[str, A
             a, names, [(rng.choice(tenants), 100 + i) for i in range(args.before)], args.rate, rng
         )
         liar = d.node.peer_id
-        turn_liar(d, b.node.peer_id)
+        forge_liar(d, b.node.peer_id, prefill_s=PREFILL_S, decode_s=DECODE_S)
         await wait_until(lambda: holds(a, liar, 0), 90, "forged digest at A")
         lie_at = time.perf_counter()
         demoted_at: list[float] = []

@@ -7,6 +7,9 @@ order of ``overlays``; leaving the block stops the services, then the engines. `
 every router's round-trip estimate (one process has no real WAN to measure); further keywords
 go to ``RoutedService``. The overlays stay open: the caller owns them.
 
+``forge_liar(liar, victim, prefill_s=..., decode_s=...)`` turns one of those services into a
+lying peer (the trust benchmark and tests use it).
+
 Shared by the routing and trust benchmarks and the cluster tests, so all measure the same setup.
 """
 
@@ -20,6 +23,7 @@ import trio
 from prometheus_client import CollectorRegistry
 
 from p2pnode.inference.engine import open_engine
+from p2pnode.overlay.digest import DigestBuilder, LoadInfo
 from p2pnode.overlay.forward import RoutedService
 
 
@@ -63,3 +67,22 @@ async def emulated_routed_services(
                 services.append(svc)
             yield services
             nursery.cancel_scope.cancel()
+
+
+def forge_liar(
+    liar: RoutedService, victim: str, *, prefill_s: float, decode_s: float, speedup: float = 10
+) -> None:
+    """From now on ``liar`` gossips a digest of the prefixes its view says ``victim`` holds,
+    signed with its own key, and advertises ``speedup`` x the given speeds with an empty queue.
+
+    Only fingerprints travel in digests, so it forges 64-bit "hashes" whose top bits are the
+    stolen fingerprints; its own anti-entropy then publishes, deltas and serves pulls of the
+    forgery (a new, later epoch, so receivers replace its honest view)."""
+    view = liar.views.get(victim, liar.model_id)
+    if view is None:
+        raise ValueError(f"{liar.node.peer_id} has no view of {victim} to steal from yet")
+    lie = LoadInfo(prefill_s_per_token=prefill_s / speedup, decode_s_per_token=decode_s / speedup)
+    forged = DigestBuilder(liar.node.peer_id, liar.model_id, fp_bits=view.fp_bits)
+    forged.load_fn = lambda: lie
+    forged.sync(fp << (64 - view.fp_bits) for fp in view.fingerprints)
+    liar.antientropy.builders[liar.model_id] = forged

@@ -28,12 +28,12 @@ from p2pnode.identity import NodeKey
 from p2pnode.inference.blockhash import BLOCK_SIZE, block_hashes, model_salt
 from p2pnode.inference.models import ShapeOnlyModel
 from p2pnode.overlay.antientropy import AntiEntropyConfig
-from p2pnode.overlay.digest import Digest, DigestBuilder, LoadInfo, fingerprint
+from p2pnode.overlay.digest import Digest, LoadInfo, fingerprint
 from p2pnode.overlay.forward import ForwardConfig, RoutedService
 from p2pnode.overlay.router import LOCAL, LocalState, Router
 from p2pnode.overlay.trust import TrustBook, TrustConfig, Verdict, verdict_problem
 from p2pnode.overlay.views import PeerViews
-from p2pnode.testnet.localcluster import emulated_routed_services
+from p2pnode.testnet.localcluster import emulated_routed_services, forge_liar
 
 logging.getLogger("libp2p").setLevel(logging.ERROR)
 
@@ -235,22 +235,6 @@ async def emulated_cluster(overlay_network: Any) -> AsyncIterator[list[RoutedSer
         await trio.sleep(1.0)  # digests in flight land before the nodes stop
 
 
-def turn_liar(liar: RoutedService, victim: str) -> None:
-    """From now on ``liar`` gossips a digest of the prefixes its view says ``victim`` holds,
-    signed with its own key, and advertises 10x its real speed with an empty queue.
-
-    Only fingerprints travel in digests, so it forges 64-bit "hashes" whose top bits are the
-    stolen fingerprints; its own anti-entropy then publishes, deltas and serves pulls of the
-    forgery (a new, later epoch, so receivers replace its honest view)."""
-    view = liar.views.get(victim, liar.model_id)
-    assert view is not None
-    lie = LoadInfo(prefill_s_per_token=PREFILL_S / 10, decode_s_per_token=DECODE_S / 10)
-    forged = DigestBuilder(liar.node.peer_id, liar.model_id, fp_bits=view.fp_bits)
-    forged.load_fn = lambda: lie
-    forged.sync(fp << (64 - view.fp_bits) for fp in view.fingerprints)
-    liar.antientropy.builders[liar.model_id] = forged
-
-
 async def test_lying_peer_is_demoted_and_hit_rate_and_latency_recover(overlay_network) -> None:
     async with emulated_cluster(overlay_network) as (a, b, _c, d):
         liar = d.node.peer_id
@@ -278,7 +262,7 @@ async def test_lying_peer_is_demoted_and_hit_rate_and_latency_recover(overlay_ne
             r.served_by == b.node.peer_id and r.cached_tokens >= PREFIX_TOKENS for r, _ in before
         )
 
-        turn_liar(d, b.node.peer_id)
+        forge_liar(d, b.node.peer_id, prefill_s=PREFILL_S, decode_s=DECODE_S)
         await wait_until(lambda: sees(a, liar, 2), 30, "the forged digest in A's view")
         lie_seen = time.perf_counter()
         lied_to: list[tuple[Any, float]] = []
