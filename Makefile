@@ -4,9 +4,24 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test lint format bench
+# Debian packages the tests use: iptables (NAT routers in network namespaces) and Chromium with
+# its driver (the console's browser test). Installed only when run as root on Debian/Ubuntu;
+# elsewhere the tests that need them skip and say why.
+SYSTEM_PACKAGES := iptables chromium chromium-driver
 
-setup: $(VENV)/.installed
+.PHONY: setup system demo test lint format bench
+
+setup: system $(VENV)/.installed
+
+system:
+	@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	  missing=""; \
+	  for p in $(SYSTEM_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	  if [ -n "$$missing" ]; then \
+	    echo "installing Debian packages:$$missing"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
+	  fi; \
+	fi
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
