@@ -16,12 +16,15 @@ Contract:
   failure dropped a healthy link and every stream on it. The node's own liveness (`node.py`:
   any received frame counts, adaptive probe timeouts) detects dead and hung peers and closes
   their connections. Pass `health_check_interval` > 0 to turn the monitor on anyway.
+- Advertised addresses come from `addrs_factory` (`overlay/addrs.py`: never an unspecified
+  address); without one, libp2p advertises its bound listen addresses as they are.
 - `quiet_libp2p_logs()` silences libp2p's WARNING on every clean stream close.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import multiaddr
@@ -97,6 +100,7 @@ def make_host(
     key: NodeKey,
     listen_addrs: list[str],
     *,
+    addrs_factory: Callable[[list[multiaddr.Multiaddr]], list[multiaddr.Multiaddr]] | None = None,
     dial_timeout: float = 5.0,
     health_ping_timeout: float = 2.0,
     health_check_interval: float = 0.0,
@@ -117,6 +121,7 @@ def make_host(
         sec_opt={TProtocol(NOISE_PROTOCOL_ID): noise},
         muxer_opt={TProtocol(YAMUX_PROTOCOL_ID): Yamux},
         listen_addrs=[parse_multiaddr(a) for a in listen_addrs],
+        addrs_factory=addrs_factory,
         connection_config=connection_config(
             dial_timeout=dial_timeout,
             health_ping_timeout=health_ping_timeout,
