@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-ROLES = frozenset({"router", "verifier", "edge", "bootstrap"})
+ROLES = frozenset({"router", "verifier", "edge", "bootstrap", "relay"})
+RELAY_HOP_MODES = ("auto", "on", "off")
 
 
 class ConfigError(ValueError):
@@ -56,9 +57,16 @@ class NodeSettings:
     # testnet: a trial spec (TOML) whose [regions] delays this node injects, and its region
     wan_spec: str = ""
     region: str = ""
-    # NAT traversal (overlay/relay.py): relays to reserve a slot on; relay for others
+    # NAT traversal (overlay/relay.py): relays to reserve a slot on (none given: a node that a
+    # dial-back shows unreachable finds relays in the overlay); relaying for other members:
+    # "auto" once a dial-back shows this node publicly reachable, "on" always, "off" never
     relay: list[str] = field(default_factory=list)
-    relay_hop: bool = False
+    relay_hop: str = "auto"
+    # Addresses to advertise besides the interface addresses (a public or port-forwarded one)
+    announce: list[str] = field(default_factory=list)
+    # Nodes of another network id are refused; an invite carries the id of its network
+    network: str = "main"
+    invite: str = ""
 
     def validate(self) -> NodeSettings:
         bad_roles = set(self.role) - ROLES
@@ -72,6 +80,30 @@ class NodeSettings:
             _check_multiaddr(addr, "bootstrap", need_peer_id=True)
         for addr in self.relay:
             _check_multiaddr(addr, "relay", need_peer_id=True)
+        for addr in self.announce:
+            _check_multiaddr(addr, "announce", need_peer_id=False)
+        if self.relay_hop not in RELAY_HOP_MODES:
+            raise ConfigError(f"relay_hop {self.relay_hop!r}: use one of {RELAY_HOP_MODES}")
+        if self.invite:
+            from p2pnode.bootstrap.invite import InviteError, parse_invite
+
+            try:
+                invite = parse_invite(self.invite)
+            except InviteError as exc:
+                raise ConfigError(f"invite: {exc}") from None
+            if self.network not in ("main", invite.network):
+                raise ConfigError(
+                    f"network {self.network!r} contradicts the invite, which is for network "
+                    f"{invite.network!r}: drop --network or use an invite of that network"
+                )
+            self.bootstrap = list(dict.fromkeys([*self.bootstrap, *invite.bootstrap]))
+            self.network = invite.network
+        from p2pnode.overlay.hello import check_network_id
+
+        try:
+            check_network_id(self.network)
+        except ValueError as exc:
+            raise ConfigError(f"network: {exc}") from None
         if not 0 <= self.api_port <= 65535:
             raise ConfigError(f"api_port {self.api_port} is not a TCP port (0 picks a free one)")
         for name in ("cache_budget_tokens", "max_batch", "pushback_threshold"):

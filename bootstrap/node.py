@@ -7,9 +7,14 @@ meant for the person at the terminal, never a traceback.
 
 from __future__ import annotations
 
+import fcntl
 import logging
+import os
 import signal
+import socket
+from collections.abc import Callable
 from contextlib import AsyncExitStack
+from pathlib import Path
 from typing import Any
 
 import trio
@@ -76,6 +81,69 @@ def _routing_status(service) -> dict[str, Any]:
     }
 
 
+def _lock_home(home: Path) -> int:
+    """Hold ``<home>/node.lock`` for the life of the process: two nodes on one home would
+    share one key, i.e. one peer id, and overwrite each other's runtime file."""
+    home.mkdir(parents=True, exist_ok=True, mode=0o700)
+    fd = os.open(home / "node.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise NodeStartError(
+            f"another p2pnode node (pid {holder}) is running with home {home}; give this one "
+            "its own --home (each node needs its own key and peer id)"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+def _port_free(host: str, port: int) -> bool:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def _check_ports(settings: NodeSettings) -> None:
+    """Fail before the model loads when a port is taken, naming the flag that moves it."""
+    from p2pnode.overlay.addrs import ip_port
+
+    for addr in settings.listen:
+        endpoint = ip_port(addr)
+        if endpoint is not None and endpoint[1] != 0 and not _port_free(*endpoint):
+            ip, port = endpoint
+            family = "ip6" if ":" in ip else "ip4"
+            raise NodeStartError(
+                f"port {port} ({addr}) is already in use, maybe by another node on this "
+                f"machine; give this node another one, e.g. --listen /{family}/{ip}/tcp/{port + 1}"
+            )
+    if settings.api_port != 0 and not _port_free(settings.api_host, settings.api_port):
+        raise NodeStartError(
+            f"the HTTP API port {settings.api_host}:{settings.api_port} is already in use, "
+            f"maybe by another node on this machine; give this node --api-port "
+            f"{settings.api_port + 1} (0 picks a free one)"
+        )
+
+
+async def _keep_runtime(home: Path, info: Callable[[], dict[str, Any]]) -> None:
+    """Keep the runtime file current: addresses change as dial-backs confirm a public one
+    and relay reservations come and go (``p2pnode id`` and ``invite`` read it)."""
+    last = info()
+    while True:
+        await trio.sleep(2.0)
+        now = info()
+        if now != last:
+            write_runtime(home, now)
+            last = now
+
+
 async def _stop_on_signal(cancel_scope: trio.CancelScope) -> None:
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async for signum in signals:
@@ -85,8 +153,6 @@ async def _stop_on_signal(cancel_scope: trio.CancelScope) -> None:
 
 
 async def run_node(settings: NodeSettings, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-    from p2pnode.overlay.node import OverlayConfig, open_overlay_node
-
     timeouts = {
         "ping_timeout": settings.ping_timeout,
         "connect_timeout": settings.connect_timeout,
@@ -103,6 +169,19 @@ async def run_node(settings: NodeSettings, *, task_status=trio.TASK_STATUS_IGNOR
             raise NodeStartError(f"cannot emulate the WAN of {settings.wan_spec}: {exc}") from None
         timeouts = {k: max(v, suggested.get(k, 0.0)) for k, v in timeouts.items()}
 
+    lock = _lock_home(settings.home)
+    try:
+        await _run_locked(settings, timeouts, task_status)
+    finally:
+        os.close(lock)
+
+
+async def _run_locked(settings: NodeSettings, timeouts: dict[str, float], task_status) -> None:
+    from p2pnode.overlay.hello import NetworkMismatch
+    from p2pnode.overlay.node import OverlayConfig, open_overlay_node
+    from p2pnode.overlay.reachability import ReachabilityService
+
+    _check_ports(settings)
     try:
         key = NodeKey.load_or_create(settings.home)
     except (IdentityError, OSError) as exc:
@@ -113,6 +192,8 @@ async def run_node(settings: NodeSettings, *, task_status=trio.TASK_STATUS_IGNOR
             key=key,
             listen_addrs=list(settings.listen),
             bootstrap=list(settings.bootstrap),
+            announce=list(settings.announce),
+            network=settings.network,
             models=[engine.model_id] if engine is not None else [],
             roles=set(settings.role),
             capacity={"max_batch": float(settings.max_batch)},
@@ -123,13 +204,21 @@ async def run_node(settings: NodeSettings, *, task_status=trio.TASK_STATUS_IGNOR
         try:
             node = await stack.enter_async_context(open_overlay_node(config))
         except OSError as exc:
-            raise NodeStartError(f"cannot listen on {settings.listen}: {exc}") from None
-        # NAT traversal (issue 8): every node can dial peers behind NAT through a relay
+            raise NodeStartError(
+                f"cannot listen on {settings.listen}: {exc}; choose another --listen"
+            ) from None
+        except NetworkMismatch as exc:
+            raise NodeStartError(str(exc)) from None
+        # NAT traversal: every node can dial peers behind NAT through a relay; a node that
+        # dial-backs show unreachable finds relays itself, a reachable one relays for members
         from p2pnode.overlay.relay import open_relay
 
+        hop = {"auto": "auto", "on": True, "off": False}[settings.relay_hop]
         relay = await stack.enter_async_context(
-            open_relay(node, relays=settings.relay, hop=settings.relay_hop)
+            open_relay(node, relays=settings.relay, hop=hop, auto=True, limiter=node.limiter)
         )
+        reachability = ReachabilityService(node, limiter=node.limiter)
+        reachability.on_change.append(relay.on_reachability)
 
         registry = CollectorRegistry()
         service = None
@@ -161,9 +250,12 @@ async def run_node(settings: NodeSettings, *, task_status=trio.TASK_STATUS_IGNOR
                 **{k: v for k, v in overlay_status.items() if k not in {"peer_id", "addrs"}},
                 "routing": _routing_status(service),
                 "relay": relay.status(),
+                "reachability": reachability.status(),
+                "network": settings.network,
             }
 
         async with trio.open_nursery() as nursery:
+            await nursery.start(reachability.run)
             if service is not None:
                 await nursery.start(service.run)
             if engine is not None and "verifier" in settings.role:
@@ -178,10 +270,19 @@ async def run_node(settings: NodeSettings, *, task_status=trio.TASK_STATUS_IGNOR
             app = build_app(status, service=service, engine=engine, registry=registry)
             api = await nursery.start(serve_api, app, settings.api_host, settings.api_port)
             nursery.start_soon(_stop_on_signal, nursery.cancel_scope)
-            write_runtime(
-                settings.home, {"peer_id": node.peer_id, "addrs": list(node.addrs), "api": api}
-            )
+
+            def runtime() -> dict[str, Any]:
+                return {
+                    "peer_id": node.peer_id,
+                    "addrs": list(node.addrs),
+                    "api": api,
+                    "network": settings.network,
+                    "reachability": reachability.verdict,
+                }
+
+            write_runtime(settings.home, runtime())
             stack.callback(remove_runtime, settings.home)
+            nursery.start_soon(_keep_runtime, settings.home, runtime)
             log.info("node %s up", node.peer_id)
             for addr in node.addrs:
                 log.info("  listening on %s", addr)

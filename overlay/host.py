@@ -51,6 +51,9 @@ __all__ = ["connection_config", "make_host", "parse_multiaddr", "quiet_libp2p_lo
 def quiet_libp2p_logs(level: int = logging.ERROR) -> None:
     """Raise the `libp2p` logger's level: it logs a WARNING on every clean stream close."""
     logging.getLogger("libp2p").setLevel(level)
+    # Every failed dial is logged at ERROR there; our own dialer reports what matters (a
+    # peer that stays unreachable) once, with the addresses it tried.
+    logging.getLogger("libp2p.transport.tcp.tcp").setLevel(max(level, logging.CRITICAL))
 
 
 def connection_config(

@@ -371,7 +371,11 @@ class OverlayNode:
             "uptime_s": round(time.time() - self.started_at, 3),
             "connected": len(self.host.get_connected_peers()),
             "peer_counts": counts,
-            "peers": self.peers.snapshot(),
+            "peers": [
+                {**entry, "connection": self.connection_kind(entry["peer_id"])}
+                for entry in self.peers.snapshot()
+            ],
+            "refused": dict(self.refused),
             "dht": {
                 "routing_table": kad.get_routing_table_size(),
                 "values": kad.get_value_store_size(),
