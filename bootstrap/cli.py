@@ -309,7 +309,10 @@ def peers(home: Path | None, as_json: bool) -> None:
         rtt = peer.get("rtt_ms")
         rtt_text = f"{rtt:7.1f} ms" if isinstance(rtt, int | float) else "      - ms"
         models = ",".join(peer.get("models", [])) or "-"
-        click.echo(f"{peer.get('state', '?'):8} {rtt_text}  {peer.get('peer_id')}  {models}")
+        via = peer.get("connection") or "-"  # direct, hole-punched, relayed; - not connected
+        click.echo(
+            f"{peer.get('state', '?'):8} {rtt_text}  {via:12} {peer.get('peer_id')}  {models}"
+        )
 
 
 @main.command()

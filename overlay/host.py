@@ -54,6 +54,9 @@ def quiet_libp2p_logs(level: int = logging.ERROR) -> None:
     # Every failed dial is logged at ERROR there; our own dialer reports what matters (a
     # peer that stays unreachable) once, with the addresses it tried.
     logging.getLogger("libp2p.transport.tcp.tcp").setLevel(max(level, logging.CRITICAL))
+    # A refused protocol ("na": a peer still starting, or one without that service) is an
+    # answer the caller handles; libp2p logs a 10-line ERROR for it.
+    logging.getLogger("libp2p.host.basic_host").setLevel(max(level, logging.CRITICAL))
 
 
 def connection_config(

@@ -1000,6 +1000,24 @@ def _filtered_connect(host: IHost) -> Callable[[PeerInfo], Awaitable[None]]:
     return filtered
 
 
+def _filter_peerstore(host: IHost) -> None:
+    """The swarm dials the peerstore's addresses directly when a stream is opened to a peer
+    not connected yet (DHT queries do): filter them as ``_filtered_connect`` does, or a NAT'd
+    node dials its twin's private address, which is its own, and reaches itself."""
+    store = host.get_peerstore()
+    addrs = store.addrs
+
+    def filtered(peer_id: ID) -> list[Multiaddr]:
+        found = addrs(peer_id)
+        if peer_id == host.get_id():
+            return found
+        own = [str(a) for a in host.get_transport_addrs()] + [str(a) for a in host.get_addrs()]
+        circuits = [a for a in found if classify(a) == "circuit"]
+        return dial_order(found, own) + circuits
+
+    store.addrs = filtered  # type: ignore[method-assign]
+
+
 async def _serve_ping(stream: INetStream, limiter: PeerLimiter) -> None:
     """Echo 32-byte pings until the peer closes; a silent peer is dropped after a minute. A peer
     over its ``ping`` streams or ``ping_echo`` rate (``overlay/limits.py``) is reset."""
@@ -1062,6 +1080,7 @@ async def open_overlay_node(config: OverlayConfig) -> AsyncIterator[OverlayNode]
     node = OverlayNode(config, host, pubsub, dht)
     node.address_book = book
     host.connect = _filtered_connect(host)  # type: ignore[method-assign]
+    _filter_peerstore(host)
     node.set_stream_handler(HELLO_PROTOCOL, node._serve_hello)
     node._bootstrap_infos = [b for b in bootstrap if _peer_str(b.peer_id) != node.peer_id]
     host.get_network().register_notifee(_ConnectionWatcher(node))
