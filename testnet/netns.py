@@ -74,6 +74,8 @@ def require_netns(nat: bool = True) -> str | None:
 class Testbed:
     """Namespaced hosts on one bridge (module doc)."""
 
+    __test__ = False  # not a pytest test class, despite the name
+
     def __init__(self, hosts: Mapping[str, str], *, tag: str | None = None) -> None:
         bad = {n: k for n, k in hosts.items() if k not in HOST_KINDS}
         if bad:
