@@ -106,6 +106,9 @@ RTO_CEILING = 4.0
 # A peer declared down by probes keeps its connection for this many more missed probes (a
 # false verdict then costs no redial: its next frame brings it back up), then it is closed.
 CLOSE_AFTER_EXTRA_MISSES = 4
+# Probe timeouts over a relayed connection start this many times higher (a third node's
+# event loop and two more hops sit on the path).
+RELAYED_TIMEOUT_FACTOR = 3.0
 # Idle peers get an RTT sample at least this many ping intervals apart (the router uses it).
 RTT_REFRESH_INTERVALS = 10
 # One Kademlia bucket: below this many peers a self lookup already returns the whole network.
@@ -631,15 +634,17 @@ class OverlayNode:
         sub = await self.pubsub.subscribe(RECORDS_TOPIC)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._receive_records, sub)
-            published_for = -1
+            published_for: tuple[int, bytes | None] = (-1, None)
             while True:
                 await trio.sleep(RECORD_GOSSIP_INTERVAL)
-                known = len(self.peers)
-                if self._signed_record is None or known == published_for:
+                # Again when new peers appeared, and when our record changed (a relay slot,
+                # a confirmed public address): peers holding the old one would keep it.
+                now = (len(self.peers), self._signed_record)
+                if self._signed_record is None or now == published_for:
                     continue
                 try:
                     await self.pubsub.publish(RECORDS_TOPIC, self._signed_record)
-                    published_for = known
+                    published_for = now
                     self.counters["record_gossip_publishes"] += 1
                 except Exception as exc:  # no mesh yet: the next round tries again
                     logger.debug("record gossip publish failed: %r", exc)
@@ -666,6 +671,7 @@ class OverlayNode:
             self.counters["record_gossip_received"] += 1
             if record.peer_id in self.peers:
                 self.peers.set_record(record)
+                self._learn_addrs(record)  # a new relay slot: its circuit address
             elif len(self._pending_records) < MAX_PENDING_RECORDS:
                 # Not connected yet (a table entry would wrongly say "up"): a peer we learned
                 # of by gossip, so hand its signed addresses to discovery.
@@ -849,7 +855,11 @@ class OverlayNode:
             if probe.misses == 0 and now < due:
                 await trio.sleep(due - now)
                 continue
-            rto = self.peers.rto(pid, cfg.ping_timeout, RTO_CEILING * cfg.ping_timeout)
+            # A relayed link crosses a third node's event loop and two more hops.
+            floor = cfg.ping_timeout * (
+                RELAYED_TIMEOUT_FACTOR if self.connection_kind(pid) == "relayed" else 1.0
+            )
+            rto = self.peers.rto(pid, floor, RTO_CEILING * floor)
             started = time.monotonic()
             if probe.stream is not None:
                 answered = await self._send_probe(probe, rto)

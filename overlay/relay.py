@@ -80,7 +80,8 @@ RENEW_MARGIN_S = 120.0  # renew this long before the reservation expires
 MAX_RENEW_S = 600.0  # and at least this often (a relay that restarted forgot us)
 RETRY_S = (1.0, 30.0)  # backoff of an unreachable relay: first, cap
 STEP_TIMEOUT_S = 10.0  # one connect/reserve/dial exchange
-LOOKUP_EVERY_S = 60.0  # DHT lookups of one unreachable peer's record, at most this often
+CIRCUIT_TIE_BREAK_S = 8.0  # see RelayService._dialed_by_peer
+LOOKUP_EVERY_S = 10.0  # DHT lookups of one unreachable peer's record, at most this often
 
 
 def is_circuit_addr(addr: str | Multiaddr) -> bool:
@@ -178,6 +179,7 @@ class RelayService:
         self._looked_up: dict[str, float] = {}  # peer id -> monotonic time of its last lookup
         self._nursery: trio.Nursery | None = None
         self._kept: set[str] = set()  # relays we keep a reservation task for
+        self._kept_since: dict[str, float] = {}
         self._need_relay = trio.Event()
 
     @property
@@ -289,7 +291,13 @@ class RelayService:
         delay = RELAY_SEARCH_S[0]
         while True:
             if self.node.address_book.reachability == "private":
-                live = [rid for rid in self._kept if rid in self.reservations]
+                # A relay counts while it holds our slot, or while its first try is young.
+                now = time.monotonic()
+                live = [
+                    rid
+                    for rid in self._kept
+                    if rid in self.reservations or now - self._kept_since.get(rid, 0.0) < 30.0
+                ]
                 wanted = AUTO_RELAYS - len(live)
                 candidates = [c for c in self._relay_candidates() if c[0] not in self._kept]
                 if wanted > 0 and not candidates:
@@ -314,6 +322,7 @@ class RelayService:
             return
         logger.info("using relay %s (found in the overlay)", addr)
         self._kept.add(rid)
+        self._kept_since[rid] = time.monotonic()
         self._relay_addrs[rid] = addr
         self._nursery.start_soon(self._keep_reservation, info)
 
@@ -331,6 +340,8 @@ class RelayService:
             direct_error = exc
         self._dialing.add(pid)
         try:
+            if await self._dialed_by_peer(info):
+                return
             circuits = self._circuits_of(info) or await self._circuits_from_record(pid)
             for addr in circuits:
                 try:
@@ -343,6 +354,20 @@ class RelayService:
             self._dialing.discard(pid)
         raise direct_error
 
+    async def _dialed_by_peer(self, info: PeerInfo) -> bool:
+        """Two NAT'd peers that learn of each other at once would both dial a circuit, and
+        with one connection per peer libp2p closes one of the two under the streams already
+        on it. So the larger peer id, itself unreachable, waits a while for the smaller one
+        to dial it; True when that connection came."""
+        pid = str(info.peer_id)
+        if self.node.address_book.reachability != "private" or self.node.peer_id < pid:
+            return False
+        with trio.move_on_after(CIRCUIT_TIE_BREAK_S):
+            while info.peer_id not in self.host.get_connected_peers():  # noqa: ASYNC110 (libp2p state, no event)
+                await trio.sleep(0.2)
+            return True
+        return False
+
     async def _circuits_from_record(self, pid: str) -> list[str]:
         """Circuit addresses in the peer's signed node record: the cached one, else one
         bounded DHT lookup. Needed because identify did not spread them: after the NAT'd
@@ -351,8 +376,10 @@ class RelayService:
         entry = self.node.peers.get(pid)
         record = entry.record if entry is not None else None
         now = time.monotonic()
-        # one walk per peer a minute: a dead peer's redials must not become DHT walks
-        if record is None and now - self._looked_up.get(pid, -1e9) >= LOOKUP_EVERY_S:
+        # A cached record without circuits may predate the peer's reservation: look again.
+        stale = record is None or not any(is_circuit_addr(a) for a in record.addrs)
+        # one walk per peer every LOOKUP_EVERY_S: a dead peer's redials must not become walks
+        if stale and now - self._looked_up.get(pid, -1e9) >= LOOKUP_EVERY_S:
             self._looked_up[pid] = now
             with trio.move_on_after(STEP_TIMEOUT_S / 2):
                 try:
