@@ -65,7 +65,8 @@ class NodeSettings:
     # Addresses to advertise besides the interface addresses (a public or port-forwarded one)
     announce: list[str] = field(default_factory=list)
     # Nodes of another network id are refused; an invite carries the id of its network
-    network: str = "main"
+    # ("" = the invite's network, else "main")
+    network: str = ""
     invite: str = ""
 
     def validate(self) -> NodeSettings:
@@ -91,13 +92,14 @@ class NodeSettings:
                 invite = parse_invite(self.invite)
             except InviteError as exc:
                 raise ConfigError(f"invite: {exc}") from None
-            if self.network not in ("main", invite.network):
+            if self.network not in ("", invite.network):
                 raise ConfigError(
                     f"network {self.network!r} contradicts the invite, which is for network "
                     f"{invite.network!r}: drop --network or use an invite of that network"
                 )
             self.bootstrap = list(dict.fromkeys([*self.bootstrap, *invite.bootstrap]))
             self.network = invite.network
+        self.network = self.network or "main"
         from p2pnode.overlay.hello import check_network_id
 
         try:
