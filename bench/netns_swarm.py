@@ -5,8 +5,8 @@ a public bootstrap, then public, NAT'd and port-randomizing-NAT'd hosts in the p
 ``--layout``), starts ``p2pnode bootstrap`` and N-1 ``p2pnode join --invite ... --model
 none`` processes (default flags otherwise, one OS process per host) and measures:
 - seconds from the first join to every node seeing every other one up (full view);
-- the share of peer pairs connected directly, hole-punched and relayed, once the
-  reachability checks have settled;
+- the share of peer pairs connected directly and relayed, once the reachability checks have
+  settled (no hole punching yet, so a NAT'd pair is relayed);
 - the median ping RTT over direct and over relayed connections (from the nodes' tables).
 Then, in one process on loopback (a relay R, a reserved node B, a client A), the round trip
 of 1 KiB frames and the echo throughput of 1 MiB frames, A->B through the circuit vs A->R
@@ -69,8 +69,19 @@ def run_size(n: int, args: argparse.Namespace) -> dict:
         def progress(elapsed: float, full: int, total: int) -> None:
             print(f"  N={n}: {elapsed:5.1f} s, {full}/{total} nodes see everyone", flush=True)
 
-        full_view_s = swarm.wait_full_view(args.limit, poll_s=2.0, progress=progress)
-        joined_s = time.monotonic() - t0
+        try:
+            full_view_s: float | None = swarm.wait_full_view(
+                args.limit, poll_s=2.0, progress=progress
+            )
+        except TimeoutError as exc:
+            print(f"  N={n}: {exc}", flush=True)
+            full_view_s = None
+        joined_s = time.monotonic() - t0 if full_view_s is not None else None
+        if args.keep_logs:
+            keep = RESULTS.parent / f"netns_logs_{n}"
+            keep.mkdir(parents=True, exist_ok=True)
+            for host in hosts:
+                (keep / f"{host}.log").write_text(swarm.log(host, 10**7))
         ids = swarm.peer_ids()
         nat_hosts = [h for h, k in hosts.items() if k != "public"]
         deadline = time.monotonic() + SETTLE_LIMIT_S
@@ -82,7 +93,7 @@ def run_size(n: int, args: argparse.Namespace) -> dict:
                 break
             time.sleep(2.0)
         pairs: dict[frozenset, str] = {}
-        rtts: dict[str, list[float]] = {"direct": [], "relayed": [], "hole-punched": []}
+        rtts: dict[str, list[float]] = {"direct": [], "relayed": []}
         for host in hosts:
             for peer in swarm.peers(host):
                 kind = peer.get("connection")
@@ -97,8 +108,9 @@ def run_size(n: int, args: argparse.Namespace) -> dict:
     return {
         "hosts": n,
         "layout": {k: sum(1 for v in hosts.values() if v == k) for k in set(hosts.values())},
-        "full_view_s": round(full_view_s, 1),
-        "first_join_to_full_view_s": round(joined_s, 1),
+        "full_view_s": None if full_view_s is None else round(full_view_s, 1),
+        "full_view_limit_s": args.limit,
+        "first_join_to_full_view_s": None if joined_s is None else round(joined_s, 1),
         "pairs": total_pairs,
         "pairs_connected": len(pairs),
         "share": {k: round(c / total_pairs, 3) for k, c in counts.items()},
@@ -170,6 +182,7 @@ def main() -> None:
     parser.add_argument("--random-share", type=float, default=0.2)
     parser.add_argument("--limit", type=float, default=180.0, help="full-view limit (s)")
     parser.add_argument("--rounds", type=int, default=20, help="1 MiB echoes per path")
+    parser.add_argument("--keep-logs", action="store_true", help="copy node logs to results")
     args = parser.parse_args()
     reason = require_netns()
     if reason is not None:
@@ -183,15 +196,13 @@ def main() -> None:
     out["load_avg_1m_at_end"] = os.getloadavg()[0]
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(out, indent=2))
-    print(
-        "| hosts | layout | full view (s) | direct | relayed | hole-punched | RTT direct / relayed (ms) |"
-    )
-    print("|---|---|---|---|---|---|---|")
+    print("| hosts | layout | full view (s) | direct | relayed | RTT direct / relayed (ms) |")
+    print("|---|---|---|---|---|---|")
     for row in out["sizes"]:
         share, rtt = row["share"], row["rtt_ms_median"]
         print(
             f"| {row['hosts']} | {row['layout']} | {row['full_view_s']} | {share['direct']:.0%} | "
-            f"{share['relayed']:.0%} | {share['hole-punched']:.0%} | "
+            f"{share['relayed']:.0%} | "
             f"{rtt['direct']} / {rtt['relayed']} |"
         )
     print(json.dumps(out["relay_vs_direct"], indent=2))

@@ -265,7 +265,6 @@ class OverlayNode:
         self.refused: dict[str, str] = {}  # peer id -> why (another network or version)
         self._hello_done: dict[str, trio.Event] = {}
         self._nursery: trio.Nursery | None = None
-        self.hole_punched: set[str] = set()  # peers whose direct connection came by DCUtR
 
     # -- public face ----------------------------------------------------------------------
 
@@ -276,8 +275,8 @@ class OverlayNode:
         return [str(a) for a in self.host.get_addrs()]
 
     def connection_kind(self, peer_id: str) -> str | None:
-        """How we reach a connected peer: "relayed" (circuit), "hole-punched" (a direct
-        connection that replaced a relayed one), "direct"; None when not connected."""
+        """How we reach a connected peer: "direct" or "relayed" (circuit); None when not
+        connected. (No hole punching yet: a NAT'd pair stays relayed.)"""
         try:
             conns = self.host.get_network().get_connections(ID.from_base58(peer_id))
         except Exception:
@@ -289,9 +288,7 @@ class OverlayNode:
             addrs = [str(a) for a in conn.get_transport_addresses()]
             relayed = any(classify(a) == "circuit" for a in addrs) or _is_relayed(conn)
             kinds.add("relayed" if relayed else "direct")
-        if "direct" in kinds:
-            return "hole-punched" if peer_id in self.hole_punched else "direct"
-        return "relayed"
+        return "direct" if "direct" in kinds else "relayed"
 
     async def connect(self, addr: str) -> str:
         """Dial a `/.../p2p/<id>` address; returns the peer id (`PeerUnreachable` on failure)."""

@@ -1,24 +1,34 @@
-"""NAT traversal: libp2p circuit relay v2 for overlay nodes (issue 8).
+"""NAT traversal: libp2p circuit relay v2 for overlay nodes, relays found in the overlay.
 
 A node behind NAT can dial out but cannot be dialed. It reserves a slot on a relay (a public
-node run with ``hop=True``), advertises ``<relay addr>/p2p-circuit/p2p/<its id>``, and peers
+member of the overlay), advertises ``<relay addr>/p2p-circuit/p2p/<its id>``, and peers
 that cannot dial it directly reach it through the relay: a relayed connection is a relay stream
 carrying a full Noise + yamux connection end to end, so the relay sees only ciphertext and the
 rest of the overlay (pings, forwarding, gossip) runs over it unchanged.
 
 Contract:
-- ``async with open_relay(node, relays=[addr, ...], hop=False) as relay:`` on a running
-  ``OverlayNode``: accepts relayed connections (circuit v2 STOP); with ``hop=True`` also relays
-  for others (HOP, bounded by ``RelayLimits``); keeps a reservation on each of ``relays``
-  (``/ip4/.../tcp/.../p2p/<relay id>``; malformed -> ``BadMultiaddr`` at once), renewing it
-  before it expires and retrying an unreachable relay with backoff. While a reservation
-  holds, ``relay.circuit_addrs`` lists our circuit addresses and the host advertises them (its
+- ``async with open_relay(node, relays=[addr, ...], hop=False|True|"auto", auto=False) as
+  relay:`` on a running ``OverlayNode``: accepts relayed connections (circuit v2 STOP);
+  relays for others (HOP) with ``hop=True``, or with ``hop="auto"`` once the node's
+  reachability (overlay/reachability.py) is "public" (it then adds the ``relay`` role to its
+  signed record and provides ``RELAY_PROVIDER_KEY`` in the DHT). Relaying is for members only
+  (``relay.admit``): a peer with a valid signed node record of this network, not refused,
+  reserving only for itself, within its per-peer ``relay_reserve``/``relay_circuit`` budgets;
+  others get PERMISSION_DENIED. Each reservation is bounded by ``DEFAULT_LIMITS``.
+- Reservations: on each of ``relays`` (``/ip4/.../tcp/.../p2p/<relay id>``; malformed ->
+  ``BadMultiaddr`` at once), and with ``auto=True`` and no ``relays``, on ``AUTO_RELAYS``
+  members found on our own while our reachability is "private" (peers whose records carry the
+  ``relay`` role, else DHT providers of ``RELAY_PROVIDER_KEY``). Each is renewed before it
+  expires and an unreachable relay retried with backoff. While a reservation holds,
+  ``relay.circuit_addrs`` lists our circuit addresses and the host advertises them (its
   addresses, an identify push to connected peers, a republished signed node record);
-  ``await relay.wait_reserved()`` returns once the first one holds.
+  ``await relay.wait_reserved()`` returns once the first one holds; ``on_reachability`` is
+  the callback the reachability service calls.
 - Dialing: ``open_relay`` makes ``node.host.connect`` fall back to circuit addresses when the
   direct dial fails: those in the ``PeerInfo`` or the peerstore, else those in the peer's node
-  record (cached in the peer table, else one bounded DHT lookup, at most once a minute per
-  peer). So the overlay's own dials (discovery, ``open_stream``) reach NAT'd peers unchanged.
+  record (cached in the peer table, else one bounded DHT lookup, at most every
+  ``LOOKUP_EVERY_S`` per peer). Between two unreachable peers the larger peer id first waits
+  ``CIRCUIT_TIE_BREAK_S`` for the smaller one to dial (simultaneous circuits kill each other).
   ``await relay.dial(circuit_addr) -> peer id`` dials one circuit explicitly.
 - ``is_circuit_addr(addr)``; ``circuit_addr(relay_addr, peer_id)``.
 Measured with py-libp2p 0.8.1 (Noise-only, yamux-only hosts): relayed dial ~65 ms on loopback,
@@ -280,7 +290,7 @@ class RelayService:
             if record is None or "relay" not in record.roles or pid in self.node.refused:
                 continue
             direct = [a for a in record.addrs if not is_circuit_addr(a)]
-            if direct and self.node.connection_kind(pid) in ("direct", "hole-punched"):
+            if direct and self.node.connection_kind(pid) == "direct":
                 out.append((pid, direct[0]))
         return out
 
