@@ -215,10 +215,6 @@ def _node_options(fn):
             default=None,
             help="Route requests to the best peer (default), or serve everything locally.",
         ),
-        click.option(
-            "--wan-spec", default=None, help="Testnet: trial spec whose delays to inject."
-        ),
-        click.option("--region", default=None, help="Testnet: this node's region in --wan-spec."),
         *_relay_options,
         click.option("--invite", default=None, help="Join with an invite (`p2pnode invite`)."),
         _config_option,
@@ -266,8 +262,6 @@ def join(config_file: Path | None, **flags: Any) -> None:
 @click.option("--log-level", default=None, type=click.Choice(["debug", "info", "warning", "error"]))
 @click.option("--ping-timeout", type=float, default=None, help="Seconds before a ping fails.")
 @click.option("--connect-timeout", type=float, default=None, help="Seconds before a dial fails.")
-@click.option("--wan-spec", default=None, help="Testnet: trial spec whose delays to inject.")
-@click.option("--region", default=None, help="Testnet: this node's region in --wan-spec.")
 @_relay_options[1]
 @_relay_options[2]
 @_relay_options[3]

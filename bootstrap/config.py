@@ -42,7 +42,7 @@ class NodeSettings:
     max_batch: int = 4
     ping_interval: float = 1.0
     # Liveness and dial limits; raise them on long links (a dial is ~5 round trips, a ping ~3).
-    # With wan_spec set, the trial's worst round trip raises them automatically.
+    # Trial nodes (testnet/node.py) get them raised to what the spec's worst round trip needs.
     ping_timeout: float = 1.0
     connect_timeout: float = 3.0
     gossip_interval: float = 1.0
@@ -54,9 +54,6 @@ class NodeSettings:
     torch_threads: int = 1
     # false: serve every request where it arrives (the no-routing baseline of trials)
     routing: bool = True
-    # testnet: a trial spec (TOML) whose [regions] delays this node injects, and its region
-    wan_spec: str = ""
-    region: str = ""
     # NAT traversal (overlay/relay.py): relays to reserve a slot on (none given: a node that a
     # dial-back shows unreachable finds relays in the overlay); relaying for other members:
     # "auto" once a dial-back shows this node publicly reachable, "on" always, "off" never
@@ -118,8 +115,6 @@ class NodeSettings:
             raise ConfigError(f"backend {self.backend!r}: use hf (real model) or emulated")
         if not 1 <= self.torch_threads <= 256:
             raise ConfigError("torch_threads must be between 1 and 256")
-        if self.wan_spec and not self.region:
-            raise ConfigError("wan_spec needs region: the region of this node in that spec")
         if self.log_level.lower() not in {"debug", "info", "warning", "error"}:
             raise ConfigError(f"log_level {self.log_level!r}: use debug, info, warning or error")
         self.home = Path(self.home).expanduser()

@@ -159,16 +159,6 @@ async def run_node(settings: NodeSettings, *, task_status=trio.TASK_STATUS_IGNOR
         "dial_timeout": settings.connect_timeout + 2.0,
         "health_ping_timeout": 2.0 * settings.ping_timeout,
     }
-    if settings.wan_spec:
-        from p2pnode.testnet import wan
-
-        try:
-            wan.install(settings.wan_spec, settings.region)
-            suggested = wan.suggested_timeouts(settings.wan_spec, settings.region)
-        except (wan.WanError, OSError, ValueError) as exc:
-            raise NodeStartError(f"cannot emulate the WAN of {settings.wan_spec}: {exc}") from None
-        timeouts = {k: max(v, suggested.get(k, 0.0)) for k, v in timeouts.items()}
-
     lock = _lock_home(settings.home)
     try:
         await _run_locked(settings, timeouts, task_status)

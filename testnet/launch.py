@@ -4,7 +4,8 @@ Contract:
 - ``with launch_trial(spec, arm, workdir) as trial:`` starts one bootstrap node and
   ``spec.node_count`` serving nodes (``node_cmd``), each in its own home
   under ``workdir/<arm>/``, each listening on its own loopback IP of its region (``wan.node_ip``)
-  with ``--wan-spec``/``--region`` so its libp2p connections carry the spec's delays, the
+  started through ``testnet/node.py`` with ``--wan-spec``/``--region`` so its libp2p
+  connections carry the spec's delays, the
   spec's ``[node]`` settings, ``--backend`` from the compute mode and ``--routing`` or
   ``--no-routing`` by arm. It waits for every ``runtime.json`` and for the overlay to form
   (every serving node sees every other one up in ``GET /status``, and for the routing arm
@@ -47,9 +48,9 @@ from p2pnode.testnet import wan
 from p2pnode.testnet.spec import TrialSpec
 
 STOP_GRACE_S = 15.0
-# p2pnode itself, through the testnet entry point that keeps emulated compute at its calibrated
-# cost (see _node.py); real compute runs exactly as `p2pnode`.
-NODE_CMD = (sys.executable, "-m", "p2pnode.bootstrap.cli")
+# p2pnode itself, through the trial's entry point that injects the spec's WAN delays first
+# (testnet/node.py); the product's node assembly knows nothing of emulated WANs.
+NODE_CMD = (sys.executable, "-m", "p2pnode.testnet.node")
 POLL_S = 0.25
 
 
@@ -315,11 +316,6 @@ def plan_nodes(
     boot_ip = next_ip(spec.bootstrap_region)
     boot_home = base / "bootstrap"
     boot_home.mkdir(parents=True, exist_ok=True)
-    boot_cfg = boot_home / "bootstrap.toml"
-    # `p2pnode bootstrap` has no --wan-spec flag: the same keys work through --config.
-    boot_cfg.write_text(
-        f"wan_spec = {json.dumps(spec_path)}\nregion = {json.dumps(spec.bootstrap_region)}\n"
-    )
     bootstrap = NodeProc(
         name="bootstrap",
         region=spec.bootstrap_region,
@@ -335,8 +331,10 @@ def plan_nodes(
             "0",
             "--log-level",
             log_level,
-            "--config",
-            str(boot_cfg),
+            "--wan-spec",
+            spec_path,
+            "--region",
+            spec.bootstrap_region,
         ],  # fmt: skip
         env=node_env(1),
         cmd=list(node_cmd),
