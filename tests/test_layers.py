@@ -41,7 +41,11 @@ def _imports(path: Path) -> list[tuple[str, bool]]:
             elif isinstance(child, ast.ImportFrom) and (child.module or "").startswith("p2pnode"):
                 # "from p2pnode.x import y": y may be a module of x or a name in it
                 out.extend((f"{child.module}.{a.name}", at_load) for a in child.names)
-            elif isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test) or isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
+            elif (
+                isinstance(child, ast.If)
+                and "TYPE_CHECKING" in ast.unparse(child.test)
+                or isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda)
+            ):
                 visit(child, False)
             else:
                 visit(child, at_load)
