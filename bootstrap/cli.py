@@ -256,6 +256,7 @@ def join(config_file: Path | None, **flags: Any) -> None:
 @main.command("bootstrap")
 @click.option("--listen", multiple=True, help="Multiaddr to listen on (repeatable).")
 @click.option("--bootstrap", multiple=True, help="Other bootstrap peers to link with (repeatable).")
+@click.option("--api-host", default=None, help="Address of the local HTTP API.")
 @click.option(
     "--api-port", type=int, default=None, help="Port of the local HTTP API (0: any free port)."
 )

@@ -45,6 +45,7 @@ from typing import Any
 import httpx
 
 from p2pnode.testnet import wan
+from p2pnode.testnet.netns import Testbed, require_netns
 from p2pnode.testnet.spec import TrialSpec
 
 STOP_GRACE_S = 15.0
@@ -157,11 +158,14 @@ def _free_port(ip: str) -> int:
         return sock.getsockname()[1]
 
 
-def _prepare_bootstrap(bootstrap: NodeProc) -> str:
-    """Create the bootstrap's key and pick its port; returns its full multiaddr."""
+def _prepare_bootstrap(bootstrap: NodeProc, *, default_port: bool = False) -> str:
+    """Create the bootstrap's key and pick its port (``default_port``: it listens on the
+    default 0.0.0.0:4101 of its own namespace); returns its full multiaddr."""
     from p2pnode.identity import NodeKey
 
     key = NodeKey.load_or_create(bootstrap.home)
+    if default_port:
+        return f"/ip4/{bootstrap.ip}/tcp/4101/p2p/{key.peer_id}"
     port = _free_port(bootstrap.ip)
     listen = bootstrap.args.index("--listen") + 1
     bootstrap.args[listen] = f"/ip4/{bootstrap.ip}/tcp/{port}"
@@ -298,6 +302,7 @@ def plan_nodes(
     *,
     log_level: str = "info",
     node_cmd: Sequence[str] = NODE_CMD,
+    addressing: str = "loopback",
 ):
     """The bootstrap and serving node definitions of one arm (not started)."""
     spec_path = str(spec.path) if spec.path else ""
@@ -310,7 +315,7 @@ def plan_nodes(
     def next_ip(region: str) -> str:
         k = per_region.get(region, 0)
         per_region[region] = k + 1
-        return wan.node_ip(spec, region, k)
+        return wan.node_ip(spec, region, k, addressing)
 
     base = root / arm
     boot_ip = next_ip(spec.bootstrap_region)
@@ -399,6 +404,41 @@ def _serving_node(
     return NodeProc(f"node{i}", region, ip, home, args, env, list(node_cmd))
 
 
+# Trials on namespace hosts: this namespace joins the hosts' bridge here, so the driver
+# reaches every node's HTTP API (bound to the host's own address) directly.
+DRIVER_LEG = f"{wan.NETNS_NET.broadcast_address - 1}/{wan.NETNS_NET.prefixlen}"
+
+
+def _onto_testbed(spec: TrialSpec, nodes: list[NodeProc]) -> Testbed:
+    """Each node in a namespace of its own with its region's address; its command runs in
+    there with the default listen address (0.0.0.0:4101) and its API on the host address."""
+    reason = require_netns(nat=False)
+    if reason is not None:
+        raise LaunchError(f"--hosts netns: {reason}")
+    if spec.churn_new_nodes():
+        raise LaunchError("--hosts netns: churn joins of new nodes are not supported there yet")
+    prefix = wan.NETNS_NET.prefixlen
+    bed = Testbed(
+        {n.name: "public" for n in nodes},
+        addresses={n.name: f"{n.ip}/{prefix}" for n in nodes},
+        root_leg=DRIVER_LEG,
+    ).build()
+    for node in nodes:
+        at = node.args.index("--listen")
+        del node.args[at : at + 2]
+        at = node.args.index("--api-port")
+        node.args[at : at + 2] = ["--api-host", node.ip, "--api-port", str(NETNS_API_PORT)]
+        node.args += NETNS_API_FLAGS
+        node.cmd = bed.cmd(node.name, node.cmd)
+    return bed
+
+
+NETNS_API_PORT = 8731
+# The API listens on the host's address (the driver is outside the namespace): no key, on a
+# testbed nothing but the trial can reach.
+NETNS_API_FLAGS: list[str] = []
+
+
 @contextmanager
 def launch_trial(
     spec: TrialSpec,
@@ -408,10 +448,13 @@ def launch_trial(
     start_timeout_s: float | None = None,
     log_level: str = "info",
     node_cmd: Sequence[str] = NODE_CMD,
+    hosts: str = "local",
 ) -> Iterator[RunningTrial]:
     """Start one arm's processes, wait for the overlay, stop everything on exit (module doc)."""
     if arm not in ("routing", "baseline"):
         raise LaunchError(f"arm {arm!r}: use routing or baseline")
+    if hosts not in ("local", "netns"):
+        raise LaunchError(f"hosts {hosts!r}: use local (this host's loopback) or netns")
     if start_timeout_s is None:
         # many round trips per dial (multistream, Noise, yamux): scale with the worst link
         start_timeout_s = 90.0 + 10 * spec.node_count + 40 * spec.max_delay_ms() / 1000.0
@@ -419,7 +462,11 @@ def launch_trial(
 
     if spec.model == "default":
         default_model_path()  # convert once here, not in every node at the same time
-    bootstrap, nodes = plan_nodes(spec, arm, workdir, log_level=log_level, node_cmd=node_cmd)
+    addressing = "netns" if hosts == "netns" else "loopback"
+    bootstrap, nodes = plan_nodes(
+        spec, arm, workdir, log_level=log_level, node_cmd=node_cmd, addressing=addressing
+    )
+    bed = _onto_testbed(spec, [bootstrap, *nodes]) if hosts == "netns" else None
     trial = RunningTrial(
         spec, arm, workdir / arm, bootstrap, nodes, log_level=log_level, node_cmd=node_cmd
     )
@@ -429,7 +476,7 @@ def launch_trial(
         # The bootstrap's address is known before it runs (its key is made here, its port
         # picked free), so every process starts at once: start-up is mostly imports and
         # model loading, and nodes retry the bootstrap until it listens.
-        addr = _prepare_bootstrap(bootstrap)
+        addr = _prepare_bootstrap(bootstrap, default_port=bed is not None)
         trial.bootstrap_addr = addr
         _spawn(bootstrap)
         for node in nodes:
@@ -451,3 +498,5 @@ def launch_trial(
                 if path.is_file():
                     suffix = "" if k == 0 else f".{k}"
                     shutil.copyfile(path, logs / f"{node.name}{suffix}.log")
+        if bed is not None:
+            bed.close()

@@ -76,19 +76,32 @@ class Testbed:
 
     __test__ = False  # not a pytest test class, despite the name
 
-    def __init__(self, hosts: Mapping[str, str], *, tag: str | None = None) -> None:
+    def __init__(
+        self,
+        hosts: Mapping[str, str],
+        *,
+        tag: str | None = None,
+        addresses: Mapping[str, str] | None = None,
+        root_leg: str | None = None,
+    ) -> None:
         bad = {n: k for n, k in hosts.items() if k not in HOST_KINDS}
         if bad:
             raise ValueError(f"unknown host kinds {bad}; use {HOST_KINDS}")
         if len(hosts) > 200:
             raise ValueError("at most 200 hosts on one bridge")
         self.hosts = dict(hosts)
+        # name -> "ip/prefix" on the bridge instead of PUBLIC_NET (public hosts only)
+        self.addresses = dict(addresses or {})
+        # "ip/prefix" of a veth from this (root) namespace onto the bridge, so processes here
+        # (a trial's driver) reach the hosts' addresses; None keeps the testbed isolated
+        self.root_leg = root_leg
         self.tag = tag or str(os.getpid())
         self.hub = f"p2phub{self.tag}"
         self._namespaces: list[str] = []
         self._procs: list[subprocess.Popen] = []
         self._public: dict[str, str] = {}
         self._own: dict[str, str] = {}
+        self._root_link: str | None = None
 
     # -- names and addresses ------------------------------------------------------------
 
@@ -128,12 +141,23 @@ class Testbed:
             self._add_ns(self.hub)
             _run(["ip", "-n", self.hub, "link", "add", "br0", "type", "bridge"])
             _run(["ip", "-n", self.hub, "link", "set", "br0", "up"])
+            if self.root_leg is not None:
+                leg = f"p2pleg{self.tag}"[:15]
+                _run(["ip", "link", "del", leg], check=False)
+                _run(["ip", "link", "add", leg, "type", "veth", "peer", "name", "vroot",
+                      "netns", self.hub])  # fmt: skip
+                self._root_link = leg
+                _run(["ip", "addr", "add", self.root_leg, "dev", leg])
+                _run(["ip", "link", "set", leg, "up"])
+                _run(["ip", "-n", self.hub, "link", "set", "vroot", "up"])
+                _run(["ip", "-n", self.hub, "link", "set", "vroot", "master", "br0"])
             for i, (name, kind) in enumerate(self.hosts.items(), start=2):
-                public = f"{PUBLIC_NET}.{i}"
+                cidr = self.addresses.get(name, f"{PUBLIC_NET}.{i}/24")
+                public = cidr.split("/")[0]
                 self._public[name] = public
                 if kind == "public":
                     self._add_ns(self.ns(name))
-                    self._wire(self.ns(name), "eth0", f"{public}/24", self.hub, f"v{i}")
+                    self._wire(self.ns(name), "eth0", cidr, self.hub, f"v{i}")
                     self._own[name] = public
                 else:
                     self._build_nat(name, i, public, random_ports=kind == "nat-random")
@@ -214,6 +238,9 @@ class Testbed:
                     os.kill(int(pid), signal.SIGKILL)
             _run(["ip", "netns", "del", ns], check=False)
         self._namespaces.clear()
+        if self._root_link is not None:
+            _run(["ip", "link", "del", self._root_link], check=False)
+            self._root_link = None
 
     def __enter__(self) -> Testbed:
         return self.build()
