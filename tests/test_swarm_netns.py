@@ -124,15 +124,16 @@ def test_default_flags_across_nats_form_one_swarm_and_route_to_the_prefix(testbe
 
     # nat2 serves the long system prompt once and so caches it; nat1 learns it by gossip.
     swarm.request("nat2", "/v1/chat/completions", {"messages": SYSTEM, "max_tokens": 2})
-    _wait(
-        lambda: (
-            _view_of(swarm, "nat1", ids["nat2"]).get("blocks", 0) >= 10
-            and _rtt(swarm, "nat1", ids["nat2"]) is not None
-        ),
-        30,
-        "nat1 sees nat2's cached prefix",
-        logs(),
-    )
+
+    def nat1_sees_the_prefix() -> bool:
+        view = _view_of(swarm, "nat1", ids["nat2"])
+        return view.get("blocks", 0) >= 10 and _rtt(swarm, "nat1", ids["nat2"]) is not None
+
+    try:
+        _wait(nat1_sees_the_prefix, 60, "nat1 sees nat2's cached prefix")
+    except AssertionError as exc:
+        view, rtt = _view_of(swarm, "nat1", ids["nat2"]), _rtt(swarm, "nat1", ids["nat2"])
+        raise AssertionError(f"{exc}: view {view}, rtt {rtt}\n{logs()}") from None
     body = {"messages": MESSAGES, "max_tokens": NEW_TOKENS, "temperature": 0}
     headers, reply = swarm.request("nat1", "/v1/chat/completions", body)
     assert headers["x-p2pnode-served-by"] == ids["nat2"], (headers, reply.get("p2pnode"))
