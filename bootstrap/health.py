@@ -4,8 +4,9 @@ Contract:
 - ``health_state(engine=..., node=..., loading=False)`` -> ``{"status", "live", "ready",
   "model", "overlay"}``: ``model`` is ``"loaded"``, ``"loading"`` or ``"none"`` (a node that
   serves no model is ready without one); ``overlay`` is ``"joined"`` (no bootstrap peers
-  configured: this node starts the swarm; otherwise at least one peer up), ``"joining"`` or
-  ``"none"`` (no overlay). ``ready`` = model not loading and overlay not joining; ``status`` is
+  configured: this node starts the swarm; otherwise a live connection to at least one peer;
+  the peer table's "up" is not enough, it trusts a bootstrap peer before any connection),
+  ``"joining"`` or ``"none"`` (no overlay). ``ready`` = model not loading and overlay not joining; ``status`` is
   ``"ok"`` when ready, else ``"starting"``.
 - ``health_response(state)``: 200 when ready, 503 (with ``retry-after``) otherwise; the body is
   the state either way, so a load balancer and a person read the same thing.
@@ -26,7 +27,7 @@ def health_state(*, engine: Any = None, node: Any = None, loading: bool = False)
     model = "loading" if loading else ("loaded" if engine is not None else "none")
     if node is None:
         overlay = "none"
-    elif not node.config.bootstrap or node.peers.up_peers():
+    elif not node.config.bootstrap or node.host.get_connected_peers():
         overlay = "joined"
     else:
         overlay = "joining"
