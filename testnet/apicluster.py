@@ -6,8 +6,8 @@ torch thread: two OpenMP threads per engine stall each other on 2 shared cores),
 ``RoutedService`` and the HTTP API (console included) on a free port; it returns once every
 node sees the others up with a measured RTT. ``serving[i] = False`` leaves node i's engine out
 of its router (a routing-only front that still tokenizes: every answer is forwarded).
-``roles[i]`` sets node i's advertised roles. Leaving the block stops APIs, services, nodes and
-engines, also on failure.
+``roles[i]`` sets node i's advertised roles. Leaving the block stops the APIs and services
+first, then the nodes and engines, also on failure.
 
 Shared by the console's browser test, the API tests and ``docs/console_screenshots.py``.
 """
@@ -30,6 +30,7 @@ from p2pnode.overlay.forward import RoutedService
 from p2pnode.overlay.node import OverlayConfig, open_overlay_node
 
 MESH_TIMEOUT_S = 60.0
+TEARDOWN_SETTLE_S = 0.5
 
 
 @dataclass
@@ -54,11 +55,9 @@ async def api_cluster(
     roles = list(roles) if roles is not None else [{"router"}] * n
     ae = AntiEntropyConfig(interval_s=0.3, pull_min_interval_s=0.3)
     async with contextlib.AsyncExitStack() as stack:
-        nursery = await stack.enter_async_context(trio.open_nursery())
-        stack.callback(nursery.cancel_scope.cancel)  # runs first on exit: stops the servers
-        out: list[ApiClusterNode] = []
-        for i in range(n):
-            key = NodeKey.generate()
+        engines: list[Any] = []
+        nodes: list[Any] = []
+        for i in range(n):  # engines and nodes first: they must outlive the services
             engine = await stack.enter_async_context(
                 open_engine(
                     loaded,
@@ -70,18 +69,26 @@ async def api_cluster(
             # Pings answer late with several real engines on one loop and 2 busy cores: long
             # timeouts keep healthy peers up (see tests/test_routing_cluster.py).
             config = OverlayConfig(
-                key=key,
-                bootstrap=[out[0].node.addrs[0]] if i else [],
+                key=NodeKey.generate(),
+                bootstrap=[nodes[0].addrs[0]] if i else [],
                 models=[engine.model_id] if serving[i] else [],
                 roles=set(roles[i]),
                 ping_timeout=5.0,
                 health_ping_timeout=10.0,
             )
-            node = await stack.enter_async_context(open_overlay_node(config))
+            nodes.append(await stack.enter_async_context(open_overlay_node(config)))
+            engines.append(engine)
+        # Gossip already in flight lands before the nodes stop: a node whose pubsub closed
+        # while its host still reads gossip logs "Nursery is closed to new arrivals".
+        stack.push_async_callback(trio.sleep, TEARDOWN_SETTLE_S)
+        nursery = await stack.enter_async_context(trio.open_nursery())
+        stack.callback(nursery.cancel_scope.cancel)  # first on exit: APIs and services stop
+        out: list[ApiClusterNode] = []
+        for i, (node, engine) in enumerate(zip(nodes, engines, strict=True)):
             registry = CollectorRegistry()
             service = RoutedService(
                 node,
-                key,
+                node.config.key,
                 engine if serving[i] else None,
                 model_id=engine.model_id,
                 registry=registry,
