@@ -10,10 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import shutil
-import tempfile
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -23,20 +20,8 @@ import trio
 
 from p2pnode.inference.sampling import SamplingParams
 from p2pnode.testnet.apicluster import api_cluster
+from p2pnode.testnet.browser import chromium, console_errors, missing_browser
 
-CHROMIUM = "/usr/bin/chromium"
-CHROMEDRIVER = "/usr/bin/chromedriver"
-CHROMIUM_FLAGS = (
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--window-size=1400,1800",
-)
 CHAT_TOKENS = 12
 
 
@@ -129,45 +114,10 @@ async def test_console_endpoints_describe_swarm_node_and_decisions(loaded) -> No
 # --------------------------------------------------------------------------- the browser
 
 
-def _browser_or_skip() -> tuple[Any, Any]:
-    missing = [p for p in (CHROMIUM, CHROMEDRIVER) if not os.access(p, os.X_OK)]
-    if missing:
-        pytest.skip(f"{' and '.join(missing)} not installed (Debian: chromium chromium-driver)")
-    try:
-        from selenium import webdriver
-        from selenium.webdriver.chrome.service import Service
-    except ImportError:
-        pytest.skip("selenium is not installed (pip install -e '.[test]')")
-    return webdriver, Service
-
-
-@contextlib.contextmanager
-def chromium() -> Iterator[Any]:
-    webdriver, Service = _browser_or_skip()
-    profile = tempfile.mkdtemp(prefix="p2pnode-chromium-")
-    os.environ.setdefault("SE_OFFLINE", "true")  # selenium must not look for drivers online
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
-    for flag in CHROMIUM_FLAGS:
-        options.add_argument(flag)
-    options.add_argument(f"--user-data-dir={profile}")
-    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-    driver = None
-    try:
-        driver = webdriver.Chrome(options=options, service=Service(CHROMEDRIVER))
-        driver.set_page_load_timeout(30)
-        yield driver
-    finally:
-        if driver is not None:
-            driver.quit()
-        shutil.rmtree(profile, ignore_errors=True)
-
-
-def console_errors(driver: Any) -> list[dict[str, Any]]:
-    return [e for e in driver.get_log("browser") if e.get("level") == "SEVERE"]
-
-
 async def test_console_in_chromium_shows_peers_and_streams_a_chat(loaded, tmp_path) -> None:
+    problem = missing_browser()
+    if problem is not None:
+        pytest.skip(problem)
     async with api_cluster(loaded, 3) as nodes:
         a = nodes[0]
         others = {n.node.peer_id for n in nodes[1:]}
@@ -256,3 +206,76 @@ async def test_console_in_chromium_shows_peers_and_streams_a_chat(loaded, tmp_pa
                     driver.save_screenshot(str(shot))
                     print(f"screenshot of the failing console: {shot}")
                 raise
+
+
+# --------------------------------------------------------------------------- the "why" sentence
+
+
+def estimate(peer: str, total: float, *, cached: int = 0, skipped: str | None = None) -> Any:
+    from p2pnode.overlay.router import CandidateEstimate
+
+    local = peer == "local"
+    return CandidateEstimate(
+        peer_id=peer,
+        is_local=local,
+        cached_tokens=cached,
+        view_cached_tokens=cached,
+        rtt_s=0.0 if local else 0.01,
+        transfer_s=0.0 if local else 0.001,
+        wait_s=0.0,
+        prefill_s=total / 2,
+        decode_s=total / 2 - (0.0 if local else 0.031),
+        overhead_s=0.0,
+        total_s=total,
+        skipped=skipped,
+    )
+
+
+def decision(chosen: str, reason: str, *candidates: Any) -> Any:
+    from p2pnode.overlay.router import RoutingDecision
+
+    return RoutingDecision(
+        request_id="r1",
+        model_id="m",
+        prompt_tokens=100,
+        max_tokens=8,
+        chosen=chosen,
+        reason=reason,
+        margin_s=0.05,
+        candidates=tuple(sorted(candidates, key=lambda c: c.total_s)),
+        attempts=(chosen,),
+        local_total_s=next(c.total_s for c in candidates if c.is_local),
+    )
+
+
+def test_why_sentence_names_the_numbers_behind_each_reason() -> None:
+    from p2pnode.bootstrap.console.feed import candidate_record, explain
+    from p2pnode.overlay.forward import Attempt
+
+    peer = "12D3KooWPeerAAAAAAAAAAAAAAAAAAAAAAAAAAAA11111111"
+    ok = [Attempt(peer, "ok", 8, 0.4)]
+    d = decision(peer, "remote_faster", estimate("local", 2.0), estimate(peer, 0.5, cached=96))
+    text = explain(d, ok, peer, "me")
+    assert "0.500 s against 2.000 s here" in text and "96 of 100" in text
+    assert "saves 1.500 s" in text and "network +0.031 s" in text
+    record = candidate_record(d.candidates[0], 100, peer)
+    assert record["chosen"] and abs(record["network_s"] - 0.031) < 1e-9
+    assert abs(record["prefill_saved_s"] - 96 * 0.25 / 4) < 1e-9
+
+    slower = decision(
+        "local", "remote_saving_below_margin", estimate("local", 1.0), estimate(peer, 1.2)
+    )
+    assert "every usable peer was estimated slower" in explain(slower, [], "me", "me")
+    close = decision(
+        "local", "remote_saving_below_margin", estimate("local", 1.0), estimate(peer, 0.98)
+    )
+    assert "it would save 0.020 s, under the margin" in explain(close, [], "me", "me")
+    pushed = decision(
+        "local", "local_best", estimate("local", 1.0), estimate(peer, 0.1, skipped="push_back")
+    )
+    assert "push_back" in explain(pushed, [], "me", "me")
+    alone = decision("local", "local_best", estimate("local", 1.0))
+    assert "no peer advertises this model" in explain(alone, [], "me", "me")
+    failed = [Attempt(peer, "timeout", 2, 3.0), Attempt("local", "ok", 6, 0.5)]
+    fell_back = explain(d, failed, "me", "me")
+    assert fell_back.endswith("failed (timeout), this node served")

@@ -111,11 +111,18 @@ def explain(decision: Any, attempts: list[Any], served_by: str, local_id: str) -
         )
     elif reason == "remote_saving_below_margin" and eligible and local is not None:
         best = min(eligible, key=lambda c: c.total_s)
-        text = (
-            f"best peer {_short(best.peer_id)} was estimated at {best.total_s:.3f} s against "
-            f"{local.total_s:.3f} s here: a saving under the margin "
-            f"({decision.margin_s:.3f} s or one round trip), so it stayed local"
-        )
+        if best.total_s >= local.total_s:
+            text = (
+                f"every usable peer was estimated slower: the best, {_short(best.peer_id)}, at "
+                f"{best.total_s:.3f} s against {local.total_s:.3f} s here, so it stayed local"
+            )
+        else:
+            text = (
+                f"best peer {_short(best.peer_id)} was estimated at {best.total_s:.3f} s "
+                f"against {local.total_s:.3f} s here: it would save "
+                f"{local.total_s - best.total_s:.3f} s, under the margin (the larger of "
+                f"{decision.margin_s:.3f} s and one round trip), so it stayed local"
+            )
     elif reason == "local_best":
         if skipped:
             why = ", ".join(f"{_short(c.peer_id)} {c.skipped}" for c in skipped[:4])

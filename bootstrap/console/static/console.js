@@ -82,7 +82,9 @@ function drawGraph(swarm) {
     if (p.connection === "none") line.setAttribute("stroke-opacity", "0.3");
     g.appendChild(line);
     if (p.rtt_ms !== null && p.rtt_ms !== undefined) {
-      g.appendChild(svg("text", { x: (cx + x) / 2, y: (cy + y) / 2 - 4, "font-size": 10, fill: "#555", "text-anchor": "middle" }, `${p.rtt_ms.toFixed(1)} ms`));
+      // At 60% of the way out: clear of this node's own label in the middle.
+      const lx = cx + 0.6 * (x - cx), ly = cy + 0.6 * (y - cy) - 4;
+      g.appendChild(svg("text", { x: lx, y: ly, "font-size": 10, fill: "#555", "text-anchor": "middle" }, `${p.rtt_ms.toFixed(1)} ms`));
     }
   }
   const node = (x, y, rad, fill, label, sub) => {
