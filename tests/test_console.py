@@ -16,6 +16,7 @@ from typing import Any
 
 import httpx
 import pytest
+import torch
 import trio
 
 from p2pnode.inference.sampling import SamplingParams
@@ -30,12 +31,6 @@ def loaded():
     from p2pnode.inference.models import load_model
 
     return load_model(None)
-
-
-async def wait_for(predicate, limit_s: float, what: str) -> None:
-    with trio.fail_after(limit_s):
-        while not predicate():  # noqa: ASYNC110 (state owned by other parts has no event)
-            await trio.sleep(0.05)
 
 
 # --------------------------------------------------------------------------- JSON and SSE
@@ -279,3 +274,45 @@ def test_why_sentence_names_the_numbers_behind_each_reason() -> None:
     failed = [Attempt(peer, "timeout", 2, 3.0), Attempt("local", "ok", 6, 0.5)]
     fell_back = explain(d, failed, "me", "me")
     assert fell_back.endswith("failed (timeout), this node served")
+
+
+async def test_speculation_panel_reads_a_real_verifier(loaded) -> None:
+    from p2pnode.bootstrap.console.feed import ConsoleFeed
+    from p2pnode.speculation.client import SpecStats
+    from p2pnode.speculation.edge import EdgeResult
+    from p2pnode.speculation.verify import BatchedVerifier, Block, SamplingOptions
+
+    feed = ConsoleFeed(lambda: {"peer_id": "me"})
+    assert feed.speculation() == {"verifier": None, "edge": []}
+    verifier = BatchedVerifier(loaded)
+    feed.watch_verifier(verifier)
+    prompt = list(loaded.tokenizer.encode("The capital of France is", add_special_tokens=False))
+    with torch.inference_mode():  # the target's own greedy tokens: a draft it accepts in full
+        ids = list(prompt)
+        for _ in range(6):
+            ids.append(int(loaded.model(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
+    draft = ids[len(prompt) :]
+    async with trio.open_nursery() as nursery:
+        await nursery.start(verifier.run)
+        sid = await verifier.open_session(prompt, SamplingOptions())
+        first = feed.speculation()["verifier"]
+        assert [s["sid"] for s in first["sessions"]] == [sid]
+        assert first["sessions"][0]["committed_tokens"] == len(prompt)
+        assert first["acceptance"] is None  # nothing verified yet
+        await trio.sleep(0.6)  # a rate needs two reads at least 0.5 s apart
+        r = await verifier.verify(sid, Block(0, len(prompt), prompt[-1], tuple(draft[:3])))
+        assert r.accepted == 3
+        later = feed.speculation()["verifier"]
+        session = later["sessions"][0]
+        assert session["committed_tokens"] == len(prompt) + 4
+        assert session["tokens_per_s"] is not None and session["tokens_per_s"] > 0
+        assert later["acceptance"] == 1.0 and later["stats"]["blocks"] == 1
+        verifier.close_session(sid)
+        assert feed.speculation()["verifier"]["sessions"] == []
+        nursery.cancel_scope.cancel()
+
+    stats = SpecStats(blocks_verified=2, drafted=8, accepted=6, rejections=1, lead_tokens=3)
+    feed.record_edge(EdgeResult("hi", [1] * 9, stats, ["peerA"], seconds=0.5, mode="async"))
+    (edge,) = feed.speculation()["edge"]
+    assert edge["acceptance"] == 0.75 and edge["lead_tokens"] == 3 and edge["mode"] == "async"
+    assert edge["verifiers"] == ["peerA"] and edge["tokens"] == 9
