@@ -307,6 +307,8 @@ async def test_speculation_panel_reads_a_real_verifier(loaded) -> None:
         assert session["committed_tokens"] == len(prompt) + 4
         assert session["tokens_per_s"] is not None and session["tokens_per_s"] > 0
         assert later["acceptance"] == 1.0 and later["stats"]["blocks"] == 1
+        assert session["acceptance"] == 1.0 and session["blocks"] == 1
+        assert session["lead_tokens"] == 0
         verifier.close_session(sid)
         assert feed.speculation()["verifier"]["sessions"] == []
         nursery.cancel_scope.cancel()

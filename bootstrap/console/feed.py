@@ -383,10 +383,17 @@ class ConsoleFeed:
             live.add(sid)
             t0, n0 = self._seen_sessions.setdefault(sid, (now, sess.committed_len))
             rate = (sess.committed_len - n0) / (now - t0) if now - t0 >= 0.5 else None
+            counts = dict(getattr(sess, "counts", {}))
+            drafted_here = counts.get("drafted", 0)
             sessions.append(
                 {
                     "sid": sid,
                     "committed_tokens": sess.committed_len,
+                    "blocks": counts.get("blocks"),
+                    "acceptance": (
+                        round(counts.get("accepted", 0) / drafted_here, 4) if drafted_here else None
+                    ),
+                    "lead_tokens": counts.get("lead"),
                     "lead": sess.lead,
                     "lead_left": sess.lead_left,
                     "temperature": getattr(sess.options, "temperature", None),

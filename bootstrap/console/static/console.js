@@ -83,14 +83,20 @@ function drawGraph(swarm) {
     g.appendChild(line);
     if (p.rtt_ms !== null && p.rtt_ms !== undefined) {
       // At 60% of the way out: clear of this node's own label in the middle.
-      const lx = cx + 0.6 * (x - cx), ly = cy + 0.6 * (y - cy) - 4;
-      g.appendChild(svg("text", { x: lx, y: ly, "font-size": 10, fill: "#555", "text-anchor": "middle" }, `${p.rtt_ms.toFixed(1)} ms`));
+      const lx = cx + 0.55 * (x - cx) + 4, ly = cy + 0.55 * (y - cy);
+      g.appendChild(svg("text", { x: lx, y: ly, "font-size": 10, fill: "#555", "text-anchor": "start" }, `${p.rtt_ms.toFixed(1)} ms`));
     }
   }
   const node = (x, y, rad, fill, label, sub) => {
     g.appendChild(svg("circle", { cx: x, cy: y, r: rad, fill, stroke: "#1d2330", "stroke-width": 1 }));
-    g.appendChild(svg("text", { x, y: y + rad + 12, "font-size": 10, "text-anchor": "middle", "font-family": "monospace" }, label));
-    if (sub) g.appendChild(svg("text", { x, y: y + rad + 23, "font-size": 9, "text-anchor": "middle", fill: "#6b7385" }, sub));
+    // Labels sit on the far side from the centre, clear of the links.
+    const d = Math.hypot(x - cx, y - cy);
+    const ux = d ? (x - cx) / d : 0, uy = d ? (y - cy) / d : 1;
+    const lx = x + ux * (rad + 6);
+    const ly = y + uy * (rad + 6) + (uy >= 0 ? 10 : -16);
+    const anchor = ux > 0.3 ? "start" : ux < -0.3 ? "end" : "middle";
+    g.appendChild(svg("text", { x: lx, y: ly, "font-size": 10, "text-anchor": anchor, "font-family": "monospace" }, label));
+    if (sub) g.appendChild(svg("text", { x: lx, y: ly + 11, "font-size": 9, "text-anchor": anchor, fill: "#6b7385" }, sub));
   };
   for (const p of peers) {
     const [x, y] = pos.get(p.peer_id);
@@ -226,11 +232,12 @@ function renderSpeculation(spec) {
     box.appendChild(el("p", {}, `verifier: acceptance ${v.acceptance === null ? "–" : (v.acceptance * 100).toFixed(1) + "%"}, ${v.lead_tokens} lead tokens, ${v.stats.blocks || 0} blocks in ${v.stats.batches || 0} batches, ${v.sessions.length}/${v.max_sessions} sessions`));
     const t = el("table");
     const hr = el("tr");
-    for (const c of ["session", "committed", "lead", "lead left", "tokens/s"]) hr.appendChild(el("th", {}, c));
+    for (const c of ["session", "committed", "blocks", "acceptance", "lead tokens", "lead left", "tokens/s"]) hr.appendChild(el("th", {}, c));
     t.appendChild(hr);
     for (const s of v.sessions) {
       const tr = el("tr");
-      for (const x of [s.sid.slice(0, 10), s.committed_tokens, s.lead, s.lead_left, fmt(s.tokens_per_s, 1)]) tr.appendChild(el("td", {}, x));
+      const acc = s.acceptance === null || s.acceptance === undefined ? "–" : `${(s.acceptance * 100).toFixed(1)}%`;
+      for (const x of [s.sid.slice(0, 10), s.committed_tokens, fmt(s.blocks), acc, fmt(s.lead_tokens), s.lead_left, fmt(s.tokens_per_s, 1)]) tr.appendChild(el("td", {}, x));
       t.appendChild(tr);
     }
     box.appendChild(t);
