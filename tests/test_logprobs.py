@@ -110,6 +110,26 @@ async def test_logprobs_local_and_forwarded_equal_the_model(loaded) -> None:
         assert cached == int(forwarded.headers["x-p2pnode-cached-tokens"]) == len(prompt) - 1
         assert local_body["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
 
+        # Streamed (forwarded): each chunk has the logprobs of its tokens, offsets run on.
+        tokens, values, offsets = [], [], []
+        async with (
+            httpx.AsyncClient(timeout=60) as http,
+            http.stream(
+                "POST", f"{front.url}/v1/completions", json={**request, "stream": True}
+            ) as stream,
+        ):
+            async for line in stream.aiter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                for choice in json.loads(line[len("data: ") :])["choices"]:
+                    if choice["logprobs"] is not None:
+                        tokens += choice["logprobs"]["tokens"]
+                        values += choice["logprobs"]["token_logprobs"]
+                        offsets += choice["logprobs"]["text_offset"]
+        whole = fwd_body["choices"][0]["logprobs"]
+        assert tokens == whole["tokens"] and offsets == whole["text_offset"]
+        assert all(abs(x - y) < TOL for x, y in zip(values, whole["token_logprobs"], strict=True))
+
 
 async def test_chat_logprobs_through_the_openai_client(loaded) -> None:
     async with api_cluster(loaded, 2, serving=[False, True]) as (front, server):
