@@ -65,7 +65,7 @@ function renderSwarm(swarm) {
 function drawGraph(swarm) {
   const g = document.getElementById("overlay-graph");
   g.replaceChildren();
-  const cx = 210, cy = 160, r = 115;
+  const cx = 210, cy = 150, r = 110;
   const peers = swarm.peers;
   const pos = new Map();
   peers.forEach((p, i) => {
@@ -105,7 +105,7 @@ function drawGraph(swarm) {
     node(x, y, radius(p.cache_tokens), fill, short(p.peer_id), sub);
   }
   node(cx, cy, radius(swarm.self.cache_tokens), "#3563c9", "this node", `q${fmt(swarm.self.queue_depth)} ${fmt(swarm.self.cache_tokens)} tok`);
-  g.appendChild(svg("text", { x: 6, y: 14, "font-size": 10, fill: "#6b7385" }, "links: RTT measured by this node; dashed = relayed; size = cached tokens"));
+  g.appendChild(svg("text", { x: 6, y: 312, "font-size": 10, fill: "#6b7385" }, "links: RTT measured by this node; dashed = relayed; size = cached tokens"));
 }
 
 // ------------------------------------------------------------------ this node
