@@ -19,6 +19,8 @@ Contract:
   400 (``context_length_exceeded``), no node able to serve or too many requests in flight 503.
   A streamed request that fails before its first token still gets its status code; after it,
   the error arrives as a ``data: {"error": ...}`` event.
+- ``GET /`` is the web console; its JSON and SSE endpoints live under ``/console/`` (see
+  ``console/`` and docs/console.md).
 - ``GET /health``: 200 ``{"status": "ok", ...}`` once ``ready()`` holds (model loaded, overlay
   joined), 503 with the same shape and ``"status": "starting"`` before (see ``health.py``).
 - ``logprobs`` / ``top_logprobs`` (completions: ``logprobs=N``; chat: ``logprobs: true`` and
