@@ -109,7 +109,6 @@ async def test_console_endpoints_describe_swarm_node_and_decisions(loaded) -> No
 # --------------------------------------------------------------------------- the browser
 
 
-@pytest.mark.slow
 async def test_console_in_chromium_shows_peers_and_streams_a_chat(loaded, tmp_path) -> None:
     problem = missing_browser()
     if problem is not None:
