@@ -318,3 +318,37 @@ async def test_speculation_panel_reads_a_real_verifier(loaded) -> None:
     (edge,) = feed.speculation()["edge"]
     assert edge["acceptance"] == 0.75 and edge["lead_tokens"] == 3 and edge["mode"] == "async"
     assert edge["verifiers"] == ["peerA"] and edge["tokens"] == 9
+
+
+async def test_connection_kind_tells_a_relayed_link_from_a_direct_one() -> None:
+    from libp2p.peer.id import ID
+
+    from p2pnode.bootstrap.console.feed import _connection_kind, link_kind
+    from p2pnode.identity import NodeKey
+    from p2pnode.overlay.node import OverlayConfig, open_overlay_node
+    from p2pnode.overlay.relay import open_relay
+
+    keys = [NodeKey.generate() for _ in range(3)]
+    async with (
+        open_overlay_node(OverlayConfig(key=keys[0])) as r,
+        open_relay(r, hop=True),
+        open_overlay_node(OverlayConfig(key=keys[1], bootstrap=r.addrs)) as b,
+        open_relay(b, relays=r.addrs) as b_relay,
+        open_overlay_node(OverlayConfig(key=keys[2])) as a,
+        open_relay(a) as a_relay,
+    ):
+        with trio.fail_after(20):
+            await b_relay.wait_reserved()
+        assert _connection_kind(a, b.peer_id) == "none"
+        assert await a_relay.dial(b_relay.circuit_addrs[0]) == b.peer_id
+        # The circuit A dialled is relayed; A may also have dialled B directly since (B is on
+        # loopback): the peer's kind is "direct" exactly when one of its links is.
+        kinds = [
+            link_kind(c) for c in a.host.get_network().get_connections(ID.from_base58(b.peer_id))
+        ]
+        assert "relayed" in kinds, kinds
+        assert _connection_kind(a, b.peer_id) == ("direct" if "direct" in kinds else "relayed")
+        to_relay = b.host.get_network().get_connections(ID.from_base58(r.peer_id))
+        assert to_relay and {link_kind(c) for c in to_relay} == {"direct"}
+        assert _connection_kind(b, r.peer_id) == "direct"
+        assert _connection_kind(a, "not a peer id") == "unknown"

@@ -40,23 +40,30 @@ def _short(peer: str) -> str:
     return peer if peer == "local" or len(peer) <= 12 else f"…{peer[-8:]}"
 
 
+def link_kind(conn: Any) -> str:
+    """One libp2p connection: ``relayed`` (a circuit through a relay) or ``direct``."""
+    secured = getattr(getattr(conn, "muxed_conn", None), "secured_conn", None)
+    kind = getattr(secured, "get_connection_type", None)
+    if kind is not None:
+        t = kind()  # libp2p's ConnectionType
+        return "relayed" if str(getattr(t, "name", t)).upper() == "RELAYED" else "direct"
+    relayed = any("/p2p-circuit" in str(a) for a in conn.get_transport_addresses())
+    return "relayed" if relayed else "direct"
+
+
 def _connection_kind(node: Any, peer_id: str) -> str:
-    """``direct``, ``relayed`` (a circuit through a relay), ``none`` or ``unknown``."""
+    """``direct`` (at least one direct connection), ``relayed`` (only circuits through a
+    relay), ``none`` (not connected) or ``unknown``."""
     try:
         from libp2p.peer.id import ID
 
         conns = node.host.get_network().get_connections(ID.from_base58(peer_id))
-    except Exception:  # no host (tests, routing-only stand-ins) or an id libp2p cannot parse
+        kinds = {link_kind(c) for c in conns}
+    except Exception:  # no host (a stand-in node) or an id libp2p cannot parse
         return "unknown"
-    if not conns:
+    if not kinds:
         return "none"
-    for conn in conns:
-        try:
-            if not any("/p2p-circuit" in str(a) for a in conn.get_transport_addresses()):
-                return "direct"
-        except Exception:
-            return "unknown"
-    return "relayed"
+    return "direct" if "direct" in kinds else "relayed"
 
 
 def candidate_record(c: Any, prompt_tokens: int, chosen: str) -> dict[str, Any]:
