@@ -2,7 +2,8 @@
 
 ``run_node(settings)`` runs until SIGINT/SIGTERM, then shuts down in order (API, overlay,
 engine) and removes its runtime file. Start-up problems raise ``NodeStartError`` with a message
-meant for the person at the terminal, never a traceback.
+meant for the person at the terminal, never a traceback. The HTTP port answers from the start:
+``/health`` says 503 "loading" until the node's app takes over (``health.StartingApp``).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from p2pnode import __version__
 from p2pnode.bootstrap._runtime import remove_runtime, write_runtime
 from p2pnode.bootstrap.api import build_app, serve_api
 from p2pnode.bootstrap.config import NodeSettings
+from p2pnode.bootstrap.health import StartingApp
 from p2pnode.identity import IdentityError, NodeKey
 
 log = logging.getLogger("p2pnode.node")
@@ -177,6 +179,10 @@ async def _run_locked(settings: NodeSettings, timeouts: dict[str, float], task_s
     except (IdentityError, OSError) as exc:
         raise NodeStartError(f"cannot load the node key from {settings.home}: {exc}") from None
     async with AsyncExitStack() as stack:
+        starting = StartingApp()  # /health answers 503 while the model loads
+        api_nursery = await stack.enter_async_context(trio.open_nursery())
+        stack.callback(api_nursery.cancel_scope.cancel)
+        api = await api_nursery.start(serve_api, starting, settings.api_host, settings.api_port)
         engine = await _load_engine(settings, stack)
         config = OverlayConfig(
             key=key,
@@ -244,8 +250,11 @@ async def _run_locked(settings: NodeSettings, timeouts: dict[str, float], task_s
                 "network": settings.network,
             }
 
+        # The API stops first (its graceful shutdown runs while the overlay and engine close).
+        stack.callback(api_nursery.cancel_scope.cancel)
         async with trio.open_nursery() as nursery:
             await nursery.start(reachability.run)
+            verifier = None
             if service is not None:
                 await nursery.start(service.run)
             if engine is not None and "verifier" in settings.role:
@@ -258,7 +267,9 @@ async def _run_locked(settings: NodeSettings, timeouts: dict[str, float], task_s
                 limiter = service.limiter if service is not None else None
                 serve_verifier(node, verifier, limiter=limiter)
             app = build_app(status, service=service, engine=engine, registry=registry)
-            api = await nursery.start(serve_api, app, settings.api_host, settings.api_port)
+            if verifier is not None:
+                app.state.console.watch_verifier(verifier)
+            starting.serve(app)
             nursery.start_soon(_stop_on_signal, nursery.cancel_scope)
 
             def runtime() -> dict[str, Any]:

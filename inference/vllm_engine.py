@@ -47,6 +47,7 @@ import trio
 from p2pnode.inference._errors import (
     EngineClosed,
     EngineError,
+    InvalidParams,
 )
 from p2pnode.inference._front import EngineFront, TokenStreamBase
 from p2pnode.inference.blockhash import BLOCK_SIZE, BlockEvent
@@ -219,6 +220,11 @@ class VllmEngine(EngineFront):
         if self._closed or self._llm is None:
             raise EngineClosed("the engine is closed")
         prompt, params = self.validate(prompt_ids, params)
+        if params.logprobs is not None:
+            raise InvalidParams(
+                "logprobs are not available on the vLLM backend of this node yet; send the "
+                "request without logprobs or to a node on the CPU engine"
+            )
         send, recv = trio.open_memory_channel[int](float("inf"))
         req = _Req(f"p2p-{next(self._ids)}", prompt, params, send, time.perf_counter())
         self._inflight[req.id] = req
