@@ -153,7 +153,11 @@ async def relay_vs_direct(rounds: int) -> dict:
         open_relay(r, hop=True),
         open_overlay_node(OverlayConfig(key=keys[1], bootstrap=r.addrs)) as b,
         open_relay(b, relays=r.addrs) as b_relay,
-        open_overlay_node(OverlayConfig(key=keys[2], bootstrap=r.addrs)) as a,
+        # A never runs discovery (it would find B's loopback address and dial it directly):
+        # it reaches B only through the circuit and R only by a direct dial.
+        open_overlay_node(
+            OverlayConfig(key=keys[2], discovery_interval=1e5, discovery_max_interval=1e5)
+        ) as a,
         open_relay(a) as a_relay,
     ):
         with trio.fail_after(30):
@@ -162,6 +166,10 @@ async def relay_vs_direct(rounds: int) -> dict:
         r.set_stream_handler(BENCH, echo)
         with trio.fail_after(30):
             await a_relay.dial(b_relay.circuit_addrs[0])
+        await a.connect(r.addrs[0])
+        kinds = {"b": a.connection_kind(b.peer_id), "r": a.connection_kind(r.peer_id)}
+        if kinds != {"b": "relayed", "r": "direct"}:
+            raise RuntimeError(f"the paths are not what they should be: {kinds}")
         relayed = await measure(a, b.peer_id)
         direct = await measure(a, r.peer_id)
     return {

@@ -614,6 +614,20 @@ class OverlayNode:
         except Exception:  # PeerStoreError for a peer we never heard an address of
             return []
 
+    def _record_addrs(self, pid: str) -> list[Multiaddr]:
+        """The addresses a peer's signed record lists, circuits included: a NAT'd peer's
+        only direct address may be one we must never dial (ours too), so the peerstore has
+        none for it, and the relay fallback needs the circuits."""
+        entry = self.peers.get(pid)
+        record = entry.record if entry is not None else self._pending_records.get(pid)
+        if record is None:
+            return []
+        out = []
+        for addr in record.addrs:
+            with suppress(Exception):  # a record is validated, but be strict anyway
+                out.append(Multiaddr(addr))
+        return out
+
     def _gossiped_record(self, data: bytes) -> NodeRecord | None:
         try:
             return verify_node_record(data)
@@ -733,7 +747,7 @@ class OverlayNode:
             first_seen = self._first_seen.setdefault(pid, now)
             if pid < self.peer_id and now - first_seen < 3.0:
                 continue
-            addrs = self._known_addrs(peer)
+            addrs = self._known_addrs(peer) or self._record_addrs(pid)
             if addrs:
                 todo.append(PeerInfo(peer, addrs))
         # Peers we lost: try them again (a SIGCONT-ed or restarted node comes back).
@@ -744,7 +758,7 @@ class OverlayNode:
             if pid < self.peer_id and down_for < 10.0:
                 continue  # same tie-break as above: the smaller id redials first
             if now - self._last_dial.get(pid, -1e9) >= 5.0 and peer not in candidates:
-                addrs = self._known_addrs(peer)
+                addrs = self._known_addrs(peer) or self._record_addrs(pid)
                 if addrs:
                     todo.append(PeerInfo(peer, addrs))
 
