@@ -60,6 +60,8 @@ from p2pnode.inference.costmodel import CostModel
 from p2pnode.inference.engine import GenerationResult
 from p2pnode.inference.sampling import SamplingParams
 from p2pnode.inference.vllm_events import (
+    VllmAllBlocksCleared,
+    VllmEventBatch,
     VllmEventError,
     VllmEventTranslator,
     ZmqEventSubscriber,
@@ -322,9 +324,26 @@ class VllmEngine(EngineFront):
         req.send.close()
 
     def reset_prefix_cache_soon(self) -> None:
-        """Ask vLLM to drop its whole prefix cache (done on its loop; events follow)."""
-        if self._aio is not None and self._llm is not None:
-            self._aio.submit(self._llm.reset_prefix_cache())
+        """Ask vLLM to drop its whole prefix cache; once it has, the listeners hear
+        ``AllBlocksCleared``. vLLM publishes its own clear event only after its next step (it
+        may be long idle), so the engine does not wait for it: applied twice, a clear is the
+        same clear, and vLLM's comes before any block it stores later."""
+        if self._aio is None or self._llm is None or self._token is None:
+            return
+        token = self._token
+        fut = self._aio.submit(self._llm.reset_prefix_cache())
+
+        def done(f: concurrent.futures.Future) -> None:
+            if not f.cancelled() and f.exception() is None and f.result():
+                token.run_sync_soon(self._cleared)
+
+        fut.add_done_callback(done)
+
+    def _cleared(self) -> None:
+        batch = VllmEventBatch(time.time(), (VllmAllBlocksCleared(),))
+        for ev in self.translator.apply(batch):
+            for fn in list(self._listeners):
+                fn(ev)
 
     def _abort(self, req: _Req) -> None:
         if req.id in self._inflight and self._aio is not None and self._llm is not None:
@@ -396,6 +415,9 @@ async def open_vllm_engine(
         kv_endpoint=kv_endpoint,
         replay_endpoint=replay_endpoint,
     )
+    if max_model_len is None and cache_budget_tokens is not None:
+        # vLLM refuses a KV cache that cannot hold one request of max_model_len tokens.
+        max_model_len = min(engine.context_length, cache_budget_tokens)
     args = _engine_args(
         folder,
         engine,
