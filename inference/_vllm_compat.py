@@ -119,6 +119,7 @@ def engine_args(
                 f"a KV cache of {kv_cache_tokens} tokens cannot hold one request of "
                 f"max_model_len {max_model_len}: raise the cache budget or lower max_model_len"
             )
+        blocks += 1  # vLLM keeps one block aside (its null block): it never caches tokens
         args["num_gpu_blocks_override"] = blocks
         if build.device == "cpu":
             args["kv_cache_memory_bytes"] = blocks * build.block_size * kv_bytes_per_token
