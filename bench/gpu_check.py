@@ -1,7 +1,7 @@
 """The ONE prepared GPU check: vLLM node, KV events -> digest, CUDA verifier.
 
-Needs an NVIDIA GPU and a venv with the [gpu] extra (docs/gpu.md gives the pip commands; this
-script installs nothing). Budget: about 8-10 minutes on one H200, most of it vLLM's start-ups
+Needs an NVIDIA GPU and vLLM 0.33: `make gpu-check` builds .venv-gpu and runs this script
+(docs/gpu.md); the script itself installs nothing. Budget: about 8-10 minutes on one H200, most of it vLLM's start-ups
 (three: two for the tests, one for the figures).
 
     python bench/gpu_check.py [--skip-vllm] [--skip-vllm-figures] [--skip-verifier]
@@ -297,7 +297,7 @@ def run() -> int:
     except ImportError:
         RESULTS["vllm"] = None
         if not args.skip_vllm:
-            print("FAIL: vllm is not installed: pip install -e '.[gpu]' (docs/gpu.md)", flush=True)
+            print("FAIL: vllm is not installed: `make gpu-check` (docs/gpu.md)", flush=True)
             return 2
     print(f"device {RESULTS['device']}, torch {RESULTS['torch']}, vllm {RESULTS['vllm']}")
     started = time.perf_counter()

