@@ -19,9 +19,9 @@ from pathlib import Path
 import trio
 
 from p2pnode.inference.engine import open_engine
+from p2pnode.inference.mmlu import fewshot_prefix, questions
 from p2pnode.inference.models import load_model
 from p2pnode.inference.sampling import SamplingParams
-from p2pnode.testnet.mmlu import fewshot_prefix, questions
 
 RESULTS = Path(__file__).parent / "results" / "mmlu_prefix.json"
 DEFAULT_SUBJECTS = "astronomy,high_school_geography,marketing"

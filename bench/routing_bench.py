@@ -18,7 +18,7 @@ prints a cProfile of that propagation worker after 90 s.
   all the others' views hold it (6 trials, origins rotating).
 - mmlu: 4 real overlay nodes on loopback, emulated compute (the engines sleep what the cost model
   of SmolLM2-135M on 2 CPU threads predicts: 1/430 s per prefill token, 1/16 s per decode token,
-  with the real radix caches and LRU eviction); MMLU 5-shot prompts from ``testnet/mmlu.py``
+  with the real radix caches and LRU eviction); MMLU 5-shot prompts from ``inference/mmlu.py``
   tokenized with the real tokenizer; subjects drawn from a Zipf law, Poisson arrivals at random
   origins, one generated token. Per policy: token hit rate, mean/p50/p95 latency, busiest node's
   share of the served requests (also per window of 40 requests, to see specialization cycles)
@@ -512,7 +512,7 @@ class Request:
 def mmlu_workload(
     loaded: Any, n_requests: int, rate: float, n_nodes: int, n_subjects: int, zipf_s: float
 ) -> tuple[list[Request], dict[str, Any]]:
-    from p2pnode.testnet.mmlu import build_prompt, load_split, subjects
+    from p2pnode.inference.mmlu import build_prompt, load_split, subjects
 
     rng = random.Random(2024)
     names = [s for s in subjects() if len(load_split(s, "test")) >= 20]

@@ -19,6 +19,14 @@ Contract:
   400 (``context_length_exceeded``), no node able to serve or too many requests in flight 503.
   A streamed request that fails before its first token still gets its status code; after it,
   the error arrives as a ``data: {"error": ...}`` event.
+- ``GET /`` is the web console; its JSON and SSE endpoints live under ``/console/`` (see
+  ``console/`` and docs/console.md).
+- ``GET /health``: 200 ``{"status": "ok", ...}`` once ``ready()`` holds (model loaded, overlay
+  joined), 503 with the same shape and ``"status": "starting"`` before (see ``health.py``).
+- ``logprobs`` / ``top_logprobs`` (completions: ``logprobs=N``; chat: ``logprobs: true`` and
+  ``top_logprobs=N``) come back in OpenAI's shapes (``_logprobs.py``), computed by the engine
+  that served each token, forwarded or not; streamed chunks carry those of their tokens.
+- ``usage.prompt_tokens_details.cached_tokens``: the prompt tokens served from a prefix cache.
 - Non-streamed answers carry headers ``x-p2pnode-served-by`` (peer id; ``local`` without an
   overlay) and ``x-p2pnode-cached-tokens``, and a ``p2pnode`` field (served_by, cached_tokens,
   routing summary). Streams carry the ``p2pnode`` field in the chunk with the finish reason,
@@ -52,6 +60,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from p2pnode.bootstrap import _logprobs
+from p2pnode.bootstrap.health import health_response, health_state
 from p2pnode.bootstrap.metrics import NodeMetrics
 
 log = logging.getLogger("p2pnode.api")
@@ -238,6 +248,8 @@ class _Outcome:
     served_locally: bool | None = None
     routing: dict[str, Any] | None = None
     total_s: float = 0.0
+    logprobs: list[Any] = field(default_factory=list)  # TokenLogprob per token, when asked
+    routed: Any = None  # the RoutedResult, when the router handled the request
 
     def p2pnode(self) -> dict[str, Any]:
         return {
@@ -248,11 +260,12 @@ class _Outcome:
             "total_s": round(self.total_s, 4),
         }
 
-    def usage(self) -> dict[str, int]:
+    def usage(self) -> dict[str, Any]:
         return {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": len(self.tokens),
             "total_tokens": self.prompt_tokens + len(self.tokens),
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens or 0},
         }
 
 
@@ -295,6 +308,7 @@ class _Api:
         model_name: str | None,
         max_pending: int,
     ) -> None:
+        self.on_outcome: Callable[[_Job, _Outcome], None] | None = None  # the console's feed
         self.service = service
         self.engine = engine
         self.metrics = metrics
@@ -409,12 +423,17 @@ class _Api:
             raise _bad("stream_options must be an object", "stream_options")
         include_usage = bool(options.get("include_usage", False))
         try:
+            logprobs = _logprobs.parse_request(body, chat=chat)
+        except _logprobs.LogprobsOptionError as exc:
+            raise _bad(str(exc), exc.param) from None
+        try:
             params = SamplingParams(
                 max_tokens=max_tokens,
                 temperature=float(temperature),
                 top_p=top_p,
                 seed=seed,
                 stop_token_ids=self._stop_token_ids(stops),
+                logprobs=logprobs,
             )
         except ValueError as exc:
             raise _bad(str(exc)) from None
@@ -490,8 +509,11 @@ class _Api:
                 code="no_capacity",
             )
 
-    async def run(self, job: _Job, deliver: Callable[[str], Awaitable[None]]) -> _Outcome:
-        """Generate ``job``, handing text deltas to ``deliver`` as they form.
+    async def run(
+        self, job: _Job, deliver: Callable[[str, list[Any]], Awaitable[None]]
+    ) -> _Outcome:
+        """Generate ``job``, handing text deltas (and the log-probabilities of the tokens
+        consumed since the last delta) to ``deliver`` as they form.
 
         Raises the engine's/router's exception when generation fails.
         """
@@ -505,7 +527,7 @@ class _Api:
         async def produce() -> None:
             try:
                 with send:
-                    await self._generate(job, send.send_nowait, out)
+                    await self._generate(job, send.send_nowait, out, out.logprobs.append)
             except Exception as exc:  # reported to the caller once the consumer has drained
                 failure.append(exc)
 
@@ -513,6 +535,14 @@ class _Api:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(produce)
                 last = None
+                handed = 0  # tokens whose logprobs went out with a delta
+
+                def fresh_logprobs() -> list[Any]:
+                    nonlocal handed
+                    lps = out.logprobs[handed : len(out.tokens)]
+                    handed += len(lps)
+                    return lps
+
                 async for token in recv:
                     now = time.perf_counter()
                     if last is None:
@@ -523,7 +553,7 @@ class _Api:
                     out.tokens.append(token)
                     delta = text.push(token)
                     if delta:
-                        await deliver(delta)
+                        await deliver(delta, fresh_logprobs())
                     if text.stopped:
                         nursery.cancel_scope.cancel()  # a stop string ended the answer
                         out.finish_reason = "stop"
@@ -531,8 +561,10 @@ class _Api:
             if failure:
                 raise failure[0]
             tail = text.finish()
-            if tail:
-                await deliver(tail)
+            del out.logprobs[len(out.tokens) :]  # produced past a stop string: not answered
+            rest = fresh_logprobs()
+            if tail or rest:
+                await deliver(tail, rest)
             if text.stopped:
                 out.finish_reason = "stop"
             out.text = text.text
@@ -544,13 +576,24 @@ class _Api:
                 generated=len(out.tokens),
                 cached_tokens=out.cached_tokens or 0,
             )
+            if self.on_outcome is not None:
+                self.on_outcome(job, out)
             return out
         finally:
             self.pending -= 1
 
-    async def _generate(self, job: _Job, on_token: Callable[[int], None], out: _Outcome) -> None:
+    async def _generate(
+        self,
+        job: _Job,
+        on_token: Callable[[int], None],
+        out: _Outcome,
+        on_logprob: Callable[[Any], None],
+    ) -> None:
         if self.service is not None:
-            result = await self.service.generate(job.prompt, job.params, on_token=on_token)
+            result = await self.service.generate(
+                job.prompt, job.params, on_token=on_token, on_logprob=on_logprob
+            )
+            out.routed = result
             out.finish_reason = result.finish_reason
             out.cached_tokens = result.cached_tokens
             out.served_by = result.served_by
@@ -560,6 +603,8 @@ class _Api:
         stream = self.engine.stream(job.prompt, job.params)
         try:
             async for token in stream:
+                if job.params.logprobs is not None:
+                    on_logprob(stream.logprobs[len(out.logprobs)])
                 on_token(token)
         finally:
             if stream.result is None:
@@ -571,19 +616,30 @@ class _Api:
 
     # -- response bodies ----------------------------------------------------------------------
 
+    def token_text(self, token: int) -> str:
+        return self.engine.tokenizer.decode([token])
+
+    def render_logprobs(self, job: _Job, lps: list[Any], offset: int = 0) -> Any:
+        if job.params.logprobs is None:
+            return None
+        if job.chat:
+            return _logprobs.chat_logprobs(lps, self.token_text)
+        top = job.params.logprobs > 0
+        return _logprobs.completion_logprobs(lps, self.token_text, top=top, offset=offset)
+
     def completion_body(self, job: _Job, rid: str, out: _Outcome) -> dict[str, Any]:
         if job.chat:
             choice = {
                 "index": 0,
                 "message": {"role": "assistant", "content": out.text},
-                "logprobs": None,
+                "logprobs": self.render_logprobs(job, out.logprobs),
                 "finish_reason": out.finish_reason,
             }
         else:
             choice = {
                 "index": 0,
                 "text": out.text,
-                "logprobs": None,
+                "logprobs": self.render_logprobs(job, out.logprobs),
                 "finish_reason": out.finish_reason,
             }
         return {
@@ -606,6 +662,7 @@ class _Api:
         role: bool = False,
         finish: _Outcome | None = None,
         usage: bool = False,
+        logprobs: Any = None,
     ) -> dict[str, Any]:
         body: dict[str, Any] = {
             "id": rid,
@@ -624,9 +681,9 @@ class _Api:
                 delta["role"] = "assistant"
             if text is not None:
                 delta["content"] = text
-            choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None}
+            choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": logprobs}
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": None}
+            choice = {"index": 0, "text": text or "", "logprobs": logprobs}
         choice["finish_reason"] = finish.finish_reason if finish is not None else None
         body["choices"] = [choice]
         if job.include_usage:
@@ -694,8 +751,6 @@ def _reject_unsupported(body: dict[str, Any], *, chat: bool) -> None:
             raise _bad(f"{name} is not supported (send 0 or leave it out)", name)
     if body.get("logit_bias"):
         raise _bad("logit_bias is not supported", "logit_bias")
-    if body.get("logprobs") or body.get("top_logprobs"):
-        raise _bad("logprobs are not supported", "logprobs")
     if not chat and body.get("echo"):
         raise _bad("echo is not supported", "echo")
     if not chat and body.get("suffix"):
@@ -760,9 +815,14 @@ class _EventStream(Response):
             if job.chat:
                 await event(api.chunk(job, self.rid, self.created, text="", role=True))
 
-        async def deliver(text: str) -> None:
+        offset = 0  # characters sent so far (text_offset of completions' logprobs)
+
+        async def deliver(text: str, lps: list[Any]) -> None:
+            nonlocal offset
             await start()
-            await event(api.chunk(job, self.rid, self.created, text=text))
+            logprobs = api.render_logprobs(job, lps, offset)
+            offset += sum(len(api.token_text(lp.token)) for lp in lps)
+            await event(api.chunk(job, self.rid, self.created, text=text, logprobs=logprobs))
 
         status = 200
         finished = False
@@ -812,12 +872,17 @@ def build_app(
     model_name: str | None = None,
     metrics: NodeMetrics | None = None,
     max_pending: int = 64,
+    health: Callable[[], dict[str, Any]] | None = None,
+    console: bool = True,
 ) -> Starlette:
     """The node's HTTP app (see the module contract).
 
     ``service``: the node's ``RoutedService`` (its ``engine`` is used when ``engine`` is not
     given). ``registry``: the one passed to ``RoutedService``; a fresh one when None.
     ``metrics``: an existing ``NodeMetrics`` for that registry (built here otherwise).
+    ``health``: the state ``/health`` reports (``health.health_state`` of the engine and the
+    service's node when None). ``console``: serve the web console at ``/`` and its JSON/SSE
+    endpoints under ``/console/`` (``console/``).
     """
     if engine is None and service is not None:
         engine = service.engine
@@ -851,6 +916,12 @@ def build_app(
 
     async def get_status(request: Request) -> JSONResponse:
         return JSONResponse(status())
+
+    node = getattr(service, "node", None)
+    health_of = health or (lambda: health_state(engine=engine, node=node))
+
+    async def get_health(request: Request) -> JSONResponse:
+        return health_response(health_of())
 
     async def get_peers(request: Request) -> JSONResponse:
         return JSONResponse(status().get("peers", []))
@@ -901,6 +972,7 @@ def build_app(
         return ApiError(exc.status_code, message, code=code).response()
 
     routes = [
+        Route("/health", counted("/health", get_health)),
         Route("/status", counted("/status", get_status)),
         Route("/peers", counted("/peers", get_peers)),
         Route("/metrics", counted("/metrics", get_metrics)),
@@ -917,13 +989,21 @@ def build_app(
             methods=["POST"],
         ),
     ]
+    feed = None
+    if console:
+        from p2pnode.bootstrap.console import ConsoleFeed, console_routes
+
+        feed = ConsoleFeed(status, service=service, engine=engine, metrics=metrics)
+        api.on_outcome = feed.record_outcome
+        routes += console_routes(feed, health_of)
     app = Starlette(routes=routes, exception_handlers={404: not_found, 405: not_found})
     app.state.metrics = metrics
     app.state.api = api
+    app.state.console = feed
     return app
 
 
-async def _ignore_text(text: str) -> None:
+async def _ignore_text(text: str, logprobs: list[Any]) -> None:
     return None
 
 

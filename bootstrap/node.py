@@ -2,14 +2,20 @@
 
 ``run_node(settings)`` runs until SIGINT/SIGTERM, then shuts down in order (API, overlay,
 engine) and removes its runtime file. Start-up problems raise ``NodeStartError`` with a message
-meant for the person at the terminal, never a traceback.
+meant for the person at the terminal, never a traceback. The HTTP port answers from the start:
+``/health`` says 503 "loading" until the node's app takes over (``health.StartingApp``).
 """
 
 from __future__ import annotations
 
+import fcntl
 import logging
+import os
 import signal
+import socket
+from collections.abc import Callable
 from contextlib import AsyncExitStack
+from pathlib import Path
 from typing import Any
 
 import trio
@@ -19,6 +25,7 @@ from p2pnode import __version__
 from p2pnode.bootstrap._runtime import remove_runtime, write_runtime
 from p2pnode.bootstrap.api import build_app, serve_api
 from p2pnode.bootstrap.config import NodeSettings
+from p2pnode.bootstrap.health import StartingApp
 from p2pnode.identity import IdentityError, NodeKey
 
 log = logging.getLogger("p2pnode.node")
@@ -107,6 +114,69 @@ def _routing_status(service) -> dict[str, Any]:
     }
 
 
+def _lock_home(home: Path) -> int:
+    """Hold ``<home>/node.lock`` for the life of the process: two nodes on one home would
+    share one key, i.e. one peer id, and overwrite each other's runtime file."""
+    home.mkdir(parents=True, exist_ok=True, mode=0o700)
+    fd = os.open(home / "node.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise NodeStartError(
+            f"another p2pnode node (pid {holder}) is running with home {home}; give this one "
+            "its own --home (each node needs its own key and peer id)"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+def _port_free(host: str, port: int) -> bool:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def _check_ports(settings: NodeSettings) -> None:
+    """Fail before the model loads when a port is taken, naming the flag that moves it."""
+    from p2pnode.overlay.addrs import ip_port
+
+    for addr in settings.listen:
+        endpoint = ip_port(addr)
+        if endpoint is not None and endpoint[1] != 0 and not _port_free(*endpoint):
+            ip, port = endpoint
+            family = "ip6" if ":" in ip else "ip4"
+            raise NodeStartError(
+                f"port {port} ({addr}) is already in use, maybe by another node on this "
+                f"machine; give this node another one, e.g. --listen /{family}/{ip}/tcp/{port + 1}"
+            )
+    if settings.api_port != 0 and not _port_free(settings.api_host, settings.api_port):
+        raise NodeStartError(
+            f"the HTTP API port {settings.api_host}:{settings.api_port} is already in use, "
+            f"maybe by another node on this machine; give this node --api-port "
+            f"{settings.api_port + 1} (0 picks a free one)"
+        )
+
+
+async def _keep_runtime(home: Path, info: Callable[[], dict[str, Any]]) -> None:
+    """Keep the runtime file current: addresses change as dial-backs confirm a public one
+    and relay reservations come and go (``p2pnode id`` and ``invite`` read it)."""
+    last = info()
+    while True:
+        await trio.sleep(2.0)
+        now = info()
+        if now != last:
+            write_runtime(home, now)
+            last = now
+
+
 async def _stop_on_signal(cancel_scope: trio.CancelScope) -> None:
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async for signum in signals:
@@ -116,34 +186,41 @@ async def _stop_on_signal(cancel_scope: trio.CancelScope) -> None:
 
 
 async def run_node(settings: NodeSettings, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-    from p2pnode.overlay.node import OverlayConfig, open_overlay_node
-
     timeouts = {
         "ping_timeout": settings.ping_timeout,
         "connect_timeout": settings.connect_timeout,
         "dial_timeout": settings.connect_timeout + 2.0,
         "health_ping_timeout": 2.0 * settings.ping_timeout,
     }
-    if settings.wan_spec:
-        from p2pnode.testnet import wan
+    lock = _lock_home(settings.home)
+    try:
+        await _run_locked(settings, timeouts, task_status)
+    finally:
+        os.close(lock)
 
-        try:
-            wan.install(settings.wan_spec, settings.region)
-            suggested = wan.suggested_timeouts(settings.wan_spec, settings.region)
-        except (wan.WanError, OSError, ValueError) as exc:
-            raise NodeStartError(f"cannot emulate the WAN of {settings.wan_spec}: {exc}") from None
-        timeouts = {k: max(v, suggested.get(k, 0.0)) for k, v in timeouts.items()}
 
+async def _run_locked(settings: NodeSettings, timeouts: dict[str, float], task_status) -> None:
+    from p2pnode.overlay.hello import NetworkMismatch
+    from p2pnode.overlay.node import OverlayConfig, open_overlay_node
+    from p2pnode.overlay.reachability import ReachabilityService
+
+    _check_ports(settings)
     try:
         key = NodeKey.load_or_create(settings.home)
     except (IdentityError, OSError) as exc:
         raise NodeStartError(f"cannot load the node key from {settings.home}: {exc}") from None
     async with AsyncExitStack() as stack:
+        starting = StartingApp()  # /health answers 503 while the model loads
+        api_nursery = await stack.enter_async_context(trio.open_nursery())
+        stack.callback(api_nursery.cancel_scope.cancel)
+        api = await api_nursery.start(serve_api, starting, settings.api_host, settings.api_port)
         engine = await _load_engine(settings, stack)
         config = OverlayConfig(
             key=key,
             listen_addrs=list(settings.listen),
             bootstrap=list(settings.bootstrap),
+            announce=list(settings.announce),
+            network=settings.network,
             models=[engine.model_id] if engine is not None else [],
             roles=set(settings.role),
             capacity={"max_batch": float(settings.max_batch)},
@@ -154,13 +231,21 @@ async def run_node(settings: NodeSettings, *, task_status=trio.TASK_STATUS_IGNOR
         try:
             node = await stack.enter_async_context(open_overlay_node(config))
         except OSError as exc:
-            raise NodeStartError(f"cannot listen on {settings.listen}: {exc}") from None
-        # NAT traversal (issue 8): every node can dial peers behind NAT through a relay
+            raise NodeStartError(
+                f"cannot listen on {settings.listen}: {exc}; choose another --listen"
+            ) from None
+        except NetworkMismatch as exc:
+            raise NodeStartError(str(exc)) from None
+        # NAT traversal: every node can dial peers behind NAT through a relay; a node that
+        # dial-backs show unreachable finds relays itself, a reachable one relays for members
         from p2pnode.overlay.relay import open_relay
 
+        hop = {"auto": "auto", "on": True, "off": False}[settings.relay_hop]
         relay = await stack.enter_async_context(
-            open_relay(node, relays=settings.relay, hop=settings.relay_hop)
+            open_relay(node, relays=settings.relay, hop=hop, auto=True, limiter=node.limiter)
         )
+        reachability = ReachabilityService(node, limiter=node.limiter)
+        reachability.on_change.append(relay.on_reachability)
 
         registry = CollectorRegistry()
         service = None
@@ -192,9 +277,15 @@ async def run_node(settings: NodeSettings, *, task_status=trio.TASK_STATUS_IGNOR
                 **{k: v for k, v in overlay_status.items() if k not in {"peer_id", "addrs"}},
                 "routing": _routing_status(service),
                 "relay": relay.status(),
+                "reachability": reachability.status(),
+                "network": settings.network,
             }
 
+        # The API stops first (its graceful shutdown runs while the overlay and engine close).
+        stack.callback(api_nursery.cancel_scope.cancel)
         async with trio.open_nursery() as nursery:
+            await nursery.start(reachability.run)
+            verifier = None
             if service is not None:
                 await nursery.start(service.run)
             if engine is not None and "verifier" in settings.role:
@@ -207,12 +298,23 @@ async def run_node(settings: NodeSettings, *, task_status=trio.TASK_STATUS_IGNOR
                 limiter = service.limiter if service is not None else None
                 serve_verifier(node, verifier, limiter=limiter)
             app = build_app(status, service=service, engine=engine, registry=registry)
-            api = await nursery.start(serve_api, app, settings.api_host, settings.api_port)
+            if verifier is not None:
+                app.state.console.watch_verifier(verifier)
+            starting.serve(app)
             nursery.start_soon(_stop_on_signal, nursery.cancel_scope)
-            write_runtime(
-                settings.home, {"peer_id": node.peer_id, "addrs": list(node.addrs), "api": api}
-            )
+
+            def runtime() -> dict[str, Any]:
+                return {
+                    "peer_id": node.peer_id,
+                    "addrs": list(node.addrs),
+                    "api": api,
+                    "network": settings.network,
+                    "reachability": reachability.verdict,
+                }
+
+            write_runtime(settings.home, runtime())
             stack.callback(remove_runtime, settings.home)
+            nursery.start_soon(_keep_runtime, settings.home, runtime)
             log.info("node %s up", node.peer_id)
             for addr in node.addrs:
                 log.info("  listening on %s", addr)

@@ -27,7 +27,7 @@ from p2pnode.identity.errors import IdentityError, InvalidRecord, StaleRecord, W
 from p2pnode.identity.keys import NodeKey
 
 NODE_RECORD_KIND = "node-record"
-ROLES: frozenset[str] = frozenset({"router", "verifier", "edge", "bootstrap"})
+ROLES: frozenset[str] = frozenset({"router", "verifier", "edge", "bootstrap", "relay"})
 NODE_RECORD_MAX_AGE = 24 * 3600.0
 MAX_ADDRS = 32
 MAX_MODELS = 64

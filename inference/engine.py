@@ -20,6 +20,11 @@ Contract:
   the prompt is inserted once prefilled and stays pinned until the request ends, when
   prompt + output (minus the last token, which has no KV yet) is inserted and unpinned.
   ``cached_tokens`` in the result is the prompt tokens served from the cache.
+- ``params.logprobs`` set: each sampled token's ``TokenLogprob`` (``sampling.token_logprob`` of
+  the logits it was sampled from) is in ``stream.logprobs[i]`` by the time token ``i`` is
+  received, and in ``result.logprobs``.
+- ``engine.totals``: running counts (prompt tokens admitted, of which cached, tokens generated,
+  requests finished) for dashboards; they never reset.
 - Block events from the radix tree are delivered to ``add_block_listener`` callbacks on the
   trio thread, after the step that caused them.
 - ``backend="emulated"`` replaces forwards with cost-model delays (fake tokens, real tree).
@@ -44,7 +49,13 @@ from p2pnode.inference.blockhash import BlockEvent
 from p2pnode.inference.costmodel import CostModel, calibrate
 from p2pnode.inference.models import LoadedModel
 from p2pnode.inference.radix import LockHandle, RadixCache
-from p2pnode.inference.sampling import SamplingParams, make_generator, sample_token
+from p2pnode.inference.sampling import (
+    SamplingParams,
+    TokenLogprob,
+    make_generator,
+    sample_token,
+    token_logprob,
+)
 
 # Waiting requests compared with this many requests ahead of them for a shared prefix (bounds
 # the cost of a decision; queues deeper than this are already far past any forward's cost).
@@ -74,6 +85,7 @@ class GenerationResult:
     total_s: float
     finish_reason: str  # "stop" | "length"
     request_id: int = 0
+    logprobs: list[TokenLogprob] | None = None  # one per token when params.logprobs is set
 
 
 @dataclass(eq=False)
@@ -86,6 +98,7 @@ class _Request:
     t_submit: float
     tokens: list[int] = field(default_factory=list)
     fresh: list[int] = field(default_factory=list)  # sampled this step, not yet streamed
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # when params.logprobs is set
     state: object = None
     handle: LockHandle | None = None
     cached: int = 0
@@ -111,6 +124,11 @@ class TokenStream(TokenStreamBase):
 
     def _ended(self) -> bool:
         return self._req.done.is_set()
+
+    @property
+    def logprobs(self) -> list[TokenLogprob]:
+        """Log-probabilities of the tokens so far (empty unless ``params.logprobs`` is set)."""
+        return self._req.logprobs
 
 
 class Engine(EngineFront):
@@ -168,6 +186,7 @@ class Engine(EngineFront):
         self._wakeup = trio.Event()
         self._closed = False
         self.steps = 0
+        self.totals = {"prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0, "requests": 0}
 
     # ---- cache views -----------------------------------------------------------------------
     def cached_prefix_len(self, prompt_ids: Sequence[int]) -> int:
@@ -257,7 +276,9 @@ class Engine(EngineFront):
                 total_s=now - req.t_submit,
                 finish_reason=req.finish_reason,
                 request_id=req.id,
+                logprobs=list(req.logprobs) if req.params.logprobs is not None else None,
             )
+            self.totals["requests"] += 1
         req.send.close()
         req.done.set()
 
@@ -276,6 +297,8 @@ class Engine(EngineFront):
         kv = self.tree.gather(m, usable) if usable > 0 else None
         req.state = self._backend.new_state(kv, usable)
         req.cached = req.pos = usable
+        self.totals["prompt_tokens"] += len(req.prompt)
+        self.totals["cached_tokens"] += usable
 
     def _prefill(self, req: _Request, chunk_size: int) -> None:
         chunk = req.prompt[req.pos : req.pos + chunk_size]
@@ -290,9 +313,12 @@ class Engine(EngineFront):
         old, req.handle = req.handle, self.tree.lock(self.tree.match(req.prompt))
         if old is not None:
             old.release()
-        self._accept(req, sample_token(logits, req.params, req.gen))
+        self._accept(req, sample_token(logits, req.params, req.gen), logits)
 
-    def _accept(self, req: _Request, token: int) -> None:
+    def _accept(self, req: _Request, token: int, logits: torch.Tensor) -> None:
+        if req.params.logprobs is not None:  # before the token: readers find it with the token
+            req.logprobs.append(token_logprob(logits, token, req.params.logprobs))
+        self.totals["generated_tokens"] += 1
         req.tokens.append(token)
         req.fresh.append(token)
         if token in self.eos_token_ids or token in req.params.stop_token_ids:
@@ -321,7 +347,7 @@ class Engine(EngineFront):
                 )
                 self.cost.observe_decode(time.perf_counter() - t0)
                 for i, req in enumerate(decode):
-                    self._accept(req, sample_token(logits[i], req.params, req.gen))
+                    self._accept(req, sample_token(logits[i], req.params, req.gen), logits[i])
 
     async def _run(self) -> None:
         while True:

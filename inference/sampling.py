@@ -12,6 +12,10 @@ Contract:
 - ``sample_token(logits, params, generator)`` draws one id from that distribution with the
   request's own ``torch.Generator`` (seeded when ``params.seed`` is set), so a seeded request is
   reproducible whatever else runs in the batch.
+- ``params.logprobs``: None (the default) computes nothing; ``n`` in [0, ``MAX_TOP_LOGPROBS``]
+  asks the engine for a ``TokenLogprob`` per generated token (``token_logprob``): the chosen
+  token's log-probability under the model (log-softmax of the raw logits, before temperature
+  and top-p, as OpenAI and vLLM report it) and the ``n`` most likely tokens with theirs.
 """
 
 from __future__ import annotations
@@ -23,6 +27,10 @@ import torch
 
 from p2pnode.inference._errors import InvalidParams
 
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs
+# Log-probabilities are finite on the wire and in JSON: anything below this is reported as it.
+MIN_LOGPROB = -9999.0
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -31,6 +39,7 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
+    logprobs: int | None = None  # alternatives per token; None: no log-probabilities at all
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
@@ -55,6 +64,13 @@ class SamplingParams:
         ):
             raise InvalidParams(f"stop_token_ids must be non-negative ints, got {stops!r}")
         object.__setattr__(self, "stop_token_ids", tuple(stops))
+        lp = self.logprobs
+        if lp is not None and (
+            isinstance(lp, bool) or not isinstance(lp, int) or not 0 <= lp <= MAX_TOP_LOGPROBS
+        ):
+            raise InvalidParams(
+                f"logprobs must be None or an int in [0, {MAX_TOP_LOGPROBS}], got {lp!r}"
+            )
 
     @classmethod
     def from_dict(cls, options: Mapping[str, object]) -> SamplingParams:
@@ -106,3 +122,26 @@ def sample_token(
         return int(logits.argmax())
     probs = probs_from_logits(logits, params.temperature, params.top_p)
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """One generated token's log-probability and the ``top`` alternatives (best first)."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def token_logprob(logits: torch.Tensor, token: int, top_n: int) -> TokenLogprob:
+    """``token``'s log-softmax under ``[V]`` ``logits`` and the ``top_n`` best (see contract)."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = max(MIN_LOGPROB, float(lp[token]))
+    if top_n <= 0:
+        return TokenLogprob(token, chosen)
+    values, ids = lp.topk(top_n)
+    top = tuple(
+        (int(i), max(MIN_LOGPROB, float(v)))
+        for i, v in zip(ids.tolist(), values.tolist(), strict=True)
+    )
+    return TokenLogprob(token, chosen, top)

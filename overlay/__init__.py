@@ -5,6 +5,10 @@ Public face (details in each module's docstring):
 - `PeerTable`, `PeerState`, `PeerEntry` (peers.py)
 - `OverlayDHT`, `NodeRecordValidator`, `record_key`, `model_key` (dht.py)
 - `make_host`, `parse_multiaddr`, `quiet_libp2p_logs` (host.py)
+- what a node advertises and dials: `AddressBook`, `dial_order`, `classify` (addrs.py);
+  network and version check on every connection: `Hello`, `NetworkMismatch` (hello.py);
+  dial-backs and the public/private verdict: `ReachabilityService` (reachability.py);
+  circuit relay v2, relays found in the overlay, members only: `open_relay` (relay.py)
 - errors: `OverlayError`, `BadMultiaddr`, `BootstrapFailed`, `PeerUnreachable`,
   `InvalidNodeRecord`; framing errors live in `p2pnode.overlay.wire`.
 """

@@ -17,6 +17,10 @@ generation from ``prompt + delivered`` for the remaining ``max_tokens``. With gr
 valid sample of the same distribution but uses a fresh RNG stream (a seeded request is then
 not bit-reproducible across a failure; documented trade-off, never duplicated or lost tokens).
 Every gap in the token stream (``start`` not equal to the tokens received) fails the attempt.
+
+Log-probabilities: a request with ``logprobs`` set (top alternatives per token) gets one
+``fwd-logprob`` per token inside each ``fwd-tokens`` frame, computed by the serving engine; a
+frame without them, or for other tokens, fails the attempt like a gap.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ import trio
 from prometheus_client import CollectorRegistry, Counter
 
 from p2pnode.inference.blockhash import block_hashes, model_salt
-from p2pnode.inference.sampling import SamplingParams
+from p2pnode.inference.sampling import MAX_TOP_LOGPROBS, SamplingParams, TokenLogprob
 from p2pnode.overlay import wire
 from p2pnode.overlay.antientropy import AntiEntropy, AntiEntropyConfig
 from p2pnode.overlay.digest import MAX_MODEL_ID_LEN, DigestBuilder, LoadInfo
@@ -74,6 +78,7 @@ class ForwardRequest:
     )
     deadline_s: float = field(default=60.0, metadata=wire.bounded(ge=0, le=3600))
     request_id: str = field(default="", metadata=wire.bounded(max_len=64))
+    logprobs: int | None = field(default=None, metadata=wire.bounded(ge=0, le=MAX_TOP_LOGPROBS))
 
 
 @wire.message("fwd-accepted")
@@ -83,11 +88,38 @@ class ForwardAccepted:
     queue_depth: int = field(metadata=wire.bounded(ge=0))
 
 
+@wire.message("fwd-logprob")
+@dataclass(frozen=True)
+class WireLogprob:
+    """A ``TokenLogprob`` on the wire (inside ``fwd-tokens``)."""
+
+    logprob: float = field(metadata=wire.bounded(ge=-1e4, le=0))
+    top_ids: list[int] = field(
+        default_factory=list,
+        metadata=wire.bounded(max_len=MAX_TOP_LOGPROBS, item_ge=0, item_le=2**31),
+    )
+    top_logprobs: list[float] = field(
+        default_factory=list, metadata=wire.bounded(max_len=MAX_TOP_LOGPROBS)
+    )
+
+    @classmethod
+    def of(cls, lp: TokenLogprob) -> WireLogprob:
+        return cls(lp.logprob, [t for t, _ in lp.top], [v for _, v in lp.top])
+
+    def to_logprob(self, token: int) -> TokenLogprob:
+        if len(self.top_ids) != len(self.top_logprobs):
+            raise wire.SchemaError("fwd-logprob: top_ids and top_logprobs differ in length")
+        return TokenLogprob(
+            token, self.logprob, tuple(zip(self.top_ids, self.top_logprobs, strict=True))
+        )
+
+
 @wire.message("fwd-tokens")
 @dataclass(frozen=True)
 class ForwardTokens:
     start: int = field(metadata=wire.bounded(ge=0, le=MAX_GEN_TOKENS))
     ids: list[int] = field(metadata=wire.bounded(min_len=1, max_len=4096, item_ge=0, item_le=2**31))
+    logprobs: list[WireLogprob] | None = field(default=None, metadata=wire.bounded(max_len=4096))
 
 
 @wire.message("fwd-done")
@@ -192,6 +224,7 @@ class ForwardServer:
                 top_p=req.top_p,
                 seed=req.seed,
                 stop_token_ids=tuple(req.stop_token_ids),
+                logprobs=req.logprobs,
             )
             token_stream = self.engine.stream(req.prompt, params)
         except (ValueError, TypeError) as exc:  # EngineError subclasses are ValueErrors
@@ -210,8 +243,11 @@ class ForwardServer:
             )
             with trio.fail_after(req.deadline_s):
                 async for token in token_stream:
+                    lps = None
+                    if req.logprobs is not None:
+                        lps = [WireLogprob.of(token_stream.logprobs[sent])]
                     await wire.write_frame(
-                        stream, wire.to_wire(ForwardTokens(sent, [token])), limit=limit
+                        stream, wire.to_wire(ForwardTokens(sent, [token], lps)), limit=limit
                     )
                     sent += 1
             result = token_stream.result
@@ -266,8 +302,12 @@ async def forward_request(
     first_token_timeout_s: float,
     idle_timeout_s: float,
     on_token: Callable[[int], None] | None = None,
+    on_logprob: Callable[[TokenLogprob], None] | None = None,
 ) -> ForwardOutcome:
-    """Run ``request`` on ``peer_id``; raises ``ForwardFailed`` (with the tokens received)."""
+    """Run ``request`` on ``peer_id``; raises ``ForwardFailed`` (with the tokens received).
+
+    With ``request.logprobs`` set, ``on_logprob`` gets each token's log-probability just before
+    ``on_token`` gets the token."""
     limit = wire.limit_for(FORWARD_PROTOCOL)
     tokens: list[int] = []
     stream = None
@@ -306,10 +346,13 @@ async def forward_request(
                 )
             if len(tokens) + len(msg.ids) > request.max_tokens:
                 raise ForwardFailed("protocol", "more tokens than max_tokens", tokens)
+            lps = _logprobs_of(msg, request, tokens)
             last_s = time.perf_counter() - t0
             first_s = last_s if first_s is None else first_s
-            for t in msg.ids:
+            for i, t in enumerate(msg.ids):
                 tokens.append(t)
+                if on_logprob is not None and lps is not None:
+                    on_logprob(lps[i])
                 if on_token is not None:
                     on_token(t)
             timeout = idle_timeout_s
@@ -332,6 +375,16 @@ async def forward_request(
                 contextlib.suppress(Exception),
             ):
                 await (stream.close() if finished else stream.reset())
+
+
+def _logprobs_of(
+    msg: ForwardTokens, request: ForwardRequest, tokens: list[int]
+) -> list[TokenLogprob] | None:
+    if request.logprobs is None:
+        return None
+    if msg.logprobs is None or len(msg.logprobs) != len(msg.ids):
+        raise ForwardFailed("protocol", "tokens without their requested logprobs", tokens)
+    return [lp.to_logprob(t) for lp, t in zip(msg.logprobs, msg.ids, strict=True)]
 
 
 # --------------------------------------------------------------------------- the service
@@ -500,6 +553,7 @@ class RoutedService:
         params: SamplingParams | Mapping[str, Any] | None = None,
         *,
         on_token: Callable[[int], None] | None = None,
+        on_logprob: Callable[[TokenLogprob], None] | None = None,
     ) -> RoutedResult:
         started = time.perf_counter()
         prompt, params = self._check(prompt_ids, params)
@@ -517,7 +571,7 @@ class RoutedService:
             remaining = params.max_tokens - len(delivered)
             cont_params = _with_max_tokens(params, remaining)
             if target == LOCAL:
-                result = await self._run_local(prompt + delivered, cont_params, emit)
+                result = await self._run_local(prompt + delivered, cont_params, emit, on_logprob)
                 attempts.append(Attempt(LOCAL, "ok", len(result.tokens), time.perf_counter() - t0))
                 return self._result(
                     delivered,
@@ -542,6 +596,7 @@ class RoutedService:
                 stop_token_ids=list(params.stop_token_ids),
                 deadline_s=self.forward_config.default_deadline_s,
                 request_id=decision.request_id,
+                logprobs=params.logprobs,
             )
             cfg = self.forward_config
             service_s = est.wait_s + est.prefill_s + est.decode_s
@@ -559,6 +614,7 @@ class RoutedService:
                         cfg.idle_min_s, cfg.idle_factor * (est.decode_s / max(1, remaining))
                     ),
                     on_token=emit,
+                    on_logprob=on_logprob,
                 )
             except ForwardFailed as exc:
                 attempts.append(
@@ -636,11 +692,19 @@ class RoutedService:
         )
 
     async def _run_local(
-        self, prompt: list[int], params: SamplingParams, emit: Callable[[int], None]
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        emit: Callable[[int], None],
+        on_logprob: Callable[[TokenLogprob], None] | None = None,
     ) -> Any:
         stream = self.engine.stream(prompt, params)
         try:
+            n = 0
             async for t in stream:
+                if on_logprob is not None and params.logprobs is not None:
+                    on_logprob(stream.logprobs[n])
+                n += 1
                 emit(t)
         finally:
             if stream.result is None:

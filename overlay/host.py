@@ -16,12 +16,15 @@ Contract:
   failure dropped a healthy link and every stream on it. The node's own liveness (`node.py`:
   any received frame counts, adaptive probe timeouts) detects dead and hung peers and closes
   their connections. Pass `health_check_interval` > 0 to turn the monitor on anyway.
+- Advertised addresses come from `addrs_factory` (`overlay/addrs.py`: never an unspecified
+  address); without one, libp2p advertises its bound listen addresses as they are.
 - `quiet_libp2p_logs()` silences libp2p's WARNING on every clean stream close.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import multiaddr
@@ -48,6 +51,12 @@ __all__ = ["connection_config", "make_host", "parse_multiaddr", "quiet_libp2p_lo
 def quiet_libp2p_logs(level: int = logging.ERROR) -> None:
     """Raise the `libp2p` logger's level: it logs a WARNING on every clean stream close."""
     logging.getLogger("libp2p").setLevel(level)
+    # Every failed dial is logged at ERROR there; our own dialer reports what matters (a
+    # peer that stays unreachable) once, with the addresses it tried.
+    logging.getLogger("libp2p.transport.tcp.tcp").setLevel(max(level, logging.CRITICAL))
+    # A refused protocol ("na": a peer still starting, or one without that service) is an
+    # answer the caller handles; libp2p logs a 10-line ERROR for it.
+    logging.getLogger("libp2p.host.basic_host").setLevel(max(level, logging.CRITICAL))
 
 
 def connection_config(
@@ -97,6 +106,7 @@ def make_host(
     key: NodeKey,
     listen_addrs: list[str],
     *,
+    addrs_factory: Callable[[list[multiaddr.Multiaddr]], list[multiaddr.Multiaddr]] | None = None,
     dial_timeout: float = 5.0,
     health_ping_timeout: float = 2.0,
     health_check_interval: float = 0.0,
@@ -117,6 +127,7 @@ def make_host(
         sec_opt={TProtocol(NOISE_PROTOCOL_ID): noise},
         muxer_opt={TProtocol(YAMUX_PROTOCOL_ID): Yamux},
         listen_addrs=[parse_multiaddr(a) for a in listen_addrs],
+        addrs_factory=addrs_factory,
         connection_config=connection_config(
             dial_timeout=dial_timeout,
             health_ping_timeout=health_ping_timeout,

@@ -105,6 +105,14 @@ class LimitsConfig:
     # 2 streams, 5 opens/s and 100 echoes/s sit above that; a 32-byte echo costs next to nothing.
     ping: Budget = Budget(rate_per_s=5.0, burst=10.0, max_concurrent=2, max_concurrent_total=2048)
     ping_echo: Budget = Budget(rate_per_s=100.0, burst=200.0)
+    # A dial-back (overlay/reachability.py) costs a few sockets; nodes ask every few minutes.
+    dialback: Budget = Budget(rate_per_s=0.5, burst=3.0, max_concurrent=1, max_concurrent_total=16)
+    # Relaying (overlay/relay.py): a reservation is renewed every ~10 min; circuits are
+    # connections of overlay members to a NAT'd member, a few per minute per peer.
+    relay_reserve: Budget = Budget(rate_per_s=0.2, burst=5.0)
+    relay_circuit: Budget = Budget(
+        rate_per_s=1.0, burst=10.0, max_concurrent=8, max_concurrent_total=128
+    )
     max_sessions_per_peer: int = 4
     max_bytes_in_flight: int = 8 * MiB  # per peer: two maximal forward prompts
     max_digest_bytes: int = MAX_DIGEST_BYTES

@@ -45,7 +45,7 @@ import math
 import secrets
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass, field
 from functools import partial
@@ -70,7 +70,17 @@ from p2pnode.identity import (
     verify_node_record,
 )
 from p2pnode.overlay._errors import BadMultiaddr, BootstrapFailed, PeerUnreachable
+from p2pnode.overlay.addrs import AddressBook, classify, dial_order
 from p2pnode.overlay.dht import OverlayDHT
+from p2pnode.overlay.hello import (
+    DEFAULT_NETWORK,
+    HELLO_PROTOCOL,
+    Hello,
+    NetworkMismatch,
+    answer_hello,
+    mismatch,
+    say_hello,
+)
 from p2pnode.overlay.host import make_host, parse_multiaddr
 from p2pnode.overlay.limits import PeerLimiter, remote_peer
 from p2pnode.overlay.peers import PeerState, PeerTable
@@ -96,6 +106,9 @@ RTO_CEILING = 4.0
 # A peer declared down by probes keeps its connection for this many more missed probes (a
 # false verdict then costs no redial: its next frame brings it back up), then it is closed.
 CLOSE_AFTER_EXTRA_MISSES = 4
+# Probe timeouts over a relayed connection start this many times higher (a third node's
+# event loop and two more hops sit on the path).
+RELAYED_TIMEOUT_FACTOR = 3.0
 # Idle peers get an RTT sample at least this many ping intervals apart (the router uses it).
 RTT_REFRESH_INTERVALS = 10
 # One Kademlia bucket: below this many peers a self lookup already returns the whole network.
@@ -126,6 +139,9 @@ class OverlayConfig:
     key: NodeKey
     listen_addrs: list[str] = field(default_factory=lambda: ["/ip4/127.0.0.1/tcp/0"])
     bootstrap: list[str] = field(default_factory=list)
+    # Extra addresses to advertise (a public or port-forwarded address of this node).
+    announce: list[str] = field(default_factory=list)
+    network: str = DEFAULT_NETWORK  # nodes of another network id are refused (overlay/hello.py)
     models: list[str] = field(default_factory=list)
     roles: set[str] = field(default_factory=lambda: {"router"})
     capacity: dict[str, float] = field(default_factory=dict)
@@ -244,13 +260,35 @@ class OverlayNode:
         self._first_seen: dict[str, float] = {}
         self._bootstrap_infos: list[PeerInfo] = []
         self.announced = trio.Event()
+        self.address_book = AddressBook(announce=list(config.announce))
+        self.hello = Hello(network=config.network, version=config.version)
+        self.refused: dict[str, str] = {}  # peer id -> why (another network or version)
+        self._hello_done: dict[str, trio.Event] = {}
+        self._nursery: trio.Nursery | None = None
 
     # -- public face ----------------------------------------------------------------------
 
     @property
     def addrs(self) -> list[str]:
-        """Our listen multiaddrs, each ending in /p2p/<peer id>."""
+        """The multiaddrs we advertise (``overlay/addrs.py``: never 0.0.0.0), each ending in
+        /p2p/<peer id>."""
         return [str(a) for a in self.host.get_addrs()]
+
+    def connection_kind(self, peer_id: str) -> str | None:
+        """How we reach a connected peer: "direct" or "relayed" (circuit); None when not
+        connected. (No hole punching yet: a NAT'd pair stays relayed.)"""
+        try:
+            conns = self.host.get_network().get_connections(ID.from_base58(peer_id))
+        except Exception:
+            return None
+        if not conns:
+            return None
+        kinds = set()
+        for conn in conns:
+            addrs = [str(a) for a in conn.get_transport_addresses()]
+            relayed = any(classify(a) == "circuit" for a in addrs) or _is_relayed(conn)
+            kinds.add("relayed" if relayed else "direct")
+        return "direct" if "direct" in kinds else "relayed"
 
     async def connect(self, addr: str) -> str:
         """Dial a `/.../p2p/<id>` address; returns the peer id (`PeerUnreachable` on failure)."""
@@ -333,7 +371,11 @@ class OverlayNode:
             "uptime_s": round(time.time() - self.started_at, 3),
             "connected": len(self.host.get_connected_peers()),
             "peer_counts": counts,
-            "peers": self.peers.snapshot(),
+            "peers": [
+                {**entry, "connection": self.connection_kind(entry["peer_id"])}
+                for entry in self.peers.snapshot()
+            ],
+            "refused": dict(self.refused),
             "dht": {
                 "routing_table": kad.get_routing_table_size(),
                 "values": kad.get_value_store_size(),
@@ -353,6 +395,12 @@ class OverlayNode:
         # Only a peer never seen before can teach discovery something; a flapping one would
         # otherwise trigger a round of DHT lookups per reconnect.
         is_new = pid not in self.peers
+        if pid in self.refused:
+            self._spawn(self._drop, peer)
+            return
+        if _is_initiator(conn) and self._nursery is not None:
+            self._hello_done[pid] = trio.Event()
+            self._spawn(self._check_network, peer)
         self._stamp_reads(conn)
         self.peers.observe(pid)
         pending = self._pending_records.pop(pid, None)
@@ -360,6 +408,51 @@ class OverlayNode:
             self.peers.set_record(pending)
         if is_new:
             self._wake_discovery.set()
+
+    def _spawn(self, fn: Callable[..., Awaitable[None]], *args: Any) -> None:
+        if self._nursery is not None:
+            self._nursery.start_soon(fn, *args)
+
+    async def _drop(self, peer: ID) -> None:
+        with trio.move_on_after(2):
+            with suppress(Exception):
+                await self.host.disconnect(peer)
+
+    def _refuse(self, peer: ID, reason: str) -> None:
+        pid = _peer_str(peer)
+        if pid not in self.refused:
+            logger.warning("refusing peer %s: %s", pid, reason)
+        self.refused[pid] = reason
+        self.peers.mark_down(pid, f"refused: {reason}")
+        self._spawn(self._drop, peer)
+
+    async def _check_network(self, peer: ID) -> None:
+        """Dialer side of the hello exchange (overlay/hello.py) on a new connection."""
+        pid = _peer_str(peer)
+        done = self._hello_done.get(pid)
+        if done is None:
+            done = self._hello_done[pid] = trio.Event()
+        try:
+            theirs = await say_hello(
+                lambda: self.host.new_stream(peer, [TProtocol(HELLO_PROTOCOL)]), self.hello
+            )
+        except (Exception, trio.TooSlowError) as exc:
+            # An old or busy peer: the other checks (records, limits) still apply.
+            logger.debug("no hello from %s: %r", pid, exc)
+        else:
+            reason = mismatch(self.hello, theirs)
+            if reason is not None:
+                self._refuse(peer, reason)
+        finally:
+            done.set()
+            self._hello_done.pop(pid, None)
+
+    async def _serve_hello(self, stream: INetStream) -> None:
+        peer = stream.muxed_conn.peer_id
+        theirs = await answer_hello(stream, self.hello)
+        reason = mismatch(self.hello, theirs)
+        if reason is not None:
+            self._refuse(peer, reason)
 
     def _stamp_reads(self, conn: INetConn) -> None:
         peer = conn.muxed_conn.peer_id
@@ -380,7 +473,10 @@ class OverlayNode:
     # -- dialing ------------------------------------------------------------------------
 
     async def _dial(self, info: PeerInfo) -> None:
-        self._last_dial[_peer_str(info.peer_id)] = trio.current_time()
+        pid = _peer_str(info.peer_id)
+        self._last_dial[pid] = trio.current_time()
+        if pid in self.refused:
+            raise PeerUnreachable(f"peer {pid} was refused: {self.refused[pid]}")
         try:
             with trio.fail_after(self.config.connect_timeout):
                 await self.host.connect(info)
@@ -425,6 +521,8 @@ class OverlayNode:
         async with trio.open_nursery() as nursery:
             for info in self._bootstrap_infos:
                 nursery.start_soon(one, info)
+        if any(reached):
+            await self._require_same_network()
         if self._bootstrap_infos and not any(reached):
             message = (
                 f"none of the {len(self._bootstrap_infos)} bootstrap peers answered; "
@@ -433,6 +531,24 @@ class OverlayNode:
             if self.config.require_bootstrap:
                 raise BootstrapFailed(message)
             logger.warning("%s (will keep retrying)", message)
+
+    async def _require_same_network(self) -> None:
+        """Wait for the hello of each bootstrap peer we reached; when all of them are of
+        another network or version, this node is joining the wrong overlay: say so."""
+        with trio.move_on_after(2 * self.config.connect_timeout):
+            for info in self._bootstrap_infos:
+                event = self._hello_done.get(_peer_str(info.peer_id))
+                if event is not None:
+                    await event.wait()
+        reached = [_peer_str(i.peer_id) for i in self._bootstrap_infos]
+        refused = [pid for pid in reached if pid in self.refused]
+        connected = {_peer_str(p) for p in self.host.get_connected_peers()}
+        if refused and not any(pid in connected for pid in reached if pid not in refused):
+            pid = refused[0]
+            raise NetworkMismatch(
+                f"bootstrap peer {pid} refused: {self.refused[pid]}; use an invite or "
+                "--bootstrap of this node's network, or set --network to match"
+            )
 
     # -- publishing -----------------------------------------------------------------------
 
@@ -515,15 +631,17 @@ class OverlayNode:
         sub = await self.pubsub.subscribe(RECORDS_TOPIC)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._receive_records, sub)
-            published_for = -1
+            published_for: tuple[int, bytes | None] = (-1, None)
             while True:
                 await trio.sleep(RECORD_GOSSIP_INTERVAL)
-                known = len(self.peers)
-                if self._signed_record is None or known == published_for:
+                # Again when new peers appeared, and when our record changed (a relay slot,
+                # a confirmed public address): peers holding the old one would keep it.
+                now = (len(self.peers), self._signed_record)
+                if self._signed_record is None or now == published_for:
                     continue
                 try:
                     await self.pubsub.publish(RECORDS_TOPIC, self._signed_record)
-                    published_for = known
+                    published_for = now
                     self.counters["record_gossip_publishes"] += 1
                 except Exception as exc:  # no mesh yet: the next round tries again
                     logger.debug("record gossip publish failed: %r", exc)
@@ -550,6 +668,7 @@ class OverlayNode:
             self.counters["record_gossip_received"] += 1
             if record.peer_id in self.peers:
                 self.peers.set_record(record)
+                self._learn_addrs(record)  # a new relay slot: its circuit address
             elif len(self._pending_records) < MAX_PENDING_RECORDS:
                 # Not connected yet (a table entry would wrongly say "up"): a peer we learned
                 # of by gossip, so hand its signed addresses to discovery.
@@ -602,6 +721,8 @@ class OverlayNode:
         todo = []
         for peer in candidates:
             pid = _peer_str(peer)
+            if pid in self.refused:
+                continue
             # Redial a peer we recently failed to reach only every few seconds.
             known = pid in self.peers or pid in self._pending_records
             if now - self._last_dial.get(pid, -1e9) < 5.0 and known:
@@ -731,7 +852,11 @@ class OverlayNode:
             if probe.misses == 0 and now < due:
                 await trio.sleep(due - now)
                 continue
-            rto = self.peers.rto(pid, cfg.ping_timeout, RTO_CEILING * cfg.ping_timeout)
+            # A relayed link crosses a third node's event loop and two more hops.
+            floor = cfg.ping_timeout * (
+                RELAYED_TIMEOUT_FACTOR if self.connection_kind(pid) == "relayed" else 1.0
+            )
+            rto = self.peers.rto(pid, floor, RTO_CEILING * floor)
             started = time.monotonic()
             if probe.stream is not None:
                 answered = await self._send_probe(probe, rto)
@@ -842,6 +967,85 @@ class OverlayNode:
                 last_publish = trio.current_time()
 
 
+def _is_initiator(conn: INetConn) -> bool:
+    """Did we dial this connection? (yamux keeps it; the secured session too)."""
+    muxed = conn.muxed_conn
+    value = getattr(muxed, "is_initiator_value", None)
+    if value is None:
+        value = getattr(getattr(muxed, "secured_conn", None), "is_initiator", False)
+    return bool(value)
+
+
+def _is_relayed(conn: INetConn) -> bool:
+    """A circuit-relay connection: its transport addresses name the circuit, or its raw
+    connection is a relay stream (py-libp2p's circuit transport)."""
+    secured = getattr(conn.muxed_conn, "secured_conn", None)
+    raw = getattr(secured, "conn", None)
+    return "circuit" in type(raw).__name__.lower() or "relay" in type(raw).__name__.lower()
+
+
+def _filtered_connect(host: IHost) -> Callable[[PeerInfo], Awaitable[None]]:
+    """``host.connect`` that never dials an unspecified or own address (overlay/addrs.py)
+    and tries a peer's likely path first; circuits are left to the relay fallback."""
+    connect = host.connect
+
+    async def filtered(info: PeerInfo) -> None:
+        if info.peer_id in host.get_connected_peers():
+            return
+        addrs = list(info.addrs)
+        with suppress(Exception):  # PeerStoreError: no stored address
+            addrs += list(host.get_peerstore().addrs(info.peer_id))
+        own = [str(a) for a in host.get_transport_addrs()] + [str(a) for a in host.get_addrs()]
+        usable = dial_order(addrs, own)
+        if not usable:
+            raise PeerUnreachable(
+                f"no dialable address for {info.peer_id} among {[str(a) for a in addrs]}"
+            )
+        # The peerstore holds what identify said; a bad entry must not be retried as-is.
+        await connect(PeerInfo(info.peer_id, usable))
+
+    return filtered
+
+
+def _filter_peerstore(host: IHost) -> None:
+    """The swarm dials the peerstore's addresses directly when a stream is opened to a peer
+    not connected yet (DHT queries do), so unusable addresses never enter it: unspecified
+    ones, and our own (a NAT'd node's twin behind another router has the same private
+    address; dialing it reaches ourselves). Filtered on write, with string tests only: the
+    DHT writes addresses for every peer of every answer (a full parse per address there
+    doubled the join time of 8 nodes on 2 busy cores)."""
+    store = host.get_peerstore()
+    add_addrs = store.add_addrs
+    own: dict[str, Any] = {"at": -math.inf, "set": frozenset()}
+
+    def own_endpoints() -> frozenset[str]:
+        now = time.monotonic()
+        if now - own["at"] > OWN_ADDRS_REFRESH_S:
+            bound = [str(a) for a in host.get_transport_addrs()]
+            bound += [str(a) for a in host.get_addrs()]
+            own["set"] = frozenset(a.split("/p2p/")[0] for a in bound)
+            own["at"] = now
+        return own["set"]
+
+    def filtered(peer_id: ID, addrs: Sequence[Multiaddr], ttl: int = 0) -> None:
+        if peer_id != host.get_id():
+            mine = own_endpoints()
+            keep = []
+            for addr in addrs:
+                text = str(addr)
+                if text.startswith(_UNSPECIFIED) or text.split("/p2p/")[0] in mine:
+                    continue
+                keep.append(addr)
+            addrs = keep
+        add_addrs(peer_id, addrs, ttl)
+
+    store.add_addrs = filtered  # type: ignore[method-assign]
+
+
+_UNSPECIFIED = ("/ip4/0.0.0.0/", "/ip6/::/")
+OWN_ADDRS_REFRESH_S = 5.0
+
+
 async def _serve_ping(stream: INetStream, limiter: PeerLimiter) -> None:
     """Echo 32-byte pings until the peer closes; a silent peer is dropped after a minute. A peer
     over its ``ping`` streams or ``ping_echo`` rate (``overlay/limits.py``) is reset."""
@@ -879,9 +1083,13 @@ async def open_overlay_node(config: OverlayConfig) -> AsyncIterator[OverlayNode]
     """Start an overlay node (see module docstring); stops it on exit."""
     bootstrap = [parse_peer_addr(a) for a in config.bootstrap]  # malformed -> BadMultiaddr now
     listen = [parse_multiaddr(a) for a in config.listen_addrs]
+    for addr in config.announce:
+        parse_multiaddr(addr)  # malformed -> BadMultiaddr now
+    book = AddressBook(announce=list(config.announce))
     host = make_host(
         config.key,
         config.listen_addrs,
+        addrs_factory=book.advertise,
         dial_timeout=config.dial_timeout,
         health_ping_timeout=config.health_ping_timeout,
         health_check_interval=config.health_check_interval,
@@ -898,6 +1106,10 @@ async def open_overlay_node(config: OverlayConfig) -> AsyncIterator[OverlayNode]
     pubsub = Pubsub(host, gossipsub, strict_signing=True)
     dht = OverlayDHT(host)
     node = OverlayNode(config, host, pubsub, dht)
+    node.address_book = book
+    host.connect = _filtered_connect(host)  # type: ignore[method-assign]
+    _filter_peerstore(host)
+    node.set_stream_handler(HELLO_PROTOCOL, node._serve_hello)
     node._bootstrap_infos = [b for b in bootstrap if _peer_str(b.peer_id) != node.peer_id]
     host.get_network().register_notifee(_ConnectionWatcher(node))
     host.set_stream_handler(TProtocol(PING_PROTOCOL), partial(_serve_ping, limiter=node.limiter))
@@ -906,19 +1118,25 @@ async def open_overlay_node(config: OverlayConfig) -> AsyncIterator[OverlayNode]
             host.run(listen_addrs=listen),
             background_trio_service(pubsub),
             background_trio_service(gossipsub),
+            trio.open_nursery() as connection_tasks,
         ):
-            await node._bootstrap()
-            async with background_trio_service(dht.kad), trio.open_nursery() as nursery:
-                nursery.start_soon(node._announce)
-                nursery.start_soon(node._discovery_loop)
-                nursery.start_soon(node._liveness_loop)
-                nursery.start_soon(node._records_loop)
-                nursery.start_soon(node._records_gossip_loop)
-                nursery.start_soon(node._maintenance_loop)
-                try:
-                    yield node
-                finally:
-                    nursery.cancel_scope.cancel()
+            node._nursery = connection_tasks
+            try:
+                await node._bootstrap()
+                async with background_trio_service(dht.kad), trio.open_nursery() as nursery:
+                    nursery.start_soon(node._announce)
+                    nursery.start_soon(node._discovery_loop)
+                    nursery.start_soon(node._liveness_loop)
+                    nursery.start_soon(node._records_loop)
+                    nursery.start_soon(node._records_gossip_loop)
+                    nursery.start_soon(node._maintenance_loop)
+                    try:
+                        yield node
+                    finally:
+                        nursery.cancel_scope.cancel()
+            finally:
+                node._nursery = None
+                connection_tasks.cancel_scope.cancel()
     except BaseExceptionGroup as group:
         # Our nurseries wrap everything (also the caller's own exceptions) in groups; hand a
         # lone error back as itself so `except BootstrapFailed` and friends work.

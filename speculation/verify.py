@@ -213,6 +213,10 @@ class _Session:
     lead_left: int = 0
     on_lead: Callable[[Lead | VerifierError], None] | None = None
     busy: bool = False  # a block submitted and not yet returned to its caller
+    # What this session's blocks and leads did (the console shows them per session).
+    counts: dict[str, int] = field(
+        default_factory=lambda: {"blocks": 0, "accepted": 0, "drafted": 0, "lead": 0}
+    )
 
     @property
     def committed_len(self) -> int:
@@ -331,6 +335,7 @@ class BatchedVerifier:
             s.tokens.append(first)
             s.lead_left -= 1
             self.stats["lead"] += 1
+            s.counts["lead"] += 1
             self._tell(s, Lead(len(prompt), first))
         if s.lead_left:
             self._send.send_nowait(None)
@@ -598,6 +603,7 @@ class BatchedVerifier:
         if block is None:
             s.lead_left -= 1
             self.stats["lead"] += 1
+            s.counts["lead"] += 1
             item.lead = Lead(s.committed_len - 1, nxt)
             return
         # Lead only where the edge's pipeline broke (a rejection): its blocks in flight are dead
@@ -607,6 +613,8 @@ class BatchedVerifier:
         self.stats["blocks"] += 1
         self.stats["accepted"] += n
         self.stats["drafted"] += len(draft)
+        for key, value in (("blocks", 1), ("accepted", n), ("drafted", len(draft))):
+            s.counts[key] += value
         item.result = BlockResult(block.number, item.skip + n, nxt, s.committed_len)
 
 

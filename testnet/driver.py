@@ -63,14 +63,16 @@ class PlannedRequest:
 
 
 def subject_list(workload: Workload) -> list[str]:
-    from p2pnode.testnet import mmlu
+    from p2pnode.inference import mmlu
 
     if isinstance(workload.subjects, int):
         return mmlu.subjects()[: workload.subjects]
     known = set(mmlu.subjects())
     unknown = [s for s in workload.subjects if s not in known]
     if unknown:
-        raise DriverError(f"unknown MMLU subject(s) {unknown}; see p2pnode.testnet.mmlu.subjects()")
+        raise DriverError(
+            f"unknown MMLU subject(s) {unknown}; see p2pnode.inference.mmlu.subjects()"
+        )
     return list(workload.subjects)
 
 
@@ -81,7 +83,7 @@ def popularity_weights(workload: Workload, n: int) -> list[float]:
 
 
 def build_requests(workload: Workload, seed: int, n_nodes: int) -> list[PlannedRequest]:
-    from p2pnode.testnet import mmlu
+    from p2pnode.inference import mmlu
 
     if n_nodes < 1:
         raise DriverError("the workload needs at least one node API")

@@ -4,7 +4,8 @@ Contract:
 - ``with launch_trial(spec, arm, workdir) as trial:`` starts one bootstrap node and
   ``spec.node_count`` serving nodes (``node_cmd``), each in its own home
   under ``workdir/<arm>/``, each listening on its own loopback IP of its region (``wan.node_ip``)
-  with ``--wan-spec``/``--region`` so its libp2p connections carry the spec's delays, the
+  started through ``testnet/node.py`` with ``--wan-spec``/``--region`` so its libp2p
+  connections carry the spec's delays, the
   spec's ``[node]`` settings, ``--backend`` from the compute mode and ``--routing`` or
   ``--no-routing`` by arm. It waits for every ``runtime.json`` and for the overlay to form
   (every serving node sees every other one up in ``GET /status``, and for the routing arm
@@ -44,12 +45,13 @@ from typing import Any
 import httpx
 
 from p2pnode.testnet import wan
+from p2pnode.testnet.netns import Testbed, require_netns
 from p2pnode.testnet.spec import TrialSpec
 
 STOP_GRACE_S = 15.0
-# p2pnode itself, through the testnet entry point that keeps emulated compute at its calibrated
-# cost (see _node.py); real compute runs exactly as `p2pnode`.
-NODE_CMD = (sys.executable, "-m", "p2pnode.bootstrap.cli")
+# p2pnode itself, through the trial's entry point that injects the spec's WAN delays first
+# (testnet/node.py); the product's node assembly knows nothing of emulated WANs.
+NODE_CMD = (sys.executable, "-m", "p2pnode.testnet.node")
 POLL_S = 0.25
 
 
@@ -156,11 +158,14 @@ def _free_port(ip: str) -> int:
         return sock.getsockname()[1]
 
 
-def _prepare_bootstrap(bootstrap: NodeProc) -> str:
-    """Create the bootstrap's key and pick its port; returns its full multiaddr."""
+def _prepare_bootstrap(bootstrap: NodeProc, *, default_port: bool = False) -> str:
+    """Create the bootstrap's key and pick its port (``default_port``: it listens on the
+    default 0.0.0.0:4101 of its own namespace); returns its full multiaddr."""
     from p2pnode.identity import NodeKey
 
     key = NodeKey.load_or_create(bootstrap.home)
+    if default_port:
+        return f"/ip4/{bootstrap.ip}/tcp/4101/p2p/{key.peer_id}"
     port = _free_port(bootstrap.ip)
     listen = bootstrap.args.index("--listen") + 1
     bootstrap.args[listen] = f"/ip4/{bootstrap.ip}/tcp/{port}"
@@ -297,6 +302,7 @@ def plan_nodes(
     *,
     log_level: str = "info",
     node_cmd: Sequence[str] = NODE_CMD,
+    addressing: str = "loopback",
 ):
     """The bootstrap and serving node definitions of one arm (not started)."""
     spec_path = str(spec.path) if spec.path else ""
@@ -309,17 +315,12 @@ def plan_nodes(
     def next_ip(region: str) -> str:
         k = per_region.get(region, 0)
         per_region[region] = k + 1
-        return wan.node_ip(spec, region, k)
+        return wan.node_ip(spec, region, k, addressing)
 
     base = root / arm
     boot_ip = next_ip(spec.bootstrap_region)
     boot_home = base / "bootstrap"
     boot_home.mkdir(parents=True, exist_ok=True)
-    boot_cfg = boot_home / "bootstrap.toml"
-    # `p2pnode bootstrap` has no --wan-spec flag: the same keys work through --config.
-    boot_cfg.write_text(
-        f"wan_spec = {json.dumps(spec_path)}\nregion = {json.dumps(spec.bootstrap_region)}\n"
-    )
     bootstrap = NodeProc(
         name="bootstrap",
         region=spec.bootstrap_region,
@@ -335,8 +336,10 @@ def plan_nodes(
             "0",
             "--log-level",
             log_level,
-            "--config",
-            str(boot_cfg),
+            "--wan-spec",
+            spec_path,
+            "--region",
+            spec.bootstrap_region,
         ],  # fmt: skip
         env=node_env(1),
         cmd=list(node_cmd),
@@ -401,6 +404,41 @@ def _serving_node(
     return NodeProc(f"node{i}", region, ip, home, args, env, list(node_cmd))
 
 
+# Trials on namespace hosts: this namespace joins the hosts' bridge here, so the driver
+# reaches every node's HTTP API (bound to the host's own address) directly.
+DRIVER_LEG = f"{wan.NETNS_NET.broadcast_address - 1}/{wan.NETNS_NET.prefixlen}"
+
+
+def _onto_testbed(spec: TrialSpec, nodes: list[NodeProc]) -> Testbed:
+    """Each node in a namespace of its own with its region's address; its command runs in
+    there with the default listen address (0.0.0.0:4101) and its API on the host address."""
+    reason = require_netns(nat=False)
+    if reason is not None:
+        raise LaunchError(f"--hosts netns: {reason}")
+    if spec.churn_new_nodes():
+        raise LaunchError("--hosts netns: churn joins of new nodes are not supported there yet")
+    prefix = wan.NETNS_NET.prefixlen
+    bed = Testbed(
+        {n.name: "public" for n in nodes},
+        addresses={n.name: f"{n.ip}/{prefix}" for n in nodes},
+        root_leg=DRIVER_LEG,
+    ).build()
+    for node in nodes:
+        at = node.args.index("--listen")
+        del node.args[at : at + 2]
+        at = node.args.index("--api-port")
+        node.args[at : at + 2] = ["--api-host", node.ip, "--api-port", str(NETNS_API_PORT)]
+        node.args += NETNS_API_FLAGS
+        node.cmd = bed.cmd(node.name, node.cmd)
+    return bed
+
+
+NETNS_API_PORT = 8731
+# The API listens on the host's address (the driver is outside the namespace): no key, on a
+# testbed nothing but the trial can reach.
+NETNS_API_FLAGS: list[str] = []
+
+
 @contextmanager
 def launch_trial(
     spec: TrialSpec,
@@ -410,10 +448,13 @@ def launch_trial(
     start_timeout_s: float | None = None,
     log_level: str = "info",
     node_cmd: Sequence[str] = NODE_CMD,
+    hosts: str = "local",
 ) -> Iterator[RunningTrial]:
     """Start one arm's processes, wait for the overlay, stop everything on exit (module doc)."""
     if arm not in ("routing", "baseline"):
         raise LaunchError(f"arm {arm!r}: use routing or baseline")
+    if hosts not in ("local", "netns"):
+        raise LaunchError(f"hosts {hosts!r}: use local (this host's loopback) or netns")
     if start_timeout_s is None:
         # many round trips per dial (multistream, Noise, yamux): scale with the worst link
         start_timeout_s = 90.0 + 10 * spec.node_count + 40 * spec.max_delay_ms() / 1000.0
@@ -421,7 +462,11 @@ def launch_trial(
 
     if spec.model == "default":
         default_model_path()  # convert once here, not in every node at the same time
-    bootstrap, nodes = plan_nodes(spec, arm, workdir, log_level=log_level, node_cmd=node_cmd)
+    addressing = "netns" if hosts == "netns" else "loopback"
+    bootstrap, nodes = plan_nodes(
+        spec, arm, workdir, log_level=log_level, node_cmd=node_cmd, addressing=addressing
+    )
+    bed = _onto_testbed(spec, [bootstrap, *nodes]) if hosts == "netns" else None
     trial = RunningTrial(
         spec, arm, workdir / arm, bootstrap, nodes, log_level=log_level, node_cmd=node_cmd
     )
@@ -431,7 +476,7 @@ def launch_trial(
         # The bootstrap's address is known before it runs (its key is made here, its port
         # picked free), so every process starts at once: start-up is mostly imports and
         # model loading, and nodes retry the bootstrap until it listens.
-        addr = _prepare_bootstrap(bootstrap)
+        addr = _prepare_bootstrap(bootstrap, default_port=bed is not None)
         trial.bootstrap_addr = addr
         _spawn(bootstrap)
         for node in nodes:
@@ -453,3 +498,5 @@ def launch_trial(
                 if path.is_file():
                     suffix = "" if k == 0 else f".{k}"
                     shutil.copyfile(path, logs / f"{node.name}{suffix}.log")
+        if bed is not None:
+            bed.close()

@@ -208,6 +208,7 @@ def run_arm(
     *,
     stream: bool = False,
     node_cmd: Sequence[str] = NODE_CMD,
+    hosts: str = "local",
 ) -> dict[str, Any]:
     arm_dir = out_dir / arm
     arm_dir.mkdir(parents=True, exist_ok=True)
@@ -216,7 +217,7 @@ def run_arm(
     t0 = time.monotonic()
     try:
         print(f"[{arm}] starting {spec.node_count} nodes + bootstrap ...", file=sys.stderr)
-        with launch_trial(spec, arm, out_dir / "nodes", node_cmd=node_cmd) as trial:
+        with launch_trial(spec, arm, out_dir / "nodes", node_cmd=node_cmd, hosts=hosts) as trial:
             print(f"[{arm}] overlay formed in {trial.formed_s:.1f} s", file=sys.stderr)
             result["warnings"] += trial.warnings
             result["formed_s"] = round(trial.formed_s, 2)
@@ -269,6 +270,7 @@ def run_trial(
     stream: bool = False,
     command: str = "",
     node_cmd: Sequence[str] = NODE_CMD,
+    hosts: str = "local",
 ) -> dict[str, Any]:
     out_dir.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {
@@ -276,11 +278,14 @@ def run_trial(
         "arms": {},
         "command": command,
         "node_cmd": list(node_cmd),
+        "hosts": hosts,
         "machine": {"cpus": os.cpu_count(), "loadavg_at_start": os.getloadavg()},
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     for arm in arms:
-        results["arms"][arm] = run_arm(spec, arm, out_dir, stream=stream, node_cmd=node_cmd)
+        results["arms"][arm] = run_arm(
+            spec, arm, out_dir, stream=stream, node_cmd=node_cmd, hosts=hosts
+        )
         (out_dir / "results.json").write_text(json.dumps(results, indent=1))
     results["machine"]["loadavg_at_end"] = os.getloadavg()
     (out_dir / "results.json").write_text(json.dumps(results, indent=1))
@@ -296,6 +301,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--arms", default=None, help="comma list of routing,baseline")
     parser.add_argument("--out", default=None, help="results folder")
     parser.add_argument("--stream", action="store_true", help="stream answers (measures TTFT)")
+    parser.add_argument(
+        "--hosts",
+        choices=("local", "netns"),
+        default="local",
+        help="local: every node on this host's loopback; netns: every node in a network "
+        "namespace of its own with its own address (needs root)",
+    )
     parser.add_argument(
         "--no-churn",
         action="store_true",
@@ -315,7 +327,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = Path(args.out) if args.out else Path("testnet/results") / f"{spec.name}-{stamp}"
     command = "python -m p2pnode.testnet.run_trial " + shlex.join(argv or sys.argv[1:])
     try:
-        results = run_trial(spec, arms, out, stream=args.stream, command=command)
+        results = run_trial(spec, arms, out, stream=args.stream, command=command, hosts=args.hosts)
     except KeyboardInterrupt:
         print("interrupted; every node was stopped", file=sys.stderr)
         return 130

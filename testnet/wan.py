@@ -13,6 +13,8 @@ libp2p runs on it (multistream, Noise, yamux, DHT, gossipsub, pings, our own pro
   Reads are untouched: the far side's writes carry that direction's delay, so a round trip
   costs ``2 * delay_ms`` when both ends run ``install`` (every node of a trial does).
 - Regions by address: region ``i`` of the spec's ``network.regions`` owns ``127.(10+i).0.0/16``
+  (or, for trials on namespace hosts, ``198.18.i.0/24`` of ``NETNS_NET``: each host's own
+  address, so no source rewriting is needed)
   (all of 127/8 is local on Linux, no setup). ``node_ip(spec, region, k)`` gives the k-th node
   of a region its own listen IP; ``install`` also patches ``TCP._dial_resolved`` so outgoing
   connections leave from the region's gateway IP ``127.(10+i).0.1``, hence a listener can tell
@@ -48,6 +50,10 @@ from p2pnode.testnet.spec import MAX_REGIONS, SpecError, TrialSpec, load_spec
 log = logging.getLogger("p2pnode.testnet.wan")
 
 FIRST_OCTET = 10  # region i -> 127.(10+i).0.0/16; 127.0.0.0/16 (plain localhost) stays undelayed
+# Trials on namespace hosts (``launch_trial(hosts="netns")``): region i -> the i-th /24 of the
+# benchmarking range (RFC 2544), so hosts get real, non-loopback addresses.
+NETNS_NET = ipaddress.IPv4Network("198.18.0.0/15")
+NETNS_PER_REGION = 250
 MAX_PENDING_BYTES = 64 << 20  # writers wait beyond this (a slow link must not eat all memory)
 NODES_PER_REGION = 250 * 250
 
@@ -100,8 +106,14 @@ def gateway_ip(spec: TrialSpec, region: str) -> str:
     return str(region_subnet(spec, region).network_address + 1)
 
 
-def node_ip(spec: TrialSpec, region: str, k: int) -> str:
-    """Listen IP of the k-th node (0-based, counted per region) placed in `region`."""
+def node_ip(spec: TrialSpec, region: str, k: int, addressing: str = "loopback") -> str:
+    """Listen IP of the k-th node (0-based, counted per region) placed in `region`; with
+    ``addressing="netns"`` its namespace host's address in ``NETNS_NET``."""
+    if addressing == "netns":
+        if not 0 <= k < NETNS_PER_REGION:
+            raise WanError(f"at most {NETNS_PER_REGION} namespace hosts per region")
+        i = _region_index(spec, region)
+        return str(NETNS_NET.network_address + 256 * i + k + 2)
     if not 0 <= k < NODES_PER_REGION:
         raise WanError(f"node index {k} out of range for one region")
     base = region_subnet(spec, region).network_address
@@ -113,6 +125,9 @@ def region_of_ip(spec: TrialSpec, ip: str) -> str | None:
         addr = ipaddress.ip_address(ip)
     except ValueError:
         return None
+    if addr.version == 4 and addr in NETNS_NET:
+        i = (int(addr) - int(NETNS_NET.network_address)) // 256
+        return spec.network.regions[i] if i < len(spec.network.regions) else None
     if addr.version != 4 or not addr.is_loopback:
         return None
     i = addr.packed[1] - FIRST_OCTET

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -127,3 +128,79 @@ def test_join_discover_and_detect_kill_and_hang(tmp_path: Path) -> None:
             if proc.returncode not in (0, -signal.SIGKILL, -signal.SIGTERM):
                 print(f"pid {proc.pid} exited with {proc.returncode}")
     assert os.path.exists(tmp_path / "n2" / "node_key")
+
+
+def _cli(args: list[str], timeout: float = 60.0) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [*P2PNODE, *args], capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL
+    )
+
+
+def test_id_with_the_default_listen_address_prints_dialable_addresses(tmp_path: Path) -> None:
+    out = _cli(["id", "--home", str(tmp_path / "home")])
+    assert out.returncode == 0, out.stderr
+    assert "0.0.0.0" not in out.stdout, out.stdout
+    addrs = [line.split(": ", 1)[1] for line in out.stdout.splitlines() if "/p2p/" in line]
+    assert addrs and all("/tcp/4101/p2p/12D3KooW" in a for a in addrs), out.stdout
+    if not any("/ip4/" in a and "/127." not in a for a in addrs):
+        assert all("/127." in a for a in addrs)  # a machine with loopback only
+    assert "none of these addresses is public" in out.stdout  # CI machines have no public IP
+
+
+def test_second_node_on_one_home_or_port_exits_at_once_naming_the_flag(tmp_path: Path) -> None:
+    procs: list[subprocess.Popen] = []
+    try:
+        home = tmp_path / "first"
+        home.mkdir()
+        with socket.socket() as probe:  # a free port for the first node to take
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        listen = f"/ip4/127.0.0.1/tcp/{port}"
+        log = open(home / "node.log", "wb")  # noqa: SIM115 - closed with the process in _stop
+        first = subprocess.Popen(
+            [*P2PNODE, "bootstrap", "--home", str(home), "--api-port", "0", "--listen", listen],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        procs.append(first)
+        info = _runtime(home, first)
+        api_port = int(info["api"].rsplit(":", 1)[1])
+        cases = [
+            (["--home", str(home), "--api-port", "0", "--listen", "/ip4/127.0.0.1/tcp/0"], "--home"),
+            (["--home", str(tmp_path / "b"), "--api-port", "0", "--listen", listen], "--listen"),
+            (
+                ["--home", str(tmp_path / "c"), "--api-port", str(api_port), "--listen",
+                 "/ip4/127.0.0.1/tcp/0"],
+                "--api-port",
+            ),
+        ]  # fmt: skip
+        for args, flag in cases:
+            started = time.monotonic()
+            out = _cli(["bootstrap", *args], timeout=60)
+            assert out.returncode != 0, (args, out.stdout, out.stderr)
+            assert flag in out.stderr and "Traceback" not in out.stderr, out.stderr
+            assert time.monotonic() - started < 30, "must exit at once, not after a timeout"
+        assert first.poll() is None, "the first node keeps running"
+        assert not (tmp_path / "b" / "runtime.json").exists()
+    finally:
+        _stop(procs)
+
+
+def test_join_with_an_invite_of_another_network_says_which(tmp_path: Path) -> None:
+    procs: list[subprocess.Popen] = []
+    try:
+        boot = _spawn(["bootstrap", "--network", "lab"], tmp_path / "boot")
+        procs.append(boot)
+        _runtime(tmp_path / "boot", boot)
+        invite = _cli(["invite", "--home", str(tmp_path / "boot")])
+        assert invite.returncode == 0 and invite.stdout.startswith("p2pnode-invite-1."), invite
+        args = ["--model", "none", "--api-port", "0", "--listen", "/ip4/127.0.0.1/tcp/0"]
+        wrong = _cli(["join", "--invite", invite.stdout.strip(), "--network", "main", *args,
+                      "--home", str(tmp_path / "x")])  # fmt: skip
+        assert wrong.returncode != 0 and "contradicts the invite" in wrong.stderr, wrong.stderr
+        bootstrap = json.loads((tmp_path / "boot" / "runtime.json").read_text())["addrs"][0]
+        other = _cli(["join", "--bootstrap", bootstrap, *args, "--home", str(tmp_path / "y")])
+        assert other.returncode != 0, other.stdout
+        assert "belongs to network 'lab', this node to 'main'" in other.stderr, other.stderr
+    finally:
+        _stop(procs)

@@ -6,7 +6,9 @@ Time bounds are generous for 2 shared, busy cores; each tolerance says why it is
 from __future__ import annotations
 
 import json
+import os
 import statistics
+import subprocess
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -362,3 +364,31 @@ def test_smoke_trial_end_to_end(tmp_path):
     assert (tmp_path / "out" / "report.md").is_file()
     assert (tmp_path / "out" / "latency_cdf.png").stat().st_size > 1000
     assert elapsed < 240, elapsed
+
+
+@pytest.mark.slow
+def test_smoke_trial_on_namespace_hosts(tmp_path):
+    """The same trial with every node in a network namespace of its own (default listen
+    address, its region's own address): real addresses, discovery across hosts, WAN delays."""
+    from p2pnode.testnet.netns import require_netns
+    from p2pnode.testnet.run_trial import run_trial
+
+    reason = require_netns(nat=False)
+    if reason is not None:
+        pytest.skip(reason)
+    spec = load_spec(builtin_spec_path("smoke"))
+    results = run_trial(spec, ("routing",), tmp_path / "out", command="test", hosts="netns")
+    arm_result = results["arms"]["routing"]
+    assert "error" not in arm_result, arm_result.get("error")
+    assert arm_result["summary"]["answered"] == spec.workload.requests
+    assert all(api.startswith("http://198.18.") for api in arm_result["apis"]), arm_result
+    statuses = json.loads((tmp_path / "out" / "routing" / "status.json").read_text())
+    region_of = dict(zip(arm_result["peer_ids"], spec.placement, strict=True))
+    for k, status in enumerate(statuses):
+        assert all("/ip4/198.18." in a and "/tcp/4101/" in a for a in status["addrs"]), status
+        for peer in status["peers"]:
+            if peer["peer_id"] in region_of and peer.get("rtt_ms") is not None:
+                pair = {spec.placement[k], region_of[peer["peer_id"]]}
+                assert peer["rtt_ms"] >= (10.0 if pair == {"x", "y"} else 2.0), (k, peer)
+    leftovers = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert f"p2p{os.getpid()}-" not in leftovers, leftovers

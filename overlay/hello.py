@@ -1,0 +1,96 @@
+"""Which network and protocol version a peer speaks: one frame each way per new connection.
+
+Nodes of two overlays (another network id, say a private test swarm, or an incompatible
+protocol version) can meet: a stale address, a shared relay, a DHT crawl. Without a check
+they would gossip records, digests and forwards to each other. So the side that dialed a
+new connection opens ``HELLO_PROTOCOL``, sends its ``Hello`` and reads the other's; both
+sides compare with ``mismatch`` and, on a difference, log it once, close the connection and
+never dial that peer again in this run. A join whose every bootstrap peer is of another
+network fails with ``NetworkMismatch``, whose message names both networks.
+
+Contract:
+- ``Hello(network, version)``: network ids are 1-64 chars of ``[a-z0-9._-]``.
+- ``mismatch(ours, theirs) -> str | None``: what differs, in words, or None.
+- ``say_hello(open_stream, ours) -> Hello`` (dialer); ``answer_hello(stream, ours) -> Hello``
+  (listener: reads theirs, sends ours back; ``WireError`` on a malformed frame).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import trio
+
+from p2pnode.overlay._errors import OverlayError
+from p2pnode.overlay.wire import bounded_field, from_wire, message, read_frame, to_wire, write_frame
+
+__all__ = [
+    "DEFAULT_NETWORK",
+    "HELLO_PROTOCOL",
+    "Hello",
+    "NetworkMismatch",
+    "answer_hello",
+    "check_network_id",
+    "mismatch",
+    "say_hello",
+]
+
+HELLO_PROTOCOL = "/p2pnode/hello/1"
+DEFAULT_NETWORK = "main"
+HELLO_LIMIT = 1024
+HELLO_TIMEOUT_S = 10.0
+_NETWORK_RE = re.compile(r"[a-z0-9][a-z0-9._-]{0,63}")
+
+
+class NetworkMismatch(OverlayError):
+    """A peer belongs to another network or speaks another protocol version."""
+
+
+def check_network_id(network: str) -> str:
+    """``network`` if it is a valid network id; ``ValueError`` saying what is allowed."""
+    if not isinstance(network, str) or not _NETWORK_RE.fullmatch(network):
+        raise ValueError(
+            f"network id {network!r}: use 1-64 characters of a-z, 0-9, '.', '_' or '-' "
+            "(starting with a letter or digit)"
+        )
+    return network
+
+
+@message("hello")
+class Hello:
+    network: str = bounded_field(max_len=64)
+    version: str = bounded_field(max_len=64)
+
+
+def mismatch(ours: Hello, theirs: Hello) -> str | None:
+    if theirs.network != ours.network:
+        return f"it belongs to network {theirs.network!r}, this node to {ours.network!r}"
+    if theirs.version != ours.version:
+        return f"it speaks protocol {theirs.version!r}, this node {ours.version!r}"
+    return None
+
+
+async def say_hello(open_stream: Callable[[], Awaitable[Any]], ours: Hello) -> Hello:
+    stream = await open_stream()
+    try:
+        with trio.fail_after(HELLO_TIMEOUT_S):
+            await write_frame(stream, to_wire(ours), limit=HELLO_LIMIT)
+            obj = await read_frame(stream, limit=HELLO_LIMIT)
+        if obj is None:
+            raise OverlayError("the peer closed the hello stream without answering")
+        return from_wire(obj, Hello)
+    finally:
+        with trio.move_on_after(1):
+            await stream.close()
+
+
+async def answer_hello(stream: Any, ours: Hello) -> Hello:
+    with trio.fail_after(HELLO_TIMEOUT_S):
+        obj = await read_frame(stream, limit=HELLO_LIMIT)
+        if obj is None:
+            raise OverlayError("the peer closed the hello stream before its hello")
+        theirs = from_wire(obj, Hello)
+        await write_frame(stream, to_wire(ours), limit=HELLO_LIMIT)
+    return theirs

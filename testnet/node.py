@@ -1,0 +1,72 @@
+"""A trial's node: ``p2pnode`` with the trial's WAN delays injected into its connections.
+
+``python -m p2pnode.testnet.node <p2pnode args> --wan-spec SPEC --region R`` installs the
+userspace WAN emulation of ``SPEC`` for region ``R`` (``testnet/wan.py``), raises the
+overlay's timeouts to what the spec's worst link from ``R`` needs unless the arguments set
+them, and then runs the ``p2pnode`` command line with the remaining arguments. The product's
+own node assembly knows nothing of emulated WANs; only trials start nodes through here.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Sequence
+
+from p2pnode.testnet import wan
+
+__all__ = ["main", "split_wan_args"]
+
+
+def split_wan_args(argv: Sequence[str]) -> tuple[str, str, list[str]]:
+    """(spec, region, the other arguments); ``SystemExit`` naming what is missing."""
+    rest: list[str] = []
+    found: dict[str, str] = {}
+    args = list(argv)
+    i = 0
+    while i < len(args):
+        if args[i] in ("--wan-spec", "--region"):
+            if i + 1 >= len(args):
+                raise SystemExit(f"{args[i]} needs a value")
+            found[args[i]] = args[i + 1]
+            i += 2
+            continue
+        rest.append(args[i])
+        i += 1
+    missing = [flag for flag in ("--wan-spec", "--region") if flag not in found]
+    if missing:
+        raise SystemExit(f"a trial node needs {' and '.join(missing)}")
+    return found["--wan-spec"], found["--region"], rest
+
+
+def _log_wan_to_stderr() -> None:
+    """The emulation logs what it installed before the CLI sets up logging: give its logger
+    a handler of its own, in the node log's format."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(
+        logging.Formatter("%(asctime)s %(levelname)-7s %(name)s: %(message)s", "%H:%M:%S")
+    )
+    log = logging.getLogger("p2pnode.testnet.wan")
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    spec, region, rest = split_wan_args(sys.argv[1:] if argv is None else argv)
+    _log_wan_to_stderr()
+    try:
+        wan.install(spec, region)
+        suggested = wan.suggested_timeouts(spec, region)
+    except (wan.WanError, OSError, ValueError) as exc:
+        raise SystemExit(f"cannot emulate the WAN of {spec}: {exc}") from None
+    for flag, key in (("--ping-timeout", "ping_timeout"), ("--connect-timeout", "connect_timeout")):
+        if flag not in rest:
+            rest += [flag, str(suggested[key])]
+    from p2pnode.bootstrap.cli import main as cli_main
+
+    cli_main(rest)
+
+
+if __name__ == "__main__":
+    main()

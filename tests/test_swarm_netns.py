@@ -1,0 +1,141 @@
+"""The swarm across hosts and NATs, started as users start it (needs root: namespaces).
+
+Six hosts, each a network namespace of its own (testnet/netns.py): a public bootstrap, two
+public volunteers, two volunteers behind one NAT router each (both on 192.168.1.2, as home
+routers hand out), one behind a port-randomizing NAT. The bootstrap runs ``p2pnode
+bootstrap``, every other host ``p2pnode join --invite <invite>``, nothing else set by hand
+(the two NAT'd hosts serve the real default model, the rest ``--model none``). The nodes must
+find each other, learn by dial-backs who is reachable, reserve relay slots on public members
+for the NAT'd ones, and route a request that enters at one NAT'd node to the other, which
+holds its prefix, over a relayed connection, token for token the target's output. Every
+namespace and process is removed at the end, also on failure.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import trio
+
+from p2pnode.inference.engine import SamplingParams, open_engine
+from p2pnode.inference.models import load_model
+from p2pnode.testnet.netns import Testbed, require_netns
+from p2pnode.testnet.swarm import NetnsSwarm
+
+HOSTS = {
+    "boot": "public",
+    "pub1": "public",
+    "pub2": "public",
+    "nat1": "nat",
+    "nat2": "nat",
+    "natr": "nat-random",
+}
+SERVING = ("nat1", "nat2")
+FULL_VIEW_LIMIT_S = 60.0
+SYSTEM = [{"role": "system", "content": "You are a terse assistant. " * 50}]
+MESSAGES = [*SYSTEM, {"role": "user", "content": "Name one prime number."}]
+NEW_TOKENS = 4
+
+
+@pytest.fixture
+def testbed():
+    reason = require_netns()
+    if reason is not None:
+        pytest.skip(reason)
+    with Testbed(HOSTS) as bed:
+        yield bed
+
+
+def _wait(predicate, limit_s: float, what: str, logs: str = "") -> None:
+    deadline = time.monotonic() + limit_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} within {limit_s} s\n{logs}")
+        time.sleep(0.5)
+
+
+def _view_of(swarm: NetnsSwarm, host: str, peer_id: str) -> dict:
+    return swarm.status(host)["routing"]["views"].get(peer_id, {})
+
+
+def _rtt(swarm: NetnsSwarm, host: str, peer_id: str) -> float | None:
+    return next((p["rtt_ms"] for p in swarm.peers(host) if p["peer_id"] == peer_id), None)
+
+
+async def _reference() -> str:
+    async with open_engine(load_model(None), torch_threads=1) as engine:
+        ids = engine.encode_chat(MESSAGES)
+        result = await engine.generate(ids, SamplingParams(max_tokens=NEW_TOKENS, temperature=0))
+        return engine.decode(result.tokens)
+
+
+@pytest.mark.slow
+def test_default_flags_across_nats_form_one_swarm_and_route_to_the_prefix(testbed, tmp_path):
+    swarm = NetnsSwarm(testbed, tmp_path)
+    swarm.start_bootstrap("boot")
+    for host in HOSTS:
+        if host != "boot":
+            swarm.start_join(host, model="default" if host in SERVING else "none")
+    logs = lambda: "\n".join(f"--- {h}\n{swarm.log(h, 1500)}" for h in HOSTS)  # noqa: E731
+    try:
+        took = swarm.wait_full_view(FULL_VIEW_LIMIT_S)
+    except TimeoutError as exc:
+        raise AssertionError(f"{exc}\n{logs()}") from None
+    print(f"full view of {len(HOSTS)} namespace hosts {took:.1f} s after the joins started")
+    ids = swarm.peer_ids()
+
+    # Addresses: nobody advertises 0.0.0.0; each node's record carries its own interface
+    # address; NAT'd nodes add circuit addresses through public members.
+    for host in HOSTS:
+        status = swarm.status(host)
+        assert not any("/0.0.0.0/" in a for a in status["addrs"]), (host, status["addrs"])
+        assert any(f"/{testbed.ip(host)}/" in a for a in status["addrs"]), status["addrs"]
+    for host in ("boot", "pub1", "pub2"):
+        _wait(
+            lambda h=host: swarm.status(h)["reachability"]["verdict"] == "public",
+            30,
+            f"{host} public",
+            logs(),
+        )
+    for host in ("nat1", "nat2", "natr"):
+        _wait(
+            lambda h=host: (
+                swarm.status(h)["reachability"]["verdict"] == "private"
+                and len(swarm.status(h)["relay"]["circuit_addrs"]) >= 1
+            ),
+            30,
+            f"{host} private with a relay slot",
+            logs(),
+        )
+
+    # How each node reaches each other one: public pairs direct, pairs of NAT'd nodes relayed.
+    nat = {ids[h] for h in ("nat1", "nat2", "natr")}
+    for host in HOSTS:
+        kinds = {p["peer_id"]: p["connection"] for p in swarm.peers(host) if p["state"] == "up"}
+        for pid, kind in kinds.items():
+            if ids[host] in nat and pid in nat:
+                assert kind == "relayed", (host, pid, kinds)
+            else:
+                assert kind == "direct", (host, pid, kinds)
+        table = swarm.cli(host, "peers")
+        assert table.count("relayed") == (2 if ids[host] in nat else 0), table
+        assert table.count("direct") == (3 if ids[host] in nat else 5), table
+
+    # nat2 serves the long system prompt once and so caches it; nat1 learns it by gossip.
+    swarm.request("nat2", "/v1/chat/completions", {"messages": SYSTEM, "max_tokens": 2})
+
+    def nat1_sees_the_prefix() -> bool:
+        view = _view_of(swarm, "nat1", ids["nat2"])
+        return view.get("blocks", 0) >= 10 and _rtt(swarm, "nat1", ids["nat2"]) is not None
+
+    try:
+        _wait(nat1_sees_the_prefix, 60, "nat1 sees nat2's cached prefix")
+    except AssertionError as exc:
+        view, rtt = _view_of(swarm, "nat1", ids["nat2"]), _rtt(swarm, "nat1", ids["nat2"])
+        raise AssertionError(f"{exc}: view {view}, rtt {rtt}\n{logs()}") from None
+    body = {"messages": MESSAGES, "max_tokens": NEW_TOKENS, "temperature": 0}
+    headers, reply = swarm.request("nat1", "/v1/chat/completions", body)
+    assert headers["x-p2pnode-served-by"] == ids["nat2"], (headers, reply.get("p2pnode"))
+    assert int(headers["x-p2pnode-cached-tokens"]) >= 160, headers
+    assert reply["choices"][0]["message"]["content"] == trio.run(_reference)
