@@ -17,7 +17,8 @@ Contract (the CPU ``Engine``'s, unless said otherwise):
   unchanged. ``cached_block_hashes()`` / ``cached_prefix_len()`` come from the same map (whole
   vLLM blocks; vLLM exposes no exact token-level view).
 - ``stream`` / ``generate`` / ``validate`` / ``encode`` / ``encode_chat`` / ``decode`` behave as
-  on CPU (``context_length`` is vLLM's ``max_model_len``); tokenization is the HF tokenizer of
+  on CPU (``context_length`` is vLLM's ``max_model_len``; ``logprobs`` are refused with
+  ``InvalidParams`` for now); tokenization is the HF tokenizer of
   the folder (the one CPU nodes use), and vLLM gets token ids only. ``cached_tokens`` is vLLM's
   ``num_cached_tokens``.
 - ``queue_depth`` counts this engine's unfinished requests; ``estimated_wait_s()`` follows the
@@ -52,6 +53,7 @@ import trio
 from p2pnode.inference._errors import (
     EngineClosed,
     EngineError,
+    InvalidParams,
 )
 from p2pnode.inference._front import EngineFront, TokenStreamBase
 from p2pnode.inference._vllm_compat import VllmBuild, detect, engine_args
@@ -182,6 +184,8 @@ class VllmEngine(EngineFront):
         self.tree = _CacheView(self.translator, self)
         self.event_errors = 0
         self.steps = 0
+        # As the CPU engine's, except that a request's prompt counts when it ends.
+        self.totals = {"prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0, "requests": 0}
         self._listeners: list[Callable[[BlockEvent], None]] = []
         self._inflight: dict[str, _Req] = {}
         self._ids = itertools.count(1)
@@ -242,6 +246,11 @@ class VllmEngine(EngineFront):
         if self._closed or self._llm is None:
             raise EngineClosed("the engine is closed")
         prompt, params = self.validate(prompt_ids, params)
+        if params.logprobs is not None:
+            raise InvalidParams(
+                "logprobs are not available on the vLLM backend of this node yet; send the "
+                "request without logprobs or to a node on the CPU engine"
+            )
         send, recv = trio.open_memory_channel[int](float("inf"))
         req = _Req(f"p2p-{next(self._ids)}", prompt, params, send, time.perf_counter())
         self._inflight[req.id] = req
@@ -288,6 +297,7 @@ class VllmEngine(EngineFront):
             req.t_first = now
             self.cost.observe_prefill(len(req.prompt) - req.cached, now - req.t_submit)
         req.tokens.extend(new)
+        self.totals["generated_tokens"] += len(new)
         for t in new:
             try:
                 req.send.send_nowait(t)
@@ -312,6 +322,10 @@ class VllmEngine(EngineFront):
             request_id=int(req.id.rsplit("-", 1)[1]),
         )
         self._inflight.pop(req.id, None)
+        t = self.totals
+        t["prompt_tokens"] += len(req.prompt)
+        t["cached_tokens"] += req.cached
+        t["requests"] += 1
         req.send.close()
 
     def _fail(self, req: _Req, exc: BaseException) -> None:

@@ -176,6 +176,9 @@ async def test_vllm_engine_serves_like_the_cpu_engine(loaded: Any) -> None:
         prompts = [engine.encode_chat([{"role": "user", "content": q}]) for q in QUESTIONS]
         refs = await cpu_references(loaded, prompts, N_TOKENS)
         await check_greedy_and_load_views(engine, prompts, refs)
+        t = engine.totals  # the calibration request and these four
+        assert t["requests"] == 5 and t["generated_tokens"] >= sum(map(len, refs))
+        assert t["prompt_tokens"] >= sum(map(len, prompts))
 
         # Bad requests: the CPU engine's errors, raised before anything reaches vLLM.
         for prompt, params, error in (
@@ -185,6 +188,7 @@ async def test_vllm_engine_serves_like_the_cpu_engine(loaded: Any) -> None:
             ([1] * (MAX_LEN - 3), {"max_tokens": 4}, PromptTooLong),
             ([1, 2], {"max_tokens": 0}, InvalidParams),
             ([1, 2], {"beam_width": 2}, InvalidParams),
+            ([1, 2], {"logprobs": 2}, InvalidParams),  # not on this engine yet: said so
         ):
             with pytest.raises(error):
                 engine.stream(prompt, params)
