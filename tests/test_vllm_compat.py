@@ -82,3 +82,26 @@ def test_engine_from_a_toml_file(tmp_path) -> None:
     s = settings_from({}, path)
     assert s.engine == "vllm" and s.max_batch == 8
     assert settings_from({"engine": "hf"}, path).engine == "hf"  # the command line wins
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed")
+def test_join_engine_vllm_without_vllm_exits_saying_how_to_get_it(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    from p2pnode.identity import NodeKey
+
+    peer = NodeKey.generate().peer_id
+    proc = subprocess.run(
+        [
+            *(sys.executable, "-m", "p2pnode.bootstrap.cli", "join", "--engine", "vllm"),
+            *("--bootstrap", f"/ip4/127.0.0.1/tcp/1/p2p/{peer}", "--home", str(tmp_path)),
+            *("--api-port", "0", "--listen", "/ip4/127.0.0.1/tcp/0"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode != 0
+    assert "--engine vllm: vLLM is not installed" in proc.stderr, proc.stderr[-2000:]
+    assert "make gpu-check" in proc.stderr and "make test-vllm" in proc.stderr
