@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,8 +34,10 @@ from prometheus_client import CollectorRegistry, Counter
 
 from p2pnode.inference.blockhash import block_hashes, model_salt
 from p2pnode.inference.sampling import SamplingParams
+from p2pnode.inference.scoring import scorer_for
 from p2pnode.overlay import wire
 from p2pnode.overlay.antientropy import AntiEntropy, AntiEntropyConfig
+from p2pnode.overlay.audit import AuditConfig, Auditor, AuditPlan
 from p2pnode.overlay.digest import MAX_MODEL_ID_LEN, DigestBuilder, LoadInfo
 from p2pnode.overlay.limits import LimitExceeded, PeerLimiter, remote_peer
 from p2pnode.overlay.peers import PeerState
@@ -385,6 +388,10 @@ class RoutedService:
     (neither logged nor counted). Bad input raises the engine's ``EngineError`` subclasses
     before anything leaves the node. ``trust`` (``overlay/trust.py``; a default ``TrustBook``
     when None) checks every forwarded request's claims; the router skips peers it demotes.
+    ``audit`` (default on, when the engine's model can score answers): forwarded answers are
+    audited against the local model as ``overlay/audit.py`` says (``audit_config``); a peer on
+    probation has its answer held until the audit passes, and re-served by the next attempt
+    when it fails. ``generate(..., private=True)`` never leaves this node.
     """
 
     def __init__(
@@ -404,6 +411,8 @@ class RoutedService:
         drop_filter: Callable[[str, bytes], bool] | None = None,
         trust: TrustBook | None = None,
         limiter: PeerLimiter | None = None,
+        audit: bool = True,
+        audit_config: AuditConfig | None = None,
     ) -> None:
         if engine is None and model_id is None:
             raise ValueError("a routing-only service needs model_id")
@@ -439,6 +448,16 @@ class RoutedService:
             builders[self.model_id] = self.builder
             self.server = ForwardServer(
                 engine, admit=self._admit, on_served=self._on_served, limiter=self.limiter
+            )
+        self.auditor: Auditor | None = None
+        scorer = scorer_for(engine) if engine is not None and audit else None
+        if scorer is not None:
+            self.auditor = Auditor(
+                scorer,
+                self.trust,
+                audit_config,
+                busy=lambda: engine.queue_depth > 0,
+                registry=registry,
             )
         self.antientropy = AntiEntropy(
             node,
@@ -490,6 +509,8 @@ class RoutedService:
             self.node.set_stream_handler(FORWARD_PROTOCOL, self.server.handle)
         async with trio.open_nursery() as nursery:
             await nursery.start(self.antientropy.run)
+            if self.auditor is not None:
+                await nursery.start(self.auditor.run)
             task_status.started()
 
     # -- requests -----------------------------------------------------------------------------
@@ -500,10 +521,13 @@ class RoutedService:
         params: SamplingParams | Mapping[str, Any] | None = None,
         *,
         on_token: Callable[[int], None] | None = None,
+        private: bool = False,
     ) -> RoutedResult:
         started = time.perf_counter()
         prompt, params = self._check(prompt_ids, params)
-        decision = self._decide(prompt, params, record=True)
+        if private and self.engine is None:
+            raise NoRouteError("a private request never leaves the node: this one runs no engine")
+        decision = self._decide(prompt, params, record=True, private=private)
         delivered: list[int] = []
         attempts: list[Attempt] = []
 
@@ -546,6 +570,8 @@ class RoutedService:
             cfg = self.forward_config
             service_s = est.wait_s + est.prefill_s + est.decode_s
             self.router.note_sent(target, service_s)
+            plan = self.auditor.plan(target, params) if self.auditor is not None else None
+            held: list[int] = []  # a held answer reaches the client once its audit passed
             try:
                 outcome = await forward_request(
                     self.node,
@@ -558,7 +584,7 @@ class RoutedService:
                     idle_timeout_s=max(
                         cfg.idle_min_s, cfg.idle_factor * (est.decode_s / max(1, remaining))
                     ),
-                    on_token=emit,
+                    on_token=held.append if plan is not None and plan.hold else emit,
                 )
             except ForwardFailed as exc:
                 attempts.append(
@@ -583,6 +609,13 @@ class RoutedService:
                 continue
             finally:
                 self.router.note_done(target, service_s)
+            answer = held if plan is not None and plan.hold else outcome.tokens
+            if plan is not None and not await self._audited(plan, target, request, answer, emit):
+                attempts.append(
+                    Attempt(target, "audit_failed", len(held), time.perf_counter() - t0)
+                )
+                self._count("audit_failed")
+                continue
             attempts.append(Attempt(target, "ok", len(outcome.tokens), time.perf_counter() - t0))
             self._count("ok")
             self.router.observe_served(target, est.cached_tokens, outcome.done.cached_tokens)
@@ -624,8 +657,20 @@ class RoutedService:
         return list(prompt_ids), params
 
     def _decide(
-        self, prompt: list[int], params: SamplingParams, *, record: bool
+        self, prompt: list[int], params: SamplingParams, *, record: bool, private: bool = False
     ) -> RoutingDecision:
+        if private:  # not even estimated against peers: it stays here whatever they hold
+            return RoutingDecision(
+                request_id=uuid.uuid4().hex[:16],
+                model_id=self.model_id,
+                prompt_tokens=len(prompt),
+                max_tokens=params.max_tokens,
+                chosen=LOCAL,
+                reason="private",
+                margin_s=0.0,
+                candidates=(),
+                attempts=(LOCAL,),
+            )
         return self.router.decide(
             model_id=self.model_id,
             prompt_block_hashes=block_hashes(prompt, self.salt),
@@ -634,6 +679,32 @@ class RoutedService:
             local=self._local_state(prompt),
             record=record,
         )
+
+    async def _audited(
+        self,
+        plan: AuditPlan,
+        peer: str,
+        request: ForwardRequest,
+        answer: list[int],
+        emit: Callable[[int], None],
+    ) -> bool:
+        """False when a held answer failed its audit (it was never released); a released
+        answer (trusted peer) is queued for a background audit when the plan says so."""
+        assert self.auditor is not None
+        params = SamplingParams(
+            max_tokens=request.max_tokens, temperature=request.temperature, top_p=request.top_p
+        )
+        if not plan.hold:
+            if plan.audit:
+                self.auditor.later(peer, request.prompt, answer, params)
+            return True
+        verdict = await self.auditor.check(peer, request.prompt, answer, params)
+        if verdict is not None and not verdict.passed:
+            self.auditor.note_reserved()
+            return False
+        for t in answer:
+            emit(t)
+        return True
 
     async def _run_local(
         self, prompt: list[int], params: SamplingParams, emit: Callable[[int], None]
