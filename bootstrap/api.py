@@ -223,6 +223,7 @@ class _Job:
     stream: bool
     include_usage: bool
     prompt_param: str  # "prompt" or "messages", for error answers
+    private: bool = False  # "p2pnode": {"private": true}: never leaves this node
 
 
 @dataclass
@@ -419,7 +420,16 @@ class _Api:
         except ValueError as exc:
             raise _bad(str(exc)) from None
         return _Job(
-            endpoint, chat, model, prompt, params, stops, stream, include_usage, prompt_param
+            endpoint,
+            chat,
+            model,
+            prompt,
+            params,
+            stops,
+            stream,
+            include_usage,
+            prompt_param,
+            _parse_private(body),
         )
 
     def _stop_token_ids(self, stops: Sequence[str]) -> tuple[int, ...]:
@@ -550,7 +560,9 @@ class _Api:
 
     async def _generate(self, job: _Job, on_token: Callable[[int], None], out: _Outcome) -> None:
         if self.service is not None:
-            result = await self.service.generate(job.prompt, job.params, on_token=on_token)
+            result = await self.service.generate(
+                job.prompt, job.params, on_token=on_token, private=job.private
+            )
             out.finish_reason = result.finish_reason
             out.cached_tokens = result.cached_tokens
             out.served_by = result.served_by
@@ -660,6 +672,19 @@ def _message_text(content: Any, i: int) -> str:
         f"messages[{i}].content",
         "invalid_messages",
     )
+
+
+def _parse_private(body: dict[str, Any]) -> bool:
+    """``"p2pnode": {"private": true}`` (OpenAI clients: ``extra_body``)."""
+    ext = body.get("p2pnode")
+    if ext is None:
+        return False
+    if not isinstance(ext, dict) or set(ext) - {"private"}:
+        raise _bad('p2pnode must be an object like {"private": true}', "p2pnode")
+    private = ext.get("private", False)
+    if not isinstance(private, bool):
+        raise _bad(f"p2pnode.private must be a boolean, got {private!r}", "p2pnode.private")
+    return private
 
 
 def _parse_stop(stop: Any) -> tuple[str, ...]:
@@ -812,8 +837,11 @@ def build_app(
     model_name: str | None = None,
     metrics: NodeMetrics | None = None,
     max_pending: int = 64,
+    api_key: str | None = None,
 ) -> Starlette:
     """The node's HTTP app (see the module contract).
+
+    ``api_key``: every request must carry it as a bearer token (``bootstrap/auth.py``).
 
     ``service``: the node's ``RoutedService`` (its ``engine`` is used when ``engine`` is not
     given). ``registry``: the one passed to ``RoutedService``; a fresh one when None.
@@ -918,6 +946,10 @@ def build_app(
         ),
     ]
     app = Starlette(routes=routes, exception_handlers={404: not_found, 405: not_found})
+    if api_key:
+        from p2pnode.bootstrap.auth import BearerAuth
+
+        app.add_middleware(BearerAuth, api_key=api_key)
     app.state.metrics = metrics
     app.state.api = api
     return app

@@ -76,6 +76,24 @@ def _routing_status(service) -> dict[str, Any]:
     }
 
 
+def _trust_and_audit(settings: NodeSettings, registry: CollectorRegistry) -> tuple[Any, Any]:
+    """The trust book, restored from the node's home, and the audit settings."""
+    from p2pnode.overlay.audit import AuditConfig
+    from p2pnode.overlay.trust import TrustBook
+    from p2pnode.overlay.trust_store import TRUST_FILE, load_trust
+
+    trust = TrustBook(registry=registry)
+    restored = load_trust(trust, settings.home / TRUST_FILE)
+    if restored:
+        log.info("trust in %d peers restored from %s", restored, settings.home / TRUST_FILE)
+    audit = AuditConfig(
+        probation_answers=settings.probation_answers,
+        trusted_rate=settings.audit_rate,
+        budget_share=settings.audit_budget,
+    )
+    return trust, audit
+
+
 async def _stop_on_signal(cancel_scope: trio.CancelScope) -> None:
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async for signum in signals:
@@ -138,6 +156,7 @@ async def run_node(settings: NodeSettings, *, task_status=trio.TASK_STATUS_IGNOR
             from p2pnode.overlay.forward import RoutedService
             from p2pnode.overlay.router import RouterConfig
 
+            trust, audit_config = _trust_and_audit(settings, registry)
             service = RoutedService(
                 node,
                 key,
@@ -148,6 +167,9 @@ async def run_node(settings: NodeSettings, *, task_status=trio.TASK_STATUS_IGNOR
                 antientropy_config=AntiEntropyConfig(interval_s=settings.gossip_interval),
                 pushback_high=settings.pushback_threshold,
                 registry=registry,
+                trust=trust,
+                audit_config=audit_config,
+                advertise_min_uses=settings.advertise_min_uses,
             )
 
         def status() -> dict[str, Any]:
@@ -166,6 +188,9 @@ async def run_node(settings: NodeSettings, *, task_status=trio.TASK_STATUS_IGNOR
         async with trio.open_nursery() as nursery:
             if service is not None:
                 await nursery.start(service.run)
+                from p2pnode.overlay.trust_store import TRUST_FILE, keep_trust_saved
+
+                nursery.start_soon(keep_trust_saved, service.trust, settings.home / TRUST_FILE)
             if engine is not None and "verifier" in settings.role:
                 from p2pnode.speculation.protocol import serve_verifier
                 from p2pnode.speculation.verify import BatchedVerifier
@@ -175,7 +200,13 @@ async def run_node(settings: NodeSettings, *, task_status=trio.TASK_STATUS_IGNOR
                 # One per-peer budget for everything a peer can make this node do.
                 limiter = service.limiter if service is not None else None
                 serve_verifier(node, verifier, limiter=limiter)
-            app = build_app(status, service=service, engine=engine, registry=registry)
+            app = build_app(
+                status,
+                service=service,
+                engine=engine,
+                registry=registry,
+                api_key=settings.api_key or None,
+            )
             api = await nursery.start(serve_api, app, settings.api_host, settings.api_port)
             nursery.start_soon(_stop_on_signal, nursery.cancel_scope)
             write_runtime(

@@ -41,6 +41,7 @@ from p2pnode.overlay.audit import AuditConfig, Auditor, AuditPlan
 from p2pnode.overlay.digest import MAX_MODEL_ID_LEN, DigestBuilder, LoadInfo
 from p2pnode.overlay.limits import LimitExceeded, PeerLimiter, remote_peer
 from p2pnode.overlay.peers import PeerState
+from p2pnode.overlay.privacy import AdvertiseGate
 from p2pnode.overlay.router import (
     LOCAL,
     CandidateEstimate,
@@ -151,8 +152,10 @@ class ForwardServer:
         admit: Callable[[], bool] = lambda: True,
         on_served: Callable[[str, int], None] | None = None,
         limiter: PeerLimiter | None = None,
+        on_request: Callable[[list[int]], None] | None = None,
     ) -> None:
         self.engine = engine
+        self.on_request = on_request  # a valid request arrived (counts block uses)
         self.admit = admit
         self.limiter = limiter if limiter is not None else PeerLimiter()
         self.on_served = on_served
@@ -200,6 +203,8 @@ class ForwardServer:
         except (ValueError, TypeError) as exc:  # EngineError subclasses are ValueErrors
             await self._refuse(stream, "bad_request", str(exc))
             return
+        if self.on_request is not None:
+            self.on_request(req.prompt)
         await self._run(stream, req, token_stream, limit)
 
     async def _run(self, stream: Any, req: ForwardRequest, token_stream: Any, limit: int) -> None:
@@ -413,6 +418,7 @@ class RoutedService:
         limiter: PeerLimiter | None = None,
         audit: bool = True,
         audit_config: AuditConfig | None = None,
+        advertise_min_uses: int = 1,
     ) -> None:
         if engine is None and model_id is None:
             raise ValueError("a routing-only service needs model_id")
@@ -441,13 +447,19 @@ class RoutedService:
         builders = {}
         self.builder: DigestBuilder | None = None
         self.server: ForwardServer | None = None
+        self.gate: AdvertiseGate | None = None  # overlay/privacy.py: what the digest may show
         if engine is not None:
             self.builder = DigestBuilder(node.peer_id, self.model_id, load_fn=self.local_load)
-            self.builder.sync(engine.cached_block_hashes())
-            engine.add_block_listener(self.builder.on_event)
+            self.gate = AdvertiseGate(self.builder, advertise_min_uses)
+            self.gate.sync(engine.cached_block_hashes())
+            engine.add_block_listener(self.gate.on_event)
             builders[self.model_id] = self.builder
             self.server = ForwardServer(
-                engine, admit=self._admit, on_served=self._on_served, limiter=self.limiter
+                engine,
+                admit=self._admit,
+                on_served=self._on_served,
+                limiter=self.limiter,
+                on_request=self._note_use,
             )
         self.auditor: Auditor | None = None
         scorer = scorer_for(engine) if engine is not None and audit else None
@@ -541,7 +553,7 @@ class RoutedService:
             remaining = params.max_tokens - len(delivered)
             cont_params = _with_max_tokens(params, remaining)
             if target == LOCAL:
-                result = await self._run_local(prompt + delivered, cont_params, emit)
+                result = await self._run_local(prompt + delivered, cont_params, emit, private)
                 attempts.append(Attempt(LOCAL, "ok", len(result.tokens), time.perf_counter() - t0))
                 return self._result(
                     delivered,
@@ -706,7 +718,33 @@ class RoutedService:
             emit(t)
         return True
 
+    def _note_use(self, prompt: list[int]) -> None:
+        if self.gate is not None:
+            self.gate.note_request(block_hashes(prompt, self.salt))
+
     async def _run_local(
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        emit: Callable[[int], None],
+        private: bool = False,
+    ) -> Any:
+        if not private or self.gate is None:
+            self._note_use(prompt)
+            return await self._stream_local(prompt, params, emit)
+        answer: list[int] = []
+
+        def keep(t: int) -> None:
+            answer.append(t)
+            emit(t)
+
+        with self.gate.private():  # its blocks stay out of the digest, also after it
+            try:
+                return await self._stream_local(prompt, params, keep)
+            finally:
+                self.gate.mark_private(block_hashes(prompt + answer, self.salt))
+
+    async def _stream_local(
         self, prompt: list[int], params: SamplingParams, emit: Callable[[int], None]
     ) -> Any:
         stream = self.engine.stream(prompt, params)
