@@ -22,12 +22,13 @@ prefill of that length, far less than generating it.
   ``probation_answers`` passed audits (a new identity, or one readmitted after a demotion) is
   on probation: every answer is audited, and it is *held* (not released to the client) until
   its audit passes, so a lie is re-served elsewhere before anyone sees it. Trusted peers are
-  audited at ``trusted_rate`` after the answer is released.
+  audited at ``trusted_rate`` after the answer is released. Holding is bounded: tokens are
+  held at most ``max_hold_s`` from the first one, audit included (``HeldAnswer``); an answer
+  that takes longer is released then and audited after it, in the background.
 - Budget: audits take at most ``budget_share`` of this node's time over ``budget_window_s``;
   past it an answer goes out unaudited (counted ``skipped``; a probation peer earns nothing
-  from it). A held answer waits at most ``max_hold_s`` for its audit, after which it is
-  released and the audit finishes in the background: the delay an honest answer can suffer
-  is bounded by ``max_hold_s``. Background audits (trusted peers) wait while the local engine
+  from it). The delay an honest answer can suffer from an audit is bounded by ``max_hold_s``
+  (default 10 s). Background audits (trusted peers) wait while the local engine
   has work, up to ``defer_max_s``: they run at low priority.
 - A failed audit demotes the peer at once (``TrustBook.observe_audit``: the router skips it
   like any untrusted peer); a passed one repays debt and counts towards probation.
@@ -184,6 +185,41 @@ class AuditPlan:
     probation: bool
 
 
+class HeldAnswer:
+    """Token sink of one forward from a peer on probation: tokens are held back from ``emit``
+    until ``release()``, or until ``max_hold_s`` after the first arrived (then everything held
+    goes out and later tokens stream straight through: ``released`` turns True). Bounds the
+    delay holding adds to an honest answer."""
+
+    def __init__(self, emit: Callable[[int], None], max_hold_s: float) -> None:
+        self.emit = emit
+        self.max_hold_s = max_hold_s
+        self.tokens: list[int] = []
+        self.released = False
+        self._first: float | None = None
+
+    def __call__(self, token: int) -> None:
+        self.tokens.append(token)
+        if self.released:
+            self.emit(token)
+            return
+        now = time.monotonic()
+        self._first = now if self._first is None else self._first
+        if now - self._first > self.max_hold_s:
+            self.release()
+
+    def remaining_s(self) -> float:
+        if self._first is None:
+            return self.max_hold_s
+        return max(0.0, self.max_hold_s - (time.monotonic() - self._first))
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            for t in self.tokens:
+                self.emit(t)
+
+
 class _Budget:
     """Seconds spent auditing over a sliding window, against ``share`` of that window."""
 
@@ -261,10 +297,17 @@ class Auditor:
         return AuditPlan(self._rng.random() < self.config.trusted_rate, False, False)
 
     async def check(
-        self, peer: str, prompt: list[int], answer: list[int], params: SamplingParams
+        self,
+        peer: str,
+        prompt: list[int],
+        answer: list[int],
+        params: SamplingParams,
+        *,
+        wait_s: float | None = None,
     ) -> AuditVerdict | None:
         """Audit a held answer now; None when it must be released unaudited (budget) or the
-        audit outlasted ``max_hold_s`` (it then finishes in the background)."""
+        audit outlasted ``wait_s`` (default ``max_hold_s``; it then finishes in the
+        background)."""
         if not answer:
             return None
         cost = self.scorer.cost_s(len(prompt) + len(answer))
@@ -280,7 +323,7 @@ class Auditor:
 
         assert self._nursery is not None, "start Auditor.run first"
         self._nursery.start_soon(run)
-        with trio.move_on_after(self.config.max_hold_s):
+        with trio.move_on_after(self.config.max_hold_s if wait_s is None else wait_s):
             await done.wait()
         return box[0]
 

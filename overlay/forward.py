@@ -37,7 +37,7 @@ from p2pnode.inference.sampling import SamplingParams
 from p2pnode.inference.scoring import scorer_for
 from p2pnode.overlay import wire
 from p2pnode.overlay.antientropy import AntiEntropy, AntiEntropyConfig
-from p2pnode.overlay.audit import AuditConfig, Auditor, AuditPlan
+from p2pnode.overlay.audit import AuditConfig, Auditor, AuditPlan, HeldAnswer
 from p2pnode.overlay.digest import MAX_MODEL_ID_LEN, DigestBuilder, LoadInfo
 from p2pnode.overlay.limits import LimitExceeded, PeerLimiter, remote_peer
 from p2pnode.overlay.peers import PeerState
@@ -583,7 +583,8 @@ class RoutedService:
             service_s = est.wait_s + est.prefill_s + est.decode_s
             self.router.note_sent(target, service_s)
             plan = self.auditor.plan(target, params) if self.auditor is not None else None
-            held: list[int] = []  # a held answer reaches the client once its audit passed
+            # A held answer reaches the client once its audit passed (or max_hold_s passed).
+            held = HeldAnswer(emit, self.auditor.config.max_hold_s) if plan and plan.hold else None
             try:
                 outcome = await forward_request(
                     self.node,
@@ -596,7 +597,7 @@ class RoutedService:
                     idle_timeout_s=max(
                         cfg.idle_min_s, cfg.idle_factor * (est.decode_s / max(1, remaining))
                     ),
-                    on_token=held.append if plan is not None and plan.hold else emit,
+                    on_token=held if held is not None else emit,
                 )
             except ForwardFailed as exc:
                 attempts.append(
@@ -621,10 +622,9 @@ class RoutedService:
                 continue
             finally:
                 self.router.note_done(target, service_s)
-            answer = held if plan is not None and plan.hold else outcome.tokens
-            if plan is not None and not await self._audited(plan, target, request, answer, emit):
+            if plan is not None and not await self._audited(plan, target, request, outcome, held):
                 attempts.append(
-                    Attempt(target, "audit_failed", len(held), time.perf_counter() - t0)
+                    Attempt(target, "audit_failed", len(outcome.tokens), time.perf_counter() - t0)
                 )
                 self._count("audit_failed")
                 continue
@@ -697,25 +697,26 @@ class RoutedService:
         plan: AuditPlan,
         peer: str,
         request: ForwardRequest,
-        answer: list[int],
-        emit: Callable[[int], None],
+        outcome: ForwardOutcome,
+        held: HeldAnswer | None,
     ) -> bool:
         """False when a held answer failed its audit (it was never released); a released
-        answer (trusted peer) is queued for a background audit when the plan says so."""
+        answer is queued for a background audit when the plan says so."""
         assert self.auditor is not None
         params = SamplingParams(
             max_tokens=request.max_tokens, temperature=request.temperature, top_p=request.top_p
         )
-        if not plan.hold:
+        if held is None or held.released:
             if plan.audit:
-                self.auditor.later(peer, request.prompt, answer, params)
+                self.auditor.later(peer, request.prompt, outcome.tokens, params)
             return True
-        verdict = await self.auditor.check(peer, request.prompt, answer, params)
+        verdict = await self.auditor.check(
+            peer, request.prompt, held.tokens, params, wait_s=held.remaining_s()
+        )
         if verdict is not None and not verdict.passed:
             self.auditor.note_reserved()
             return False
-        for t in answer:
-            emit(t)
+        held.release()
         return True
 
     def _note_use(self, prompt: list[int]) -> None:
