@@ -21,8 +21,9 @@ Contract:
   measured. ``observe_fault(peer, weight)`` / ``observe_ok(peer)``: a wrong or a confirmed
   answer from a verifier (see ``verdict_problem`` and ``speculation/edge.py``).
   ``observe_audit(peer, passed)``: an answer re-scored against the target model
-  (``overlay/audit.py``): a failure is proof, so it demotes at once; a pass repays
-  ``honest_credit`` and counts in ``audited_ok(peer)``, the passed audits since the peer was
+  (``overlay/audit.py``): a failure is proof, so it demotes at once; a pass counts in
+  ``audited_ok(peer)`` (and repays nothing: a right answer proves nothing about cache or
+  speed claims, so a fake-cache liar is demoted as fast as before), the passed audits since the peer was
   first seen or last demoted (the audit policy keeps a peer on probation until it has enough).
   Each returns the ``Verdict`` it drew.
 - Persistence: ``export()`` gives a JSON-ready dict (debts as of now, wall-clock stamped) and
@@ -289,10 +290,9 @@ class TrustBook:
     def observe_audit(self, peer: str, passed: bool) -> Verdict:
         """An answer of ``peer`` was re-scored against the target: a failure demotes now."""
         p = self._peer(peer)
-        if passed:
+        if passed:  # no credit against its claims' debt: a right answer says nothing of them
             p.held += 1
             p.audited_ok += 1
-            self._add(peer, p, -self.config.honest_credit)
             return self._count("audit", Verdict.OK)
         p.failures += 1
         debt = self._decayed(p)
