@@ -17,8 +17,9 @@ Prints the figures and writes ``bench/results/audit.json``. A few minutes on 2 c
   peer and a faster liar; the origin sends requests until the liar is demoted (at most 12).
   Then a second liar of the same kind appears under a new key (a liar restarted with a new
   identity) and is caught again. Figures: answers the liar served until demotion, seconds from
-  the first request routed to it to its demotion, and ``wrong_answers``: answers the client kept that differ from the honest
-  answer (the emulated model's output is a function of the input, so it is recomputed here).
+  the first request routed to it to its demotion, and ``wrong_answers``: answers the client
+  kept that differ from the honest answer (the emulated model's output is a function of the
+  input, so it is recomputed here).
 """
 
 from __future__ import annotations

@@ -349,7 +349,8 @@ class Auditor:
             task_status.started()
             async for peer, prompt, answer, params, queued in self._recv:
                 # Low priority: let the engine drain first (polled: it has no event to wait on).
-                while self.busy() and time.monotonic() - queued < self.config.defer_max_s:  # noqa: ASYNC110
+                deadline = queued + self.config.defer_max_s
+                while self.busy() and time.monotonic() < deadline:  # noqa: ASYNC110
                     await trio.sleep(0.05)
                 if not self._budget.allows(self.scorer.cost_s(len(prompt) + len(answer))):
                     self._count("background", "skipped")

@@ -22,9 +22,9 @@ Contract:
   answer from a verifier (see ``verdict_problem`` and ``speculation/edge.py``).
   ``observe_audit(peer, passed)``: an answer re-scored against the target model
   (``overlay/audit.py``): a failure is proof, so it demotes at once; a pass counts in
-  ``audited_ok(peer)`` (and repays nothing: a right answer proves nothing about cache or
-  speed claims, so a fake-cache liar is demoted as fast as before), the passed audits since the peer was
-  first seen or last demoted (the audit policy keeps a peer on probation until it has enough).
+  ``audited_ok(peer)``, the passed audits since the peer was first seen or last demoted (the
+  audit policy keeps a peer on probation until it has enough), and repays no debt: a right
+  answer proves nothing about cache or speed claims, so a fake-cache liar is demoted as fast.
   Each returns the ``Verdict`` it drew.
 - Persistence: ``export()`` gives a JSON-ready dict (debts as of now, wall-clock stamped) and
   ``restore(data)`` folds one back in, decayed by the wall time that passed
