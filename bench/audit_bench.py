@@ -1,6 +1,7 @@
 """Audit benchmark: false alarms, throughput cost and detection latency of audited forwards.
 
-Run: ``python bench/audit_bench.py [--answers 100] [--requests 24] [--parts alarms,cost,detect]``.
+Run: ``python bench/audit_bench.py [--answers 100] [--requests 24] [--rounds 3]
+[--parts alarms,cost,detect]``.
 Prints the figures and writes ``bench/results/audit.json``. A few minutes on 2 cores.
 
 - ``alarms`` (real model, SmolLM2-135M fp32, engine batching 4): ``--answers`` honest answers
@@ -12,7 +13,10 @@ Prints the figures and writes ``bench/results/audit.json``. A few minutes on 2 c
   tokens out, 2 at a time) alone, then again while the node audits one forwarded answer of the
   same shape per request it serves, with probability 1 (every peer new: probation) and 0.05
   (every peer trusted). Throughput = generated tokens / wall time until the workload AND its
-  audits are done; cost = 1 - throughput / throughput alone, all measured in this one run.
+  audits are done. ``cost`` = 1 - tokens per CPU-second of this process / the same alone
+  (CPU time, because on a machine shared with other jobs wall time swings 10x between runs;
+  ``cost_wall`` is the wall-clock version), the three phases interleaved ``--rounds`` times
+  (medians; per-round costs kept).
 - ``detect`` (emulated compute, real libp2p on loopback): per liar kind, an origin, an honest
   peer and a faster liar; the origin sends requests until the liar is demoted (at most 12).
   Then a second liar of the same kind appears under a new key (a liar restarted with a new
@@ -162,7 +166,7 @@ async def _serve_with_audits(
             auditor.later("peer", p, a, params)
             done["queued"] += 1
 
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     async with trio.open_nursery() as nursery:
         await nursery.start(auditor.run)
         for start in range(0, len(prompts), 2):
@@ -174,28 +178,45 @@ async def _serve_with_audits(
             while sum(auditor.counts.values()) < done["queued"]:  # noqa: ASYNC110
                 await trio.sleep(0.05)
         nursery.cancel_scope.cancel()
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     return {
         "tokens_per_s": round(done["tokens"] / wall, 3),
+        "tokens_per_cpu_s": round(done["tokens"] / cpu, 3),
         "wall_s": round(wall, 2),
+        "cpu_s": round(cpu, 2),
         "audits": dict(auditor.counts),
         "audit_s": round(auditor.seconds, 2),
     }
 
 
-async def part_cost(loaded: Any, requests: int) -> dict[str, Any]:
+async def part_cost(loaded: Any, requests: int, rounds: int) -> dict[str, Any]:
+    """Phases interleaved over ``rounds`` (the machine's load drifts); medians reported."""
     from p2pnode.inference.engine import open_engine
 
     prompts = [chat(loaded.tokenizer, i) for i in range(requests)]
-    out: dict[str, Any] = {"requests": requests}
+    runs: dict[str, list[dict[str, Any]]] = {"alone": [], "probation": [], "trusted": []}
     async with open_engine(loaded, calibrate_cost=True, torch_threads=2, max_batch=2) as engine:
         answers = await _answers(engine, prompts[:4], SamplingParams(max_tokens=16))  # warm-up
-        for label, rate in (("alone", None), ("probation", 1.0), ("trusted", 0.05)):
-            out[label] = await _serve_with_audits(engine, loaded, prompts, answers, rate)
-            print(f"cost {label}: {out[label]}", flush=True)
-    base = out["alone"]["tokens_per_s"]
+        for r in range(rounds):
+            for label, rate in (("alone", None), ("probation", 1.0), ("trusted", 0.05)):
+                res = await _serve_with_audits(engine, loaded, prompts, answers, rate)
+                runs[label].append(res)
+                print(f"cost round {r} {label}: {res}", flush=True)
+    out: dict[str, Any] = {"requests": requests, "rounds": rounds, "runs": runs}
+    for label, xs in runs.items():
+        out[label] = {
+            key: statistics.median(x[key] for x in xs)
+            for key in ("tokens_per_s", "tokens_per_cpu_s")
+        }
     for label in ("probation", "trusted"):
-        out[label]["cost"] = round(1 - out[label]["tokens_per_s"] / base, 4)
+        for key in ("tokens_per_s", "tokens_per_cpu_s"):
+            name = "cost" if key == "tokens_per_cpu_s" else "cost_wall"
+            out[label][name] = round(1 - out[label][key] / out["alone"][key], 4)
+            out[label][f"{name}_per_round"] = [
+                round(1 - p[key] / a[key], 4)
+                for p, a in zip(runs[label], runs["alone"], strict=True)
+            ]
+    print(f"cost: probation {out['probation']}, trusted {out['trusted']}", flush=True)
     return out
 
 
@@ -322,7 +343,7 @@ async def main(args: argparse.Namespace) -> None:
     if "alarms" in parts:
         results["alarms"] = await part_alarms(loaded, args.answers)
     if "cost" in parts:
-        results["cost"] = await part_cost(loaded, args.requests)
+        results["cost"] = await part_cost(loaded, args.requests, args.rounds)
     if "detect" in parts:
         results["detect"] = [
             await detect_kind(k, 12) for k in ("wrong-output", "random-text", "other-model")
@@ -336,6 +357,7 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--answers", type=int, default=100)
     parser.add_argument("--requests", type=int, default=24)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--parts", default="alarms,cost,detect")
     logging.basicConfig(level=os.environ.get("LOG_LEVEL", "WARNING"))
     logging.getLogger("libp2p").setLevel(logging.CRITICAL)
