@@ -311,3 +311,37 @@ async def test_three_kinds_of_liar_are_caught_on_probation_and_no_wrong_answer_i
         text = generate_latest(s["registry"]).decode()  # what GET /metrics serves
         assert 'p2pnode_audits_total{mode="held",verdict="failed"} 3.0' in text
         assert "p2pnode_audit_reserved_total 3.0" in text
+
+
+async def test_a_node_keeps_its_trust_across_a_restart(tmp_path) -> None:
+    # The node assembly restores trust.json at start and writes it back when it stops: a
+    # liar demoted before the restart is still demoted after it, the honest peer keeps its
+    # passed audits (no second probation).
+    from p2pnode.bootstrap.config import settings_from
+    from p2pnode.bootstrap.node import run_node
+
+    book = TrustBook()
+    book.observe_audit("liar", False)
+    for _ in range(8):
+        book.observe_audit("honest", True)
+    save_trust(book, tmp_path / "trust.json")
+    settings = settings_from(
+        {
+            "home": str(tmp_path),
+            "listen": ["/ip4/127.0.0.1/tcp/0"],
+            "api_port": 0,
+            "backend": "emulated",
+        }
+    )
+    for _ in range(2):  # two lives of the same node
+        written = json.loads((tmp_path / "trust.json").read_text())["peers"]["liar"]["at_wall"]
+        with trio.fail_after(120):
+            async with trio.open_nursery() as nursery:
+                await nursery.start(run_node, settings)
+                nursery.cancel_scope.cancel()
+        saved = json.loads((tmp_path / "trust.json").read_text())["peers"]["liar"]["at_wall"]
+        assert saved > written  # the node itself wrote it back at shutdown
+        again = TrustBook()
+        assert load_trust(again, tmp_path / "trust.json") == 2
+        assert not again.usable("liar") and again.demotions("liar") == 1
+        assert again.audited_ok("honest") == 8
