@@ -233,6 +233,7 @@ class _Job:
     stream: bool
     include_usage: bool
     prompt_param: str  # "prompt" or "messages", for error answers
+    private: bool = False  # "p2pnode": {"private": true}: never leaves this node
 
 
 @dataclass
@@ -438,7 +439,16 @@ class _Api:
         except ValueError as exc:
             raise _bad(str(exc)) from None
         return _Job(
-            endpoint, chat, model, prompt, params, stops, stream, include_usage, prompt_param
+            endpoint,
+            chat,
+            model,
+            prompt,
+            params,
+            stops,
+            stream,
+            include_usage,
+            prompt_param,
+            _parse_private(body),
         )
 
     def _stop_token_ids(self, stops: Sequence[str]) -> tuple[int, ...]:
@@ -591,7 +601,11 @@ class _Api:
     ) -> None:
         if self.service is not None:
             result = await self.service.generate(
-                job.prompt, job.params, on_token=on_token, on_logprob=on_logprob
+                job.prompt,
+                job.params,
+                on_token=on_token,
+                on_logprob=on_logprob,
+                private=job.private,
             )
             out.routed = result
             out.finish_reason = result.finish_reason
@@ -717,6 +731,19 @@ def _message_text(content: Any, i: int) -> str:
         f"messages[{i}].content",
         "invalid_messages",
     )
+
+
+def _parse_private(body: dict[str, Any]) -> bool:
+    """``"p2pnode": {"private": true}`` (OpenAI clients: ``extra_body``)."""
+    ext = body.get("p2pnode")
+    if ext is None:
+        return False
+    if not isinstance(ext, dict) or set(ext) - {"private"}:
+        raise _bad('p2pnode must be an object like {"private": true}', "p2pnode")
+    private = ext.get("private", False)
+    if not isinstance(private, bool):
+        raise _bad(f"p2pnode.private must be a boolean, got {private!r}", "p2pnode.private")
+    return private
 
 
 def _parse_stop(stop: Any) -> tuple[str, ...]:
@@ -874,8 +901,11 @@ def build_app(
     max_pending: int = 64,
     health: Callable[[], dict[str, Any]] | None = None,
     console: bool = True,
+    api_key: str | None = None,
 ) -> Starlette:
     """The node's HTTP app (see the module contract).
+
+    ``api_key``: every request must carry it as a bearer token (``bootstrap/auth.py``).
 
     ``service``: the node's ``RoutedService`` (its ``engine`` is used when ``engine`` is not
     given). ``registry``: the one passed to ``RoutedService``; a fresh one when None.
@@ -997,6 +1027,10 @@ def build_app(
         api.on_outcome = feed.record_outcome
         routes += console_routes(feed, health_of)
     app = Starlette(routes=routes, exception_handlers={404: not_found, 405: not_found})
+    if api_key:
+        from p2pnode.bootstrap.auth import BearerAuth
+
+        app.add_middleware(BearerAuth, api_key=api_key)
     app.state.metrics = metrics
     app.state.api = api
     app.state.console = feed

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -170,6 +171,25 @@ def _node_options(fn):
         ),
         click.option("--api-host", default=None, help="Address of the local HTTP API."),
         click.option(
+            "--api-key",
+            default=None,
+            envvar="P2PNODE_API_KEY",
+            show_envvar=True,
+            help="Bearer token the HTTP API requires (needed to bind it off loopback).",
+        ),
+        click.option(
+            "--api-insecure",
+            is_flag=True,
+            default=None,
+            help="Allow a non-loopback --api-host without --api-key (anyone may use it).",
+        ),
+        click.option(
+            "--advertise-min-uses",
+            type=int,
+            default=None,
+            help="Digests show a cached block once this many requests used it (default 2).",
+        ),
+        click.option(
             "--api-port",
             type=int,
             default=None,
@@ -290,8 +310,10 @@ def _fetch_status(home: Path | None, path: str) -> Any:
         raise click.ClickException(
             f"no node is running with home {settings.home} (start one with `p2pnode join`)"
         )
+    key = os.environ.get("P2PNODE_API_KEY")
+    headers = {"authorization": f"Bearer {key}"} if key else None
     try:
-        return httpx.get(running["api"] + path, timeout=5.0).json()
+        return httpx.get(running["api"] + path, timeout=5.0, headers=headers).json()
     except httpx.HTTPError as exc:
         raise click.ClickException(f"the node at {running['api']} did not answer: {exc}") from None
 

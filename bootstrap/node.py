@@ -177,6 +177,24 @@ async def _keep_runtime(home: Path, info: Callable[[], dict[str, Any]]) -> None:
             last = now
 
 
+def _trust_and_audit(settings: NodeSettings, registry: CollectorRegistry) -> tuple[Any, Any]:
+    """The trust book, restored from the node's home, and the audit settings."""
+    from p2pnode.overlay.audit import AuditConfig
+    from p2pnode.overlay.trust import TrustBook
+    from p2pnode.overlay.trust_store import TRUST_FILE, load_trust
+
+    trust = TrustBook(registry=registry)
+    restored = load_trust(trust, settings.home / TRUST_FILE)
+    if restored:
+        log.info("trust in %d peers restored from %s", restored, settings.home / TRUST_FILE)
+    audit = AuditConfig(
+        probation_answers=settings.probation_answers,
+        trusted_rate=settings.audit_rate,
+        budget_share=settings.audit_budget,
+    )
+    return trust, audit
+
+
 async def _stop_on_signal(cancel_scope: trio.CancelScope) -> None:
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async for signum in signals:
@@ -254,6 +272,7 @@ async def _run_locked(settings: NodeSettings, timeouts: dict[str, float], task_s
             from p2pnode.overlay.forward import RoutedService
             from p2pnode.overlay.router import RouterConfig
 
+            trust, audit_config = _trust_and_audit(settings, registry)
             service = RoutedService(
                 node,
                 key,
@@ -264,6 +283,9 @@ async def _run_locked(settings: NodeSettings, timeouts: dict[str, float], task_s
                 antientropy_config=AntiEntropyConfig(interval_s=settings.gossip_interval),
                 pushback_high=settings.pushback_threshold,
                 registry=registry,
+                trust=trust,
+                audit_config=audit_config,
+                advertise_min_uses=settings.advertise_min_uses,
             )
 
         def status() -> dict[str, Any]:
@@ -288,6 +310,9 @@ async def _run_locked(settings: NodeSettings, timeouts: dict[str, float], task_s
             verifier = None
             if service is not None:
                 await nursery.start(service.run)
+                from p2pnode.overlay.trust_store import TRUST_FILE, keep_trust_saved
+
+                nursery.start_soon(keep_trust_saved, service.trust, settings.home / TRUST_FILE)
             if engine is not None and "verifier" in settings.role:
                 from p2pnode.speculation.protocol import serve_verifier
                 from p2pnode.speculation.verify import BatchedVerifier
@@ -297,7 +322,13 @@ async def _run_locked(settings: NodeSettings, timeouts: dict[str, float], task_s
                 # One per-peer budget for everything a peer can make this node do.
                 limiter = service.limiter if service is not None else None
                 serve_verifier(node, verifier, limiter=limiter)
-            app = build_app(status, service=service, engine=engine, registry=registry)
+            app = build_app(
+                status,
+                service=service,
+                engine=engine,
+                registry=registry,
+                api_key=settings.api_key or None,
+            )
             if verifier is not None:
                 app.state.console.watch_verifier(verifier)
             starting.serve(app)

@@ -175,6 +175,19 @@ class HFBackend:
             self._batch = None
 
 
+def emulated_logits(
+    length: int, last: int, vocab_size: int, eos_token_id: int | None
+) -> torch.Tensor:
+    """The emulated model's logits after ``length`` tokens ending in ``last``: a deterministic
+    function of the input, so audits (``inference/scoring.py``) can recompute them."""
+    logits = torch.zeros(vocab_size)
+    pick = zlib.crc32(f"{length}:{last}".encode()) % vocab_size
+    if pick == eos_token_id:
+        pick = (pick + 1) % vocab_size
+    logits[pick] = 10.0
+    return logits
+
+
 class _EmuState:
     __slots__ = ("length", "last")
 
@@ -200,12 +213,7 @@ class EmulatedBackend:
         return _EmuState(prefix_len)
 
     def _logits(self, state: _EmuState) -> torch.Tensor:
-        logits = torch.zeros(self.vocab_size)
-        pick = zlib.crc32(f"{state.length}:{state.last}".encode()) % self.vocab_size
-        if pick == self.eos_token_id:
-            pick = (pick + 1) % self.vocab_size
-        logits[pick] = 10.0
-        return logits
+        return emulated_logits(state.length, state.last, self.vocab_size, self.eos_token_id)
 
     def extend(self, state: _EmuState, tokens: list[int]) -> torch.Tensor:
         time.sleep(self.cost.overhead_s + len(tokens) * self.cost.prefill_s_per_token)

@@ -199,6 +199,11 @@ class Engine(EngineFront):
     def kv_bytes_per_token(self) -> int:
         return self._backend.kv_bytes_per_token
 
+    @property
+    def backend(self) -> Backend:
+        """The compute backend (audits score answers with the same model, see scoring.py)."""
+        return self._backend
+
     # ---- load views ------------------------------------------------------------------------
     @property
     def queue_depth(self) -> int:

@@ -5,8 +5,12 @@ Contract:
   converts its GGUF file into an fp32 safetensors folder under the cache directory (slow, ~20 s,
   with progress on stderr); later calls load that folder (~2 s).
 - ``load_model(path)`` loads any local Hugging Face folder.
-- ``LoadedModel.model_id`` is stable across nodes: a hash of the model name and the tokenizer's
-  vocabulary, so two nodes agree on it exactly when they would tokenize a prompt identically.
+- ``LoadedModel.model_id`` is stable across nodes: a hash of the model name, the tokenizer's
+  vocabulary and a digest of the weight files (``weights_digest``), so two nodes agree on it
+  exactly when they tokenize a prompt identically AND run the same weights: two fine-tunes
+  under one folder name never share an id. The digest (sha256 over the weight files, ~1 s per
+  500 MB) is cached in ``p2pnode-weights.json`` next to the weights (in the cache directory
+  when that folder is read-only), keyed by each file's size and mtime, so startup stays fast.
 - Nothing here reaches a model hub: ``HF_HUB_OFFLINE`` is forced on.
 """
 
@@ -102,10 +106,52 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return digest.hexdigest()
 
 
-def compute_model_id(name: str, tokenizer) -> str:
-    """Stable id: ``<name>@<16 hex of sha256(name + tokenizer fingerprint)>``."""
-    h = hashlib.sha256(f"{name}\n{tokenizer_fingerprint(tokenizer)}".encode()).hexdigest()
+def compute_model_id(name: str, tokenizer, weights: str = "") -> str:
+    """Stable id: ``<name>@<16 hex of sha256(name + tokenizer fingerprint + weights digest)>``."""
+    text = f"{name}\n{tokenizer_fingerprint(tokenizer)}" + (f"\n{weights}" if weights else "")
+    h = hashlib.sha256(text.encode()).hexdigest()
     return f"{name}@{h[:16]}"
+
+
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
+_WEIGHTS_CACHE = "p2pnode-weights.json"
+
+
+def weights_digest(folder: Path) -> str:
+    """sha256 over the names and bytes of the weight files in ``folder`` (cached, see above)."""
+    files = sorted(p for p in folder.iterdir() if p.is_file() and p.name.endswith(_WEIGHT_SUFFIXES))
+    if not files:
+        raise ModelLoadError(f"{folder} holds no weight files ({', '.join(_WEIGHT_SUFFIXES)})")
+    stamp = {p.name: [p.stat().st_size, p.stat().st_mtime_ns] for p in files}
+    for cache in _weights_cache_paths(folder):
+        try:
+            cached = json.loads(cache.read_text())
+            if cached.get("files") == stamp and isinstance(cached.get("sha256"), str):
+                return cached["sha256"]
+        except (OSError, ValueError, AttributeError):
+            pass
+    h = hashlib.sha256()
+    for p in files:
+        h.update(p.name.encode() + b"\0")
+        with p.open("rb") as f:
+            while chunk := f.read(1 << 22):
+                h.update(chunk)
+    digest = h.hexdigest()
+    for cache in _weights_cache_paths(folder):
+        try:
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            tmp = cache.with_name(f"{cache.name}.tmp-{os.getpid()}")
+            tmp.write_text(json.dumps({"files": stamp, "sha256": digest}))
+            tmp.replace(cache)  # atomic: a node starting at the same time reads all or nothing
+            break
+        except OSError:
+            continue  # a read-only model folder: the cache directory instead
+    return digest
+
+
+def _weights_cache_paths(folder: Path) -> list[Path]:
+    key = hashlib.sha256(str(folder.resolve()).encode()).hexdigest()[:16]
+    return [folder / _WEIGHTS_CACHE, cache_dir() / "weights" / f"{key}.json"]
 
 
 def _log(msg: str) -> None:
@@ -173,6 +219,6 @@ def load_model(
         name=name,
         model=model,
         tokenizer=tokenizer,
-        model_id=compute_model_id(name, tokenizer),
+        model_id=compute_model_id(name, tokenizer, weights_digest(folder)),
         path=folder,
     )

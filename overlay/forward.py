@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,11 +38,14 @@ from prometheus_client import CollectorRegistry, Counter
 
 from p2pnode.inference.blockhash import block_hashes, model_salt
 from p2pnode.inference.sampling import MAX_TOP_LOGPROBS, SamplingParams, TokenLogprob
+from p2pnode.inference.scoring import scorer_for
 from p2pnode.overlay import wire
 from p2pnode.overlay.antientropy import AntiEntropy, AntiEntropyConfig
+from p2pnode.overlay.audit import AuditConfig, Auditor, AuditPlan, HeldAnswer
 from p2pnode.overlay.digest import MAX_MODEL_ID_LEN, DigestBuilder, LoadInfo
 from p2pnode.overlay.limits import LimitExceeded, PeerLimiter, remote_peer
 from p2pnode.overlay.peers import PeerState
+from p2pnode.overlay.privacy import AdvertiseGate
 from p2pnode.overlay.router import (
     LOCAL,
     CandidateEstimate,
@@ -180,8 +184,10 @@ class ForwardServer:
         admit: Callable[[], bool] = lambda: True,
         on_served: Callable[[str, int], None] | None = None,
         limiter: PeerLimiter | None = None,
+        on_request: Callable[[list[int]], None] | None = None,
     ) -> None:
         self.engine = engine
+        self.on_request = on_request  # a valid request arrived (counts block uses)
         self.admit = admit
         self.limiter = limiter if limiter is not None else PeerLimiter()
         self.on_served = on_served
@@ -230,6 +236,8 @@ class ForwardServer:
         except (ValueError, TypeError) as exc:  # EngineError subclasses are ValueErrors
             await self._refuse(stream, "bad_request", str(exc))
             return
+        if self.on_request is not None:
+            self.on_request(req.prompt)
         await self._run(stream, req, token_stream, limit)
 
     async def _run(self, stream: Any, req: ForwardRequest, token_stream: Any, limit: int) -> None:
@@ -438,6 +446,10 @@ class RoutedService:
     (neither logged nor counted). Bad input raises the engine's ``EngineError`` subclasses
     before anything leaves the node. ``trust`` (``overlay/trust.py``; a default ``TrustBook``
     when None) checks every forwarded request's claims; the router skips peers it demotes.
+    ``audit`` (default on, when the engine's model can score answers): forwarded answers are
+    audited against the local model as ``overlay/audit.py`` says (``audit_config``); a peer on
+    probation has its answer held until the audit passes, and re-served by the next attempt
+    when it fails. ``generate(..., private=True)`` never leaves this node.
     """
 
     def __init__(
@@ -457,6 +469,9 @@ class RoutedService:
         drop_filter: Callable[[str, bytes], bool] | None = None,
         trust: TrustBook | None = None,
         limiter: PeerLimiter | None = None,
+        audit: bool = True,
+        audit_config: AuditConfig | None = None,
+        advertise_min_uses: int = 1,
     ) -> None:
         if engine is None and model_id is None:
             raise ValueError("a routing-only service needs model_id")
@@ -485,13 +500,29 @@ class RoutedService:
         builders = {}
         self.builder: DigestBuilder | None = None
         self.server: ForwardServer | None = None
+        self.gate: AdvertiseGate | None = None  # overlay/privacy.py: what the digest may show
         if engine is not None:
             self.builder = DigestBuilder(node.peer_id, self.model_id, load_fn=self.local_load)
-            self.builder.sync(engine.cached_block_hashes())
-            engine.add_block_listener(self.builder.on_event)
+            self.gate = AdvertiseGate(self.builder, advertise_min_uses)
+            self.gate.sync(engine.cached_block_hashes())
+            engine.add_block_listener(self.gate.on_event)
             builders[self.model_id] = self.builder
             self.server = ForwardServer(
-                engine, admit=self._admit, on_served=self._on_served, limiter=self.limiter
+                engine,
+                admit=self._admit,
+                on_served=self._on_served,
+                limiter=self.limiter,
+                on_request=self._note_use,
+            )
+        self.auditor: Auditor | None = None
+        scorer = scorer_for(engine) if engine is not None and audit else None
+        if scorer is not None:
+            self.auditor = Auditor(
+                scorer,
+                self.trust,
+                audit_config,
+                busy=lambda: engine.queue_depth > 0,
+                registry=registry,
             )
         self.antientropy = AntiEntropy(
             node,
@@ -543,6 +574,8 @@ class RoutedService:
             self.node.set_stream_handler(FORWARD_PROTOCOL, self.server.handle)
         async with trio.open_nursery() as nursery:
             await nursery.start(self.antientropy.run)
+            if self.auditor is not None:
+                await nursery.start(self.auditor.run)
             task_status.started()
 
     # -- requests -----------------------------------------------------------------------------
@@ -554,10 +587,13 @@ class RoutedService:
         *,
         on_token: Callable[[int], None] | None = None,
         on_logprob: Callable[[TokenLogprob], None] | None = None,
+        private: bool = False,
     ) -> RoutedResult:
         started = time.perf_counter()
         prompt, params = self._check(prompt_ids, params)
-        decision = self._decide(prompt, params, record=True)
+        if private and self.engine is None:
+            raise NoRouteError("a private request never leaves the node: this one runs no engine")
+        decision = self._decide(prompt, params, record=True, private=private)
         delivered: list[int] = []
         attempts: list[Attempt] = []
 
@@ -571,7 +607,9 @@ class RoutedService:
             remaining = params.max_tokens - len(delivered)
             cont_params = _with_max_tokens(params, remaining)
             if target == LOCAL:
-                result = await self._run_local(prompt + delivered, cont_params, emit, on_logprob)
+                result = await self._run_local(
+                    prompt + delivered, cont_params, emit, on_logprob, private
+                )
                 attempts.append(Attempt(LOCAL, "ok", len(result.tokens), time.perf_counter() - t0))
                 return self._result(
                     delivered,
@@ -601,6 +639,13 @@ class RoutedService:
             cfg = self.forward_config
             service_s = est.wait_s + est.prefill_s + est.decode_s
             self.router.note_sent(target, service_s)
+            plan = self.auditor.plan(target, params) if self.auditor is not None else None
+            # A held answer reaches the client once its audit passed (or max_hold_s passed).
+            held = (
+                HeldAnswer(emit, self.auditor.config.max_hold_s, emit_logprob=on_logprob)
+                if plan and plan.hold
+                else None
+            )
             try:
                 outcome = await forward_request(
                     self.node,
@@ -613,8 +658,8 @@ class RoutedService:
                     idle_timeout_s=max(
                         cfg.idle_min_s, cfg.idle_factor * (est.decode_s / max(1, remaining))
                     ),
-                    on_token=emit,
-                    on_logprob=on_logprob,
+                    on_token=held if held is not None else emit,
+                    on_logprob=held.logprob if held is not None else on_logprob,
                 )
             except ForwardFailed as exc:
                 attempts.append(
@@ -639,6 +684,12 @@ class RoutedService:
                 continue
             finally:
                 self.router.note_done(target, service_s)
+            if plan is not None and not await self._audited(plan, target, request, outcome, held):
+                attempts.append(
+                    Attempt(target, "audit_failed", len(outcome.tokens), time.perf_counter() - t0)
+                )
+                self._count("audit_failed")
+                continue
             attempts.append(Attempt(target, "ok", len(outcome.tokens), time.perf_counter() - t0))
             self._count("ok")
             self.router.observe_served(target, est.cached_tokens, outcome.done.cached_tokens)
@@ -680,8 +731,20 @@ class RoutedService:
         return list(prompt_ids), params
 
     def _decide(
-        self, prompt: list[int], params: SamplingParams, *, record: bool
+        self, prompt: list[int], params: SamplingParams, *, record: bool, private: bool = False
     ) -> RoutingDecision:
+        if private:  # not even estimated against peers: it stays here whatever they hold
+            return RoutingDecision(
+                request_id=uuid.uuid4().hex[:16],
+                model_id=self.model_id,
+                prompt_tokens=len(prompt),
+                max_tokens=params.max_tokens,
+                chosen=LOCAL,
+                reason="private",
+                margin_s=0.0,
+                candidates=(),
+                attempts=(LOCAL,),
+            )
         return self.router.decide(
             model_id=self.model_id,
             prompt_block_hashes=block_hashes(prompt, self.salt),
@@ -691,7 +754,61 @@ class RoutedService:
             record=record,
         )
 
+    async def _audited(
+        self,
+        plan: AuditPlan,
+        peer: str,
+        request: ForwardRequest,
+        outcome: ForwardOutcome,
+        held: HeldAnswer | None,
+    ) -> bool:
+        """False when a held answer failed its audit (it was never released); a released
+        answer is queued for a background audit when the plan says so."""
+        assert self.auditor is not None
+        params = SamplingParams(
+            max_tokens=request.max_tokens, temperature=request.temperature, top_p=request.top_p
+        )
+        if held is None or held.released:
+            if plan.audit:
+                self.auditor.later(peer, request.prompt, outcome.tokens, params)
+            return True
+        verdict = await self.auditor.check(
+            peer, request.prompt, held.tokens, params, wait_s=held.remaining_s()
+        )
+        if verdict is not None and not verdict.passed:
+            self.auditor.note_reserved()
+            return False
+        held.release()
+        return True
+
+    def _note_use(self, prompt: list[int]) -> None:
+        if self.gate is not None:
+            self.gate.note_request(block_hashes(prompt, self.salt))
+
     async def _run_local(
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        emit: Callable[[int], None],
+        on_logprob: Callable[[TokenLogprob], None] | None = None,
+        private: bool = False,
+    ) -> Any:
+        if not private or self.gate is None:
+            self._note_use(prompt)
+            return await self._stream_local(prompt, params, emit, on_logprob)
+        answer: list[int] = []
+
+        def keep(t: int) -> None:
+            answer.append(t)
+            emit(t)
+
+        with self.gate.private():  # its blocks stay out of the digest, also after it
+            try:
+                return await self._stream_local(prompt, params, keep, on_logprob)
+            finally:
+                self.gate.mark_private(block_hashes(prompt + answer, self.salt))
+
+    async def _stream_local(
         self,
         prompt: list[int],
         params: SamplingParams,

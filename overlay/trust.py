@@ -19,8 +19,16 @@ Contract:
   against the cached length the peer reported serving. ``observe_timing(peer, expected_s,
   observed_s)``: what the peer's advertised wait and speeds predicted against what the origin
   measured. ``observe_fault(peer, weight)`` / ``observe_ok(peer)``: a wrong or a confirmed
-  answer from a verifier (see ``verdict_problem`` and ``speculation/edge.py``). Each returns the
-  ``Verdict`` it drew.
+  answer from a verifier (see ``verdict_problem`` and ``speculation/edge.py``).
+  ``observe_audit(peer, passed)``: an answer re-scored against the target model
+  (``overlay/audit.py``): a failure is proof, so it demotes at once; a pass counts in
+  ``audited_ok(peer)``, the passed audits since the peer was first seen or last demoted (the
+  audit policy keeps a peer on probation until it has enough), and repays no debt: a right
+  answer proves nothing about cache or speed claims, so a fake-cache liar is demoted as fast.
+  Each returns the ``Verdict`` it drew.
+- Persistence: ``export()`` gives a JSON-ready dict (debts as of now, wall-clock stamped) and
+  ``restore(data)`` folds one back in, decayed by the wall time that passed
+  (``overlay/trust_store.py`` keeps it in the node's home): a restart forgets nothing.
 - Honest staleness is tolerated, systematic lying is not. Views are approximate: a digest is up
   to one anti-entropy round old (plus gossip delay), so a block the peer evicted in that window
   is still claimed. Three allowances cover that:
@@ -113,6 +121,7 @@ class _Peer:
     demotions: int = 0
     failures: int = 0
     held: int = 0
+    audited_ok: int = 0
 
 
 class _Metrics:
@@ -179,6 +188,51 @@ class TrustBook:
             for peer, p in self._peers.items()
         }
 
+    def audited_ok(self, peer: str) -> int:
+        """Audits passed since the peer was first seen or last demoted (0 while demoted)."""
+        p = self._peers.get(peer)
+        return 0 if p is None or not self.usable(peer) else p.audited_ok
+
+    def export(self) -> dict[str, dict[str, float | int | bool]]:
+        """Every peer's state, debts decayed to now and stamped with the wall clock."""
+        now = time.time()
+        return {
+            peer: {
+                "debt": self._decayed(p),
+                "at_wall": now,
+                "banned": p.banned,
+                "demotions": p.demotions,
+                "failures": p.failures,
+                "held": p.held,
+                "audited_ok": p.audited_ok,
+            }
+            for peer, p in self._peers.items()
+        }
+
+    def restore(self, data: dict[str, dict[str, float | int | bool]]) -> int:
+        """Fold in what ``export`` wrote (decayed by the wall time since); returns the count.
+        Entries of the wrong shape raise ``ValueError`` (nothing is half-applied)."""
+        parsed: dict[str, _Peer] = {}
+        now_wall, now = time.time(), self._clock()
+        for peer, d in data.items():
+            try:
+                p = _Peer(
+                    debt=max(0.0, float(d["debt"])),
+                    at=now,
+                    banned=bool(d["banned"]),
+                    demotions=max(0, int(d["demotions"])),
+                    failures=max(0, int(d["failures"])),
+                    held=max(0, int(d["held"])),
+                    audited_ok=max(0, int(d.get("audited_ok", 0))),
+                )
+                elapsed = max(0.0, now_wall - float(d["at_wall"]))
+            except (KeyError, TypeError, ValueError) as exc:
+                raise ValueError(f"trust entry for {peer!r} is malformed: {exc!r}") from None
+            p.debt *= 0.5 ** (elapsed / self._half_life(p))
+            parsed[str(peer)] = p
+        self._peers.update(parsed)
+        return len(parsed)
+
     def forget(self, peer: str) -> None:
         """Drop what we know. Not for peers that left: a liar must not reset by reconnecting."""
         self._peers.pop(peer, None)
@@ -233,6 +287,18 @@ class TrustBook:
         self._add(peer, p, self.config.fault_penalty * max(0.0, weight))
         return self._count("answer", Verdict.FAULT)
 
+    def observe_audit(self, peer: str, passed: bool) -> Verdict:
+        """An answer of ``peer`` was re-scored against the target: a failure demotes now."""
+        p = self._peer(peer)
+        if passed:  # no credit against its claims' debt: a right answer says nothing of them
+            p.held += 1
+            p.audited_ok += 1
+            return self._count("audit", Verdict.OK)
+        p.failures += 1
+        debt = self._decayed(p)
+        self._add(peer, p, max(self.config.fault_penalty, self._ban_debt + 1 - debt))
+        return self._count("audit", Verdict.FAULT)
+
     def observe_ok(self, peer: str) -> Verdict:
         """An answer from ``peer`` was checked and confirmed: repays ``honest_credit``."""
         p = self._peer(peer)
@@ -263,6 +329,7 @@ class TrustBook:
         if not p.banned and p.debt > self._ban_debt:
             p.banned = True
             p.demotions += 1
+            p.audited_ok = 0  # readmitted later, it starts its probation again
             if self._metrics is not None:
                 self._metrics.demotions.inc()
 

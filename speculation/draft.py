@@ -254,6 +254,7 @@ def build_draft(
     target.model.generation_config.save_pretrained(tmp)
     stats = {
         "target_model_id": target.model_id,
+        "model_id_binds_weights": True,  # ids before that named no weights: rebuilt
         "group_size": group_size,
         "method": method,
         "calibration_tokens": calib_tokens,
@@ -281,7 +282,8 @@ def ensure_default_draft(
 ) -> Path:
     """Build the default draft from the default target once; later calls only return its path."""
     folder = default_draft_path(group_size, method)
-    if not (folder / _MARKER).is_file():
+    marker = folder / _MARKER
+    if not marker.is_file() or not json.loads(marker.read_text()).get("model_id_binds_weights"):
         folder.parent.mkdir(parents=True, exist_ok=True)
         build_draft(load_model(None), folder, group_size, method=method)
     return folder

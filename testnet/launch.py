@@ -435,8 +435,8 @@ def _onto_testbed(spec: TrialSpec, nodes: list[NodeProc]) -> Testbed:
 
 NETNS_API_PORT = 8731
 # The API listens on the host's address (the driver is outside the namespace): no key, on a
-# testbed nothing but the trial can reach.
-NETNS_API_FLAGS: list[str] = []
+# testbed that nothing but the trial can reach.
+NETNS_API_FLAGS = ["--api-insecure"]
 
 
 @contextmanager

@@ -26,6 +26,7 @@ from p2pnode.inference.blockhash import (
     model_salt,
 )
 from p2pnode.overlay.antientropy import AntiEntropy, AntiEntropyConfig
+from p2pnode.overlay.audit import AuditConfig
 from p2pnode.overlay.digest import (
     MAX_DIGEST_BYTES,
     DigestBuilder,
@@ -467,6 +468,7 @@ def test_push_back_hysteresis() -> None:
 
 
 logging.getLogger("libp2p").setLevel(logging.ERROR)
+TRUSTED = AuditConfig(probation_answers=0)  # no probation hold
 
 
 class Lossy:
@@ -613,6 +615,9 @@ async def routed_nodes(
                 antientropy_config=ae_config,
                 forward_config=forward,
                 registry=CollectorRegistry(),
+                # Peers start trusted: these tests stream tokens as they arrive, and a peer on
+                # probation has its answer held for audit (tested in test_audit.py).
+                audit_config=TRUSTED,
             )
             await nursery.start(svc.run)
             services.append(svc)

@@ -26,11 +26,13 @@ from p2pnode.identity import NodeKey, plaincbor
 from p2pnode.inference.blockhash import BLOCK_SIZE, block_hashes
 from p2pnode.inference.engine import open_engine
 from p2pnode.overlay.antientropy import AntiEntropyConfig, digest_topic
+from p2pnode.overlay.audit import AuditConfig
 from p2pnode.overlay.digest import Digest, fingerprint, seal_digest
 from p2pnode.overlay.forward import ForwardConfig, RoutedService
 from p2pnode.overlay.router import LOCAL
 
 logging.getLogger("libp2p").setLevel(logging.ERROR)
+TRUSTED = AuditConfig(probation_answers=0)  # no probation hold
 
 # Nominal single-thread SmolLM2-135M speeds (measured here: ~6 ms/token prefill, ~0.11 s/token
 # decode with 1 thread). Pinned (alpha 0 freezes the EWMA) and equal on every node.
@@ -188,6 +190,9 @@ async def cluster(
                     forward_config=FORWARD_CONFIG,
                     pushback_high=pushback_high,
                     registry=CollectorRegistry(),
+                    # Peers start trusted: these tests stream tokens as they arrive, and a peer on
+                    # probation has its answer held for audit (tested in test_audit.py).
+                    audit_config=TRUSTED,
                     drop_filter=gate,
                 )
                 await nursery.start(svc.run)

@@ -1,0 +1,86 @@
+"""Teacher-forced scoring: the target model's logits at every position of a given answer.
+
+Contract:
+- A ``Scorer`` answers ``logits(prompt, answer)`` with a ``[len(answer), V]`` fp32 tensor whose
+  row ``i`` is the target's logits for ``answer[i]`` given ``prompt + answer[:i]``: ONE forward
+  pass over ``prompt + answer[:-1]`` (no decode loop), so checking an answer costs about a
+  prefill of its length, not its generation. Synchronous and CPU-bound: call it from a worker
+  thread (``trio.to_thread.run_sync``). ``cost_s(tokens)`` is the expected seconds of that pass.
+- ``ModelScorer(model, cost)`` runs a transformers causal LM (any dtype; logits come back fp32).
+  Safe to use next to an engine on the same model: a forward reads the weights only.
+- ``EmulatedScorer(vocab_size, eos_token_id, cost)`` recomputes the emulated backend's logits
+  (a deterministic function of the input tokens) and sleeps the prefill cost of the pass, so
+  audits behave in emulated trials as with the model.
+- ``scorer_for(engine)`` builds the one that matches an engine's backend (None when the engine
+  has neither, e.g. vLLM).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import torch
+
+from p2pnode.inference._backend import EmulatedBackend, HFBackend, emulated_logits
+from p2pnode.inference.costmodel import CostModel
+
+
+class Scorer(Protocol):
+    def logits(self, prompt: Sequence[int], answer: Sequence[int]) -> torch.Tensor: ...
+    def cost_s(self, tokens: int) -> float: ...
+
+
+class ModelScorer:
+    """Logits of a transformers causal LM (see the module contract)."""
+
+    def __init__(self, model: torch.nn.Module, cost: CostModel | None = None) -> None:
+        self.model = model
+        self.cost = cost or CostModel()
+
+    def logits(self, prompt: Sequence[int], answer: Sequence[int]) -> torch.Tensor:
+        if not prompt or not answer:
+            raise ValueError("scoring needs a non-empty prompt and answer")
+        ids = torch.tensor([list(prompt) + list(answer[:-1])])
+        with torch.inference_mode():
+            out = self.model(input_ids=ids, use_cache=False, logits_to_keep=len(answer))
+        return out.logits[0].float()
+
+    def cost_s(self, tokens: int) -> float:
+        return self.cost.overhead_s + tokens * self.cost.prefill_s_per_token
+
+
+class EmulatedScorer:
+    """The emulated backend's logits, with its prefill cost slept (see the module contract)."""
+
+    def __init__(self, vocab_size: int, eos_token_id: int | None, cost: CostModel) -> None:
+        self.vocab_size = vocab_size
+        self.eos_token_id = eos_token_id
+        self.cost = cost
+
+    def logits(self, prompt: Sequence[int], answer: Sequence[int]) -> torch.Tensor:
+        if not prompt or not answer:
+            raise ValueError("scoring needs a non-empty prompt and answer")
+        seq = list(prompt) + list(answer)
+        time.sleep(self.cost_s(len(seq)))
+        rows = [
+            emulated_logits(
+                len(prompt) + i, seq[len(prompt) + i - 1], self.vocab_size, self.eos_token_id
+            )
+            for i in range(len(answer))
+        ]
+        return torch.stack(rows)
+
+    def cost_s(self, tokens: int) -> float:
+        return self.cost.overhead_s + tokens * self.cost.prefill_s_per_token
+
+
+def scorer_for(engine: Any) -> Scorer | None:
+    """The scorer that recomputes what ``engine``'s backend computes, or None."""
+    backend = getattr(engine, "backend", None)
+    if isinstance(backend, HFBackend):
+        return ModelScorer(backend.model, engine.cost)
+    if isinstance(backend, EmulatedBackend):
+        return EmulatedScorer(backend.vocab_size, backend.eos_token_id, engine.cost)
+    return None

@@ -1,0 +1,114 @@
+"""Adversaries for tests, benches and trials: peers that serve wrong answers for others.
+
+Contract: ``make_adversary(service, kind, rate=..., other=None)`` turns what ``service``
+serves to PEERS into lies (its own local requests stay honest, as a careful liar's would):
+
+- ``"wrong-output"``: every ``round(1 / rate)``-th token it serves is replaced by another id
+  (deterministic: a counter over everything it serves);
+- ``"random-text"``: every token is a random id (seeded);
+- ``"other-model"``: the answer comes from ``other`` (an engine on other weights claiming the
+  same model id); without one (emulated compute) from a different deterministic function of
+  the input, the emulated stand-in for other weights;
+- ``"fake-cache"``: honest answers, forged cache and speed claims (``forge_liar``; needs
+  ``victim``, a peer whose view it steals).
+
+It swaps the engine behind ``service.server`` for a ``LyingEngine`` that delegates everything
+but ``stream``. Used by tests and benchmarks; never by a node.
+"""
+
+from __future__ import annotations
+
+import random
+import zlib
+from collections.abc import Sequence
+from typing import Any
+
+KINDS = ("wrong-output", "random-text", "other-model", "fake-cache")
+
+
+class _LyingStream:
+    def __init__(self, inner: Any, lie: Any, prompt: list[int]) -> None:
+        self._inner = inner
+        self._lie = lie
+        self._seq = list(prompt)
+
+    @property
+    def result(self) -> Any:
+        return self._inner.result
+
+    def __aiter__(self) -> _LyingStream:
+        return self
+
+    async def __anext__(self) -> int:
+        token = await self._inner.__anext__()
+        out = self._lie(self._seq, token)
+        self._seq.append(out)
+        return out
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
+
+
+class LyingEngine:
+    """Delegates to ``engine``; ``stream`` answers through ``lie(sequence_so_far, token)``."""
+
+    def __init__(self, engine: Any, kind: str, *, rate: float = 0.05, other: Any = None) -> None:
+        if kind not in KINDS or kind == "fake-cache":
+            raise ValueError(f"kind {kind!r}: LyingEngine serves {KINDS[:3]}")
+        if not 0 < rate <= 1:
+            raise ValueError(f"rate must be in (0, 1], got {rate}")
+        self._engine = engine
+        self.kind = kind
+        self.every = max(1, round(1 / rate))
+        self.other = other
+        self.served_tokens = 0
+        self.lies = 0
+        self._rng = random.Random(zlib.crc32(kind.encode()))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+    def stream(self, prompt_ids: Sequence[int], params: Any = None) -> Any:
+        if self.kind == "other-model" and self.other is not None:
+            return self.other.stream(prompt_ids, params)
+        inner = self._engine.stream(prompt_ids, params)
+        return _LyingStream(inner, self._lie, list(prompt_ids))
+
+    def _lie(self, seq: list[int], token: int) -> int:
+        self.served_tokens += 1
+        vocab = int(self._engine.vocab_size)
+        if self.kind == "random-text":
+            out = self._rng.randrange(vocab)
+        elif self.kind == "other-model":  # emulated: another deterministic model
+            out = zlib.crc32(f"other:{len(seq)}:{seq[-1]}".encode()) % vocab
+        elif self.served_tokens % self.every == 0:
+            out = (token + 1 + self._rng.randrange(vocab - 1)) % vocab
+        else:
+            out = token
+        self.lies += out != token
+        return out
+
+
+def make_adversary(
+    service: Any,
+    kind: str,
+    *,
+    rate: float = 0.05,
+    other: Any = None,
+    victim: str | None = None,
+    prefill_s: float | None = None,
+    decode_s: float | None = None,
+) -> LyingEngine | None:
+    """See the module contract; returns the ``LyingEngine`` (None for ``fake-cache``)."""
+    if kind == "fake-cache":
+        from p2pnode.testnet.localcluster import forge_liar
+
+        if victim is None or prefill_s is None or decode_s is None:
+            raise ValueError("fake-cache needs victim, prefill_s and decode_s")
+        forge_liar(service, victim, prefill_s=prefill_s, decode_s=decode_s)
+        return None
+    if service.server is None:
+        raise ValueError("the service runs no engine: it serves nothing to lie about")
+    liar = LyingEngine(service.server.engine, kind, rate=rate, other=other)
+    service.server.engine = liar
+    return liar

@@ -1,0 +1,347 @@
+"""Audited forwards (overlay/audit.py): the verdict math, the probation policy, trust that survives
+a restart (overlay/trust_store.py), an honest peer on another numeric path that is never flagged,
+and liars of three kinds on a real 5-node loopback cluster with the real model.
+
+The cluster's engines share one loaded model (the engine never writes weights); their cost
+models are pinned and frozen so the routers' choices follow the advertised speeds, not the CPU
+noise of a shared machine (as in test_routing_cluster.py). The "other model" liar serves a copy
+of the model with noisy weights: a stand-in for a different fine-tune under the same id (the
+machine has one model).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import logging
+import random
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import pytest
+import torch
+import trio
+from prometheus_client import CollectorRegistry, generate_latest
+
+from p2pnode.inference.engine import open_engine
+from p2pnode.inference.sampling import SamplingParams
+from p2pnode.inference.scoring import ModelScorer
+from p2pnode.overlay.antientropy import AntiEntropyConfig
+from p2pnode.overlay.audit import AuditConfig, Auditor, check_greedy, check_sampled
+from p2pnode.overlay.forward import ForwardConfig, RoutedService
+from p2pnode.overlay.trust import TrustBook
+from p2pnode.overlay.trust_store import load_trust, save_trust
+from p2pnode.testnet.adversary import make_adversary
+
+logging.getLogger("libp2p").setLevel(logging.ERROR)
+
+
+# --------------------------------------------------------------------------- verdict math
+
+
+def test_greedy_check_accepts_ties_within_the_margin_and_finds_the_first_wrong_token() -> None:
+    logits = torch.tensor([[5.0, 4.8, 0.0], [0.0, 1.0, 9.0], [2.0, 2.0, 2.0]])
+    assert check_greedy(logits, [0, 2, 1], margin=0.5).passed
+    assert check_greedy(logits, [1, 2, 0], margin=0.5).passed  # 0.2 below the argmax
+    bad = check_greedy(logits, [0, 1, 0], margin=0.5)
+    assert not bad.passed and bad.first_bad == 1 and bad.statistic == pytest.approx(8.0)
+    assert not check_greedy(logits, [0, 2, 7], margin=0.5).passed  # not a token at all
+
+
+def test_sampled_check_false_alarm_rate_is_below_its_bound_and_random_text_fails() -> None:
+    gen = torch.Generator().manual_seed(0)
+    rng = random.Random(0)
+    trials, alarms, caught = 400, 0, 0
+    for _ in range(trials):
+        n = rng.randrange(4, 33)
+        logits = torch.randn(n, 512, generator=gen) * 3
+        probs = torch.softmax(logits / 0.8, dim=-1)
+        honest = torch.multinomial(probs, 1, generator=gen).squeeze(1).tolist()
+        kw = {"temperature": 0.8, "top_p": 1.0, "z_max": 4.0}
+        alarms += not check_sampled(logits, honest, **kw).passed
+        noise = torch.randint(0, 512, (n,), generator=gen).tolist()
+        caught += not check_sampled(logits, noise, **kw).passed
+    # Cantelli bounds the false-alarm rate by 1 / (1 + 4^2) = 5.9 %; measured it is far lower.
+    assert alarms / trials <= 0.01, alarms
+    assert caught / trials >= 0.95, caught
+    # A token outside the nucleus is impossible for an honest sampler.
+    logits = torch.tensor([[10.0, 0.0, -10.0]])
+    assert not check_sampled(logits, [2], temperature=1.0, top_p=0.9, z_max=4.0).passed
+
+
+# --------------------------------------------------------------------------- probation policy
+
+
+class _Scorer:
+    def __init__(self, rows: torch.Tensor) -> None:
+        self.rows = rows
+
+    def logits(self, prompt: Any, answer: Any) -> torch.Tensor:
+        return self.rows[: len(answer)]
+
+    def cost_s(self, tokens: int) -> float:
+        return 0.0
+
+
+async def test_new_identities_are_held_until_they_pass_probation_and_a_lie_demotes() -> None:
+    rows = torch.zeros(4, 8)
+    rows[:, 3] = 5.0  # the target's answer is always token 3
+    book = TrustBook()
+    cfg = AuditConfig(probation_answers=3, trusted_rate=0.0)
+    auditor = Auditor(_Scorer(rows), book, cfg, registry=CollectorRegistry())
+    greedy = SamplingParams(max_tokens=4)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(auditor.run)
+        for _ in range(3):
+            assert auditor.plan("peer", greedy).hold
+            assert (await auditor.check("peer", [1], [3, 3], greedy)).passed
+        assert not auditor.plan("peer", greedy).hold and not auditor.plan("peer", greedy).audit
+        assert auditor.plan("newcomer", greedy).hold  # another key: on probation
+        verdict = await auditor.check("newcomer", [1], [3, 5], greedy)
+        assert not verdict.passed and verdict.first_bad == 1
+        assert not book.usable("newcomer") and book.demotions("newcomer") == 1
+        assert book.audited_ok("newcomer") == 0
+        nursery.cancel_scope.cancel()
+    assert auditor.counts == {"passed": 3, "failed": 1, "skipped": 0}
+
+
+def test_trust_survives_a_restart_and_a_bad_file_is_set_aside(tmp_path) -> None:
+    book = TrustBook()
+    for _ in range(5):
+        book.observe_audit("honest", True)
+    book.observe_audit("liar", False)
+    path = tmp_path / "trust.json"
+    save_trust(book, path)
+    assert path.stat().st_mode & 0o777 == 0o600
+    again = TrustBook()
+    assert load_trust(again, path) == 2
+    assert again.audited_ok("honest") == 5 and again.usable("honest")
+    assert not again.usable("liar") and again.demotions("liar") == 1
+    assert again.audited_ok("stranger") == 0  # a new key starts from nothing
+    path.write_text(json.dumps({"format": 1, "peers": {"x": {"debt": "lots"}}}))
+    assert load_trust(TrustBook(), path) == 0
+    assert not path.exists() and (tmp_path / "trust.json.bad").exists()
+
+
+# --------------------------------------------------------------------------- real model
+
+
+@pytest.fixture(scope="module")
+def loaded() -> Any:
+    from p2pnode.inference.models import load_model
+
+    return load_model(None)
+
+
+QUESTIONS = [
+    "Name a fruit.",
+    "What colour is the sky?",
+    "Say hello in French.",
+    "Count to three.",
+    "Name a large animal.",
+    "What is two plus two?",
+    "Name a planet.",
+    "Give me a synonym for happy.",
+    "What do bees make?",
+    "Name a musical instrument.",
+    "What is frozen water called?",
+    "Name a day of the week.",
+]
+
+
+def chat(engine: Any, question: str) -> list[int]:
+    return engine.encode_chat([{"role": "user", "content": question}])
+
+
+async def test_an_honest_bf16_peer_batching_four_is_never_flagged_in_200_answers(loaded) -> None:
+    from p2pnode.inference.models import load_model
+
+    bf16 = load_model(None, dtype=torch.bfloat16)
+    scorer = ModelScorer(loaded.model)
+    prompts = []
+    for i in range(200):  # 50 questions, 4 ways each: short, distinct, cheap
+        q = f"{QUESTIONS[i % len(QUESTIONS)]} ({i})"
+        prompts.append(chat(_Tok(loaded.tokenizer), q))
+    worst, flagged = 0.0, 0
+    async with open_engine(bf16, calibrate_cost=False, torch_threads=2, max_batch=4) as engine:
+        with trio.fail_after(900):
+            for start in range(0, len(prompts), 4):
+                results: list[Any] = [None] * 4
+
+                async def one(j: int, p: list[int], out: list[Any] = results) -> None:
+                    out[j] = await engine.generate(p, {"max_tokens": 6})
+
+                async with trio.open_nursery() as nursery:  # four at once: the batched path
+                    for j, p in enumerate(prompts[start : start + 4]):
+                        nursery.start_soon(one, j, p)
+                for p, r in zip(prompts[start : start + 4], results, strict=True):
+                    logits = await trio.to_thread.run_sync(scorer.logits, p, r.tokens)
+                    v = check_greedy(logits, r.tokens, AuditConfig().greedy_margin)
+                    flagged += not v.passed
+                    worst = max(worst, v.statistic)
+    logging.getLogger(__name__).info("bf16 batched vs fp32: worst gap %.3f logits", worst)
+    assert flagged == 0, worst
+
+
+class _Tok:
+    """encode_chat without an engine (the same template the engine applies)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+
+    def encode_chat(self, messages: Any) -> list[int]:
+        text = self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True
+        )
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+
+# --------------------------------------------------------------------------- liars, real model
+
+AE_CONFIG = AntiEntropyConfig(interval_s=0.2, pull_min_interval_s=0.3)
+FORWARD_CONFIG = ForwardConfig(accept_slack_s=20, first_token_slack_s=30, idle_min_s=20)
+MAX_TOKENS = 12
+# Advertised decode speeds (s/token): the origin is slow so it forwards, the liars are the
+# fastest so the router picks them first (random text, then wrong output, then other model).
+SPEEDS = {"origin": 2.0, "random": 1 / 40, "wrong": 1 / 30, "other": 1 / 20, "honest": 1 / 10}
+ROLES = ("origin", "random", "wrong", "other", "honest")
+
+
+async def wait_until(predicate: Callable[[], bool], limit_s: float, what: str) -> None:
+    try:
+        with trio.fail_after(limit_s):
+            while not predicate():  # noqa: ASYNC110
+                await trio.sleep(0.05)
+    except trio.TooSlowError:
+        raise AssertionError(f"not within {limit_s} s: {what}") from None
+
+
+def noisy_copy(loaded: Any, scale: float) -> Any:
+    from p2pnode.inference.models import LoadedModel
+
+    model = copy.deepcopy(loaded.model)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * scale * float(p.std()))
+    return LoadedModel(loaded.name, model, loaded.tokenizer, loaded.model_id, loaded.path)
+
+
+@contextlib.asynccontextmanager
+async def liar_cluster(loaded: Any, overlay_network: Any) -> AsyncIterator[dict[str, Any]]:
+    async with (
+        overlay_network(len(ROLES), ping_timeout=5.0, health_ping_timeout=10.0) as nodes,
+        contextlib.AsyncExitStack() as stack,
+    ):
+        n = len(nodes) - 1
+        await wait_until(
+            lambda: all(len(x.peers.up_peers()) == n for x in nodes), 30, "a full mesh"
+        )
+
+        async def engine_for(model: Any, decode_s: float) -> Any:
+            e = await stack.enter_async_context(
+                open_engine(model, calibrate_cost=False, torch_threads=1, cache_budget_tokens=2048)
+            )
+            e.cost.prefill_s_per_token, e.cost.decode_s_per_token = 1 / 200, decode_s
+            e.cost.overhead_s, e.cost.alpha = 0.02, 0.0
+            return e
+
+        engines = [await engine_for(loaded, SPEEDS[r]) for r in ROLES]
+        other = await engine_for(noisy_copy(loaded, 0.2), SPEEDS["other"])
+        async with trio.open_nursery() as nursery:
+            services: dict[str, Any] = {}
+            for role, node, engine in zip(ROLES, nodes, engines, strict=True):
+                registry = CollectorRegistry()
+                svc = RoutedService(
+                    node,
+                    node.config.key,
+                    engine,
+                    antientropy_config=AE_CONFIG,
+                    forward_config=FORWARD_CONFIG,
+                    registry=registry,
+                )
+                if role == "origin":
+                    services["registry"] = registry
+                svc.router.rtt_s = lambda _peer: 0.002
+                await nursery.start(svc.run)
+                services[role] = svc
+            make_adversary(services["random"], "random-text")
+            make_adversary(services["wrong"], "wrong-output", rate=1 / 20)
+            make_adversary(services["other"], "other-model", other=other)
+            yield services
+            nursery.cancel_scope.cancel()
+        await trio.sleep(1.0)  # digests in flight land before the nodes stop
+
+
+async def test_three_kinds_of_liar_are_caught_on_probation_and_no_wrong_answer_is_kept(
+    loaded, overlay_network
+) -> None:
+    async with liar_cluster(loaded, overlay_network) as s:
+        a = s["origin"]
+        ids = {r: s[r].node.peer_id for r in ROLES}
+        await wait_until(
+            lambda: all(a.views.get(ids[r], a.model_id) is not None for r in ROLES[1:]),
+            30,
+            "the origin's views of every peer",
+        )
+        kept, served_by = [], []
+        with trio.fail_after(600):
+            for q in QUESTIONS:  # bounded: 12 requests
+                prompt = chat(a.engine, q)
+                res = await a.generate(prompt, {"max_tokens": MAX_TOKENS})
+                reference = await a.engine.generate(prompt, {"max_tokens": MAX_TOKENS})
+                kept.append(res.tokens == reference.tokens)
+                served_by.append([(x.target, x.outcome) for x in res.attempts])
+                liars_out = all(not a.trust.usable(ids[r]) for r in ("random", "wrong", "other"))
+                if liars_out and res.served_by == ids["honest"]:
+                    break
+        log = logging.getLogger(__name__)
+        log.info("attempts per request: %s", served_by)
+        assert all(kept), served_by  # every answer the client got equals the target's
+        tries = {r: sum(t == ids[r] for att in served_by for t, _ in att) for r in ROLES[1:4]}
+        # On probation every answer is audited and held: random text fails its first answer;
+        # one token in 20 is wrong by the second 12-token answer; the other model by its
+        # first answer that leaves the margin, within its probation (8 answers).
+        assert tries["random"] == 1 and 1 <= tries["wrong"] <= 2 and 1 <= tries["other"] <= 8
+        for r in ("random", "wrong", "other"):
+            assert not a.trust.usable(ids[r]) and a.trust.demotions(ids[r]) == 1, r
+        assert a.trust.usable(ids["honest"])
+        assert a.auditor.counts["failed"] == 3 and a.auditor.reserved == 3
+        text = generate_latest(s["registry"]).decode()  # what GET /metrics serves
+        assert 'p2pnode_audits_total{mode="held",verdict="failed"} 3.0' in text
+        assert "p2pnode_audit_reserved_total 3.0" in text
+
+
+async def test_a_node_keeps_its_trust_across_a_restart(tmp_path) -> None:
+    # The node assembly restores trust.json at start and writes it back when it stops: a
+    # liar demoted before the restart is still demoted after it, the honest peer keeps its
+    # passed audits (no second probation).
+    from p2pnode.bootstrap.config import settings_from
+    from p2pnode.bootstrap.node import run_node
+
+    book = TrustBook()
+    book.observe_audit("liar", False)
+    for _ in range(8):
+        book.observe_audit("honest", True)
+    save_trust(book, tmp_path / "trust.json")
+    settings = settings_from(
+        {
+            "home": str(tmp_path),
+            "listen": ["/ip4/127.0.0.1/tcp/0"],
+            "api_port": 0,
+            "backend": "emulated",
+        }
+    )
+    for _ in range(2):  # two lives of the same node
+        written = json.loads((tmp_path / "trust.json").read_text())["peers"]["liar"]["at_wall"]
+        with trio.fail_after(120):
+            async with trio.open_nursery() as nursery:
+                await nursery.start(run_node, settings)
+                nursery.cancel_scope.cancel()
+        saved = json.loads((tmp_path / "trust.json").read_text())["peers"]["liar"]["at_wall"]
+        assert saved > written  # the node itself wrote it back at shutdown
+        again = TrustBook()
+        assert load_trust(again, tmp_path / "trust.json") == 2
+        assert not again.usable("liar") and again.demotions("liar") == 1
+        assert again.audited_ok("honest") == 8
