@@ -127,6 +127,10 @@ def test_default_flags_across_nats_form_one_swarm_and_route_to_the_prefix(testbe
     primed, _ = swarm.request("nat2", "/v1/chat/completions", {"messages": SYSTEM, "max_tokens": 2})
     holder = next(h for h in SERVING if ids[h] == primed["x-p2pnode-served-by"])
     entry = next(h for h in SERVING if h != holder)
+    # A block is advertised once two requests used it (privacy): the holder serves a second
+    # user of the same system prompt, from its own cache.
+    again, _ = swarm.request(holder, "/v1/chat/completions", {"messages": SYSTEM, "max_tokens": 2})
+    assert again["x-p2pnode-served-by"] == ids[holder], again
 
     def entry_sees_the_prefix() -> bool:
         view = _view_of(swarm, entry, ids[holder])
