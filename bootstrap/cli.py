@@ -152,6 +152,24 @@ _relay_options = [
 ]
 
 
+# Who may use the HTTP API (bootstrap/auth.py); `join` and `bootstrap` both take them.
+_api_access_options = [
+    click.option(
+        "--api-key",
+        default=None,
+        envvar="P2PNODE_API_KEY",
+        show_envvar=True,
+        help="Bearer token the HTTP API requires (needed to bind it off loopback).",
+    ),
+    click.option(
+        "--api-insecure",
+        is_flag=True,
+        default=None,
+        help="Allow a non-loopback --api-host without --api-key (anyone may use it).",
+    ),
+]
+
+
 def _node_options(fn):
     options = [
         click.option(
@@ -170,19 +188,7 @@ def _node_options(fn):
             help="Roles (repeatable).",
         ),
         click.option("--api-host", default=None, help="Address of the local HTTP API."),
-        click.option(
-            "--api-key",
-            default=None,
-            envvar="P2PNODE_API_KEY",
-            show_envvar=True,
-            help="Bearer token the HTTP API requires (needed to bind it off loopback).",
-        ),
-        click.option(
-            "--api-insecure",
-            is_flag=True,
-            default=None,
-            help="Allow a non-loopback --api-host without --api-key (anyone may use it).",
-        ),
+        *_api_access_options,
         click.option(
             "--advertise-min-uses",
             type=int,
@@ -287,6 +293,8 @@ def join(config_file: Path | None, **flags: Any) -> None:
 @click.option(
     "--api-port", type=int, default=None, help="Port of the local HTTP API (0: any free port)."
 )
+@_api_access_options[0]
+@_api_access_options[1]
 @click.option("--log-level", default=None, type=click.Choice(["debug", "info", "warning", "error"]))
 @click.option("--ping-timeout", type=float, default=None, help="Seconds before a ping fails.")
 @click.option("--connect-timeout", type=float, default=None, help="Seconds before a dial fails.")
