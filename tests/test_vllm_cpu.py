@@ -381,6 +381,12 @@ async def test_join_engine_vllm_serves_openai_and_a_cpu_node_routes_to_it(
         assert held(chat_ids) == whole(len(chat_ids), BLOCK_SIZE)
         assert held(request) == whole(common, BLOCK_SIZE)
 
+        # Until a ping measured the vLLM node, the router assumes a distant peer (1 s).
+        await wait_until(
+            lambda: getattr(node.peers.get(vpeer), "rtt_ms", None) is not None,
+            30,
+            "an RTT sample of the vLLM node",
+        )
         # 3. With both nodes at vLLM's advertised speed, only the cache tells them apart: a
         #    request sharing the chat's prefix goes to the vLLM node, one without stays here.
         view = svc.views.get(vpeer, svc.model_id)
