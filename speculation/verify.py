@@ -40,7 +40,7 @@ Contract:
 
 Device: inputs are built on the target's device (a CUDA target needs no wrapper); greedy
 acceptance runs there, sampling copies the few logit rows to the CPU and draws with the
-session's seeded CPU generator. (Not yet run on a GPU here: no device lent, see issue 9.)
+session's seeded CPU generator. (Not yet run on a GPU: `make gpu-check` is the check for a GPU machine.)
 
 Batching choice: each session keeps its own ``DynamicCache``; a batch stacks them LEFT-padded to
 the longest cache and RIGHT-pads the new tokens, with a 2-D attention mask hiding both pads and

@@ -1,4 +1,4 @@
-"""Churn during a trial (issue 8): nodes leave and join while the driver sends requests.
+"""Churn during a trial: nodes leave and join while the driver sends requests.
 
 Contract:
 - The spec's ``[[churn]]`` events (``spec.py``): ``kill`` (SIGKILL), ``leave`` (SIGTERM, clean

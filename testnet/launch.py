@@ -190,7 +190,7 @@ class RunningTrial:
     def peer_ids(self) -> list[str]:
         return [n.peer_id for n in self.nodes]
 
-    # churn (issue 8): where new nodes come from
+    # churn: where new nodes come from
     bootstrap_addr: str = ""
     log_level: str = "info"
     node_cmd: Sequence[str] = NODE_CMD

@@ -15,7 +15,7 @@ Contract:
   with the spec's model tokenizer as the nodes do), so the summary carries the workload's hit
   rate ceiling; left out, with a warning, when the tokenizer cannot load or its counts differ
   from the nodes' ``prompt_tokens``.
-- Churn (issue 8): a spec with ``[[churn]]`` runs its events during the workload
+- Churn: a spec with ``[[churn]]`` runs its events during the workload
   (``churn.run_churn``), drives through ``churn.drive_with_retries`` (a request whose node left
   is retried on a live one) and adds ``churn`` (lost, duplicates, retries, latency near/away
   from events, departure watches) to the arm's result; ``--no-churn`` runs the same spec
@@ -47,7 +47,7 @@ from p2pnode.testnet.launch import NODE_CMD, LaunchError, RunningTrial, launch_t
 from p2pnode.testnet.report import check_consistency, write_report
 from p2pnode.testnet.spec import ARMS, SpecError, TrialSpec, builtin_spec_path, load_spec
 
-CHURN_RETRIES = 3  # churn (issue 8): attempts after the first for a request whose node left
+CHURN_RETRIES = 3  # churn: attempts after the first for a request whose node left
 
 
 def _spec_echo(spec: TrialSpec) -> dict[str, Any]:
@@ -105,7 +105,7 @@ async def _drive_churn(
     progress: _Progress,
     churn_out: dict[str, Any],
 ) -> list[dict[str, Any]]:
-    """Churn (issue 8, testnet/churn.py): nodes leave and join while requests run; a request
+    """Churn (testnet/churn.py): nodes leave and join while requests run; a request
     whose node is gone is retried elsewhere; departure watches may outlive the workload."""
     spec = trial.spec
     pool = churn.NodePool(trial.apis, trial.peer_ids)
@@ -223,7 +223,7 @@ def run_arm(
             result["formed_s"] = round(trial.formed_s, 2)
             result["peer_ids"] = trial.peer_ids
             result["apis"] = trial.apis
-            churn_out: dict[str, Any] = {}  # churn (issue 8): departure watches
+            churn_out: dict[str, Any] = {}  # churn: departure watches
             records = trio.run(_drive_arm, trial, requests, stream, churn_out)
             _snapshot(trial, arm_dir)
     except LaunchError as exc:
@@ -237,7 +237,7 @@ def run_arm(
     driver.write_jsonl(arm_dir / "requests.jsonl", records)
     summary = driver.summarize(records, churn.max_nodes(spec))  # churn: joiners serve too
     result["summary"] = summary
-    if spec.churn:  # churn (issue 8)
+    if spec.churn:  # churn
         result["churn"] = churn.churn_summary(
             records, spec.churn, churn_out.get("watches", []), churn_out.get("applied", [])
         )
@@ -318,7 +318,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         spec = load_spec(builtin_spec_path(args.spec))
     except SpecError as exc:
         parser.error(str(exc))
-    if args.no_churn:  # churn (issue 8): the baseline for churn's latency impact
+    if args.no_churn:  # churn: the baseline for churn's latency impact
         spec = replace(spec, churn=())
     arms = spec.arms if args.arms is None else tuple(a for a in args.arms.split(",") if a)
     if not arms or any(a not in ARMS for a in arms):

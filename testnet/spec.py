@@ -50,7 +50,7 @@ Contract:
     temperature = 0.0
     request_timeout_s = 120
 
-    [[churn]]                   # optional (issue 8): node index leaves or joins at a time
+    [[churn]]                   # optional: node index leaves or joins at a time
     at_s = 30.0
     action = "leave"            # "leave" (SIGTERM, clean stop) | "kill" (SIGKILL) | "join"
     node = 2                    # join: a departed node (same identity) or the next new index

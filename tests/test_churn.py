@@ -1,4 +1,4 @@
-"""Churn (issue 8): nodes leave (SIGKILL, clean stop) and join during a trial; every request is
+"""Churn: nodes leave (SIGKILL, clean stop) and join during a trial; every request is
 answered exactly once. Spec checks and the driver's bookkeeping are fast; one small real trial
 (node processes, emulated compute) runs the whole path.
 """

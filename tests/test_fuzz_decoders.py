@@ -265,7 +265,7 @@ def test_verify_node_record_only_identity_errors(data: bytes) -> None:
 
 
 # ------------------------------------------------------------------------------------------
-# Overlay and speculation decoders and handlers (issue 8): digests, forwarding, verifier,
+# Overlay and speculation decoders and handlers: digests, forwarding, verifier,
 # digest pull. Handlers get garbage over in-memory trio streams, one fresh trio run per example;
 # afterwards the same server must still answer a valid request (no state corruption). Budgets
 # are set per test so that all of this section stays well under ~40 s on 2 shared cores.

@@ -1,4 +1,4 @@
-"""NAT traversal (issue 8): a node in a network namespace with no inbound route joins the
+"""NAT traversal: a node in a network namespace with no inbound route joins the
 overlay and is reached through a circuit relay v2 relay.
 
 Topology (needs root and `ip netns`; skipped otherwise): the test's network namespace holds the

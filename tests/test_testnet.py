@@ -47,7 +47,7 @@ def spec_of(**tables) -> dict:
 
 def test_shipped_specs_load():
     names = builtin_specs()
-    # the names issue 6 asks for: each paper point uniform and Zipf, scale-64, plus CI's smoke
+    # the shipped names: each paper point uniform and Zipf, scale-64, plus CI's smoke
     paper = {f"paper-{p}{z}" for p in ("lan", "wan-200", "wan-1000") for z in ("", "-zipf")}
     assert paper | {"paper-lan-zipf-real", "scale-64", "smoke"} <= set(names)
     for name in names:
