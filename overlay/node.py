@@ -991,11 +991,14 @@ def _is_initiator(conn: INetConn) -> bool:
 
 
 def _is_relayed(conn: INetConn) -> bool:
-    """A circuit-relay connection: its transport addresses name the circuit, or its raw
-    connection is a relay stream (py-libp2p's circuit transport)."""
+    """A circuit-relay connection, as libp2p's secured session classifies it (its transport
+    addresses name the circuit where the session cannot say)."""
     secured = getattr(conn.muxed_conn, "secured_conn", None)
-    raw = getattr(secured, "conn", None)
-    return "circuit" in type(raw).__name__.lower() or "relay" in type(raw).__name__.lower()
+    kind = getattr(secured, "get_connection_type", None)
+    if kind is not None:
+        t = kind()
+        return str(getattr(t, "name", t)).upper() == "RELAYED"
+    return any("/p2p-circuit" in str(a) for a in conn.get_transport_addresses())
 
 
 def _filtered_connect(host: IHost) -> Callable[[PeerInfo], Awaitable[None]]:

@@ -53,17 +53,18 @@ def link_kind(conn: Any) -> str:
 
 def _connection_kind(node: Any, peer_id: str) -> str:
     """``direct`` (at least one direct connection), ``relayed`` (only circuits through a
-    relay), ``none`` (not connected) or ``unknown``."""
-    try:
-        from libp2p.peer.id import ID
+    relay), ``none`` (not connected) or ``unknown`` (a stand-in node, a bad id): the
+    overlay node's own answer (``OverlayNode.connection_kind``)."""
+    from libp2p.peer.id import ID
 
-        conns = node.host.get_network().get_connections(ID.from_base58(peer_id))
-        kinds = {link_kind(c) for c in conns}
-    except Exception:  # no host (a stand-in node) or an id libp2p cannot parse
+    kind_of = getattr(node, "connection_kind", None)
+    try:
+        ID.from_base58(peer_id)
+    except Exception:  # an id libp2p cannot parse
         return "unknown"
-    if not kinds:
-        return "none"
-    return "direct" if "direct" in kinds else "relayed"
+    if kind_of is None:
+        return "unknown"
+    return kind_of(peer_id) or "none"
 
 
 def candidate_record(c: Any, prompt_tokens: int, chosen: str) -> dict[str, Any]:
