@@ -111,6 +111,9 @@ def _routing_status(service) -> dict[str, Any]:
         "queue_depth": local.queue_depth if local else None,
         "push_back": local.push_back if local else None,
         "cached_tokens": service.engine.tree.num_tokens if service.engine is not None else None,
+        # What the router learned online: the network cost of forwards and each peer's
+        # cache-claim confidence; and the completion lengths its estimates expect.
+        "learned": {**service.router.learned(), "lengths": service.lengths.as_dict()},
     }
 
 

@@ -47,6 +47,7 @@ from p2pnode.inference._errors import EngineClosed
 from p2pnode.inference._front import EngineFront, TokenStreamBase
 from p2pnode.inference.blockhash import BlockEvent
 from p2pnode.inference.costmodel import CostModel, calibrate
+from p2pnode.inference.lengths import OutputLengths
 from p2pnode.inference.models import LoadedModel
 from p2pnode.inference.radix import LockHandle, RadixCache
 from p2pnode.inference.sampling import (
@@ -159,6 +160,7 @@ class Engine(EngineFront):
         self.prefill_chunk = prefill_chunk
         self.solo_chunk = solo_chunk
         self.cost = CostModel()
+        self.lengths = OutputLengths()
         if backend == "hf":
             self._backend: Backend = HFBackend(loaded.model)
         elif backend == "emulated":
@@ -232,7 +234,9 @@ class Engine(EngineFront):
         wait = backlog * c.prefill_s_per_token
         ahead = len(self._waiting) + len(self._active) - self.max_batch + 1
         if ahead > 0:
-            left = sorted(r.params.max_tokens - len(r.tokens) for r in self._active)
+            left = sorted(
+                self.lengths.remaining(len(r.tokens), r.params.max_tokens) for r in self._active
+            )
             rounds, rest = divmod(ahead - 1, self.max_batch)
             per_round = max(left) if left else 0
             slot = left[min(rest, len(left) - 1)] if left else 0
@@ -284,6 +288,7 @@ class Engine(EngineFront):
                 logprobs=list(req.logprobs) if req.params.logprobs is not None else None,
             )
             self.totals["requests"] += 1
+            self.lengths.observe(len(req.tokens), hit_limit=req.finish_reason == "length")
         req.send.close()
         req.done.set()
 

@@ -60,6 +60,7 @@ from p2pnode.inference._vllm_compat import VllmBuild, detect, engine_args
 from p2pnode.inference.blockhash import BLOCK_SIZE, BlockEvent
 from p2pnode.inference.costmodel import CostModel
 from p2pnode.inference.engine import GenerationResult
+from p2pnode.inference.lengths import OutputLengths
 from p2pnode.inference.sampling import SamplingParams
 from p2pnode.inference.vllm_events import (
     VllmAllBlocksCleared,
@@ -178,6 +179,7 @@ class VllmEngine(EngineFront):
         self.eos_token_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
         self.max_batch = max_batch
         self.cost = CostModel()
+        self.lengths = OutputLengths()
         self.loaded = None
         self.kv_endpoint, self.replay_endpoint = kv_endpoint, replay_endpoint
         self.translator = VllmEventTranslator(self.model_id, on_unknown_parent="skip")
@@ -232,7 +234,10 @@ class VllmEngine(EngineFront):
         wait = backlog * c.prefill_s_per_token
         ahead = len(self._inflight) - self.max_batch + 1
         if ahead > 0:
-            left = sorted(r.params.max_tokens - len(r.tokens) for r in self._inflight.values())
+            left = sorted(
+                self.lengths.remaining(len(r.tokens), r.params.max_tokens)
+                for r in self._inflight.values()
+            )
             rounds, rest = divmod(ahead - 1, self.max_batch)
             slot = left[min(rest, len(left) - 1)] if left else 0
             wait += (rounds * (max(left) if left else 0) + slot) * c.decode_s_per_token
@@ -312,6 +317,7 @@ class VllmEngine(EngineFront):
             return
         if len(req.tokens) > 1 and req.t_first is not None:
             self.cost.observe_decode((now - req.t_first) / (len(req.tokens) - 1))
+        self.lengths.observe(len(req.tokens), hit_limit=finish == "length")
         req.result = GenerationResult(
             tokens=list(req.tokens),
             prompt_tokens=len(req.prompt),

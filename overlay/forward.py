@@ -37,6 +37,7 @@ import trio
 from prometheus_client import CollectorRegistry, Counter
 
 from p2pnode.inference.blockhash import block_hashes, model_salt
+from p2pnode.inference.lengths import OutputLengths
 from p2pnode.inference.sampling import MAX_TOP_LOGPROBS, SamplingParams, TokenLogprob
 from p2pnode.inference.scoring import scorer_for
 from p2pnode.overlay import wire
@@ -494,7 +495,11 @@ class RoutedService:
             config=router_config,
             registry=registry,
             trust=self.trust,
+            self_id=node.peer_id,
         )
+        # Completion lengths: the engine's own record (it also feeds its queue estimate), or,
+        # on a routing-only node, one kept here from the answers it relayed.
+        self.lengths: OutputLengths = engine.lengths if engine is not None else OutputLengths()
         self.forward_config = forward_config or ForwardConfig()
         self.metrics = _Metrics(registry) if registry is not None else None
         builders = {}
@@ -656,7 +661,8 @@ class RoutedService:
                     * (est.rtt_s + est.wait_s + est.prefill_s)
                     + cfg.first_token_slack_s,
                     idle_timeout_s=max(
-                        cfg.idle_min_s, cfg.idle_factor * (est.decode_s / max(1, remaining))
+                        cfg.idle_min_s,
+                        cfg.idle_factor * est.decode_s / max(1.0, decision.expected_tokens or 1),
                     ),
                     on_token=held if held is not None else emit,
                     on_logprob=held.logprob if held is not None else on_logprob,
@@ -693,6 +699,14 @@ class RoutedService:
             attempts.append(Attempt(target, "ok", len(outcome.tokens), time.perf_counter() - t0))
             self._count("ok")
             self.router.observe_served(target, est.cached_tokens, outcome.done.cached_tokens)
+            if outcome.first_token_s is not None:
+                self.router.observe_forward(
+                    target, len(request.prompt), outcome.first_token_s, outcome.done.ttft_s
+                )
+            if self.engine is None:
+                self.lengths.observe(
+                    len(delivered), hit_limit=outcome.done.finish_reason == "length"
+                )
             self._observe_trust(target, est, decision, outcome)
             return self._result(
                 delivered,
@@ -752,6 +766,7 @@ class RoutedService:
             max_tokens=params.max_tokens,
             local=self._local_state(prompt),
             record=record,
+            expected_tokens=self.lengths.predict(params.max_tokens),
         )
 
     async def _audited(

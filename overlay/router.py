@@ -2,20 +2,32 @@
 
 Contract:
 - For every candidate the router estimates the completion time of the request there:
-  ``total = k * rtt + transfer + queue wait + overhead + prefill(prompt - cached) + decode(max_tokens)``
-  (``k = forward_round_trips``: a forward opens a stream before its request/answer exchange)
-  with, for a peer: the smoothed RTT of the peer table (``default_rtt_s`` while none is measured),
-  the request's bytes over ``bandwidth_Bps``, the wait and the per-token speeds the peer advertises
-  in its digests (our own speeds when it advertises none), plus the service time of requests this
-  router already sent there and that the peer's digests cannot show yet (``inflight``); the cached
-  prefix is the view's estimate times the peer's measured *confidence*: an EWMA of real / estimated
-  cached tokens reported by the requests it served (stale views cost what they really cost). For
-  the local node: RTT 0 and the engine's exact cached prefix, wait and calibrated speeds.
+  ``total = network + queue wait + overhead + prefill(prompt - cached) + decode(expected tokens)``
+  with, for a peer: the forward's network cost learned from earlier forwards (``overlay/netcost.py``:
+  ``round_trips * rtt + bytes / bandwidth`` plus a per-peer bias, fitted online; the smoothed RTT
+  of the peer table, ``default_rtt_s`` while none is measured), the wait and the per-token speeds
+  the peer advertises in its digests (our own speeds when it advertises none), plus the service
+  time of requests this router already sent there and that the peer's digests cannot show yet
+  (``inflight``); the cached prefix is the view's estimate times the peer's measured
+  *confidence*: an EWMA of real / estimated cached tokens reported by the requests it served
+  (stale views cost what they really cost). For the local node: no network, the engine's exact
+  cached prefix, wait and calibrated speeds. ``expected_tokens`` is the predicted output length
+  (``inference/lengths.py``), never more than ``max_tokens``.
 - A peer is chosen only when ``total_peer + margin < total_local`` where
-  ``margin = max(abs_margin_s, rel_margin * total_local, rtt_margin * rtt_peer)``, so ties,
-  noise and the round-trip-sized variance of a forward's cost stay local. Peers in
-  push-back, down in the peer table, demoted by the ``trust`` book (``overlay/trust.py``:
-  "untrusted"), or without a live view are skipped (the reason is recorded).
+  ``margin = max(abs_margin_s, rel_margin * (wait_local + prefill_local), margin_sigmas * spread)``:
+  the relative part applies to what differs between candidates (queue and prefill), not to a
+  decode time every candidate pays; ``spread`` is the standard deviation of the network cost's
+  residuals (one round trip before any forward was measured). Peers in push-back, down in the
+  peer table, demoted by the ``trust`` book (``overlay/trust.py``: "untrusted"), or without a
+  live view are skipped (the reason is recorded).
+- **Placement on misses.** When no eligible candidate (local included) holds the prompt's
+  leading ``placement_blocks`` blocks (its *placement key*), the cache it is about to create
+  should live where the next request for that prefix will look: its rendezvous home, the
+  candidate with the highest ``hash(key, peer id)`` among those whose total is within
+  ``placement_share`` of a full prefill of the best total. Every entry node ranks the same
+  peers the same way, so misses of one prefix converge on one home; a home in push-back (or
+  with a queue that takes it out of the budget) drops out and the next in rank becomes a
+  second home. Far peers never qualify: their network cost exceeds the budget.
 - ``decide`` returns a ``RoutingDecision``: every candidate's estimate, the choice, and
   ``attempts``: the order to try (the chosen peer, then other peers that also beat local, at most
   ``max_remote_attempts``, then local when the node serves the model). Each decision is logged as
@@ -29,6 +41,7 @@ Contract:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -39,6 +52,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
+from p2pnode.inference.blockhash import BLOCK_SIZE
+from p2pnode.overlay.netcost import ForwardCost
 from p2pnode.overlay.views import PeerView, PeerViews, prefix_tokens
 
 log = logging.getLogger("p2pnode.overlay.router")
@@ -74,6 +89,7 @@ class CandidateEstimate:  # read-only by convention: not frozen, a frozen init c
     decode_s: float
     overhead_s: float
     total_s: float
+    network_s: float = 0.0  # the forward's learned network cost (0 for local)
     rtt_known: bool = True
     info_age_s: float | None = None
     confidence: float = 1.0
@@ -92,6 +108,8 @@ class RoutingDecision:
     candidates: tuple[CandidateEstimate, ...]
     attempts: tuple[str, ...]  # order to try; LOCAL last when the node serves the model
     local_total_s: float | None = None
+    expected_tokens: float | None = None
+    placement_home: str | None = None  # the rendezvous home on a miss (peer id or LOCAL)
 
     @property
     def chosen_is_local(self) -> bool:
@@ -187,17 +205,10 @@ class _PeerStats:
 class RouterConfig:
     rel_margin: float = 0.05
     abs_margin_s: float = 0.02
-    bandwidth_Bps: float = 1.25e6  # 10 Mbit/s: a modest WAN uplink
     default_rtt_s: float = 1.0  # unmeasured peers look far away until pinged
-    # A forward is not one round trip: it opens a new stream (yamux SYN + multistream-select
-    # negotiation) before the request/answer exchange. Measured on the emulated WAN at 200 ms
-    # one-way: a forward cost ~3 ping round trips more than serving locally.
-    forward_round_trips: float = 3.0
-    # A forward must also save this many round trips more than its estimated cost: its real
-    # cost varies by about one round trip (stream setup, the peer's queue moving while the
-    # request travels). On a LAN that is milliseconds; at 200 ms one-way, forwards whose
-    # estimated saving was under one round trip lost on average (paper-wan-200-zipf).
-    rtt_margin: float = 1.0
+    # A forward must beat local by this many standard deviations of its network cost: the
+    # estimate's own uncertainty, learned with it (overlay/netcost.py).
+    margin_sigmas: float = 1.0
     max_remote_attempts: int = 2
     confidence_alpha: float = 0.3
     min_confidence: float = 0.05
@@ -205,12 +216,21 @@ class RouterConfig:
     # False: queues are ignored (every wait counts 0): the cache-only routing the paper starts
     # from, kept to measure what load awareness buys (bench/routing_bench.py).
     load_aware: bool = True
+    # Placement on misses: the key is the prompt's first blocks (4 x 16 tokens: a system prompt
+    # or a few-shot header, long enough to tell prefixes apart, short enough that requests
+    # sharing a prefix share it); a home may cost at most this share of a full prefill more than
+    # the best candidate, a bound below what a later hit there saves.
+    placement: bool = True
+    placement_blocks: int = 4
+    placement_share: float = 0.5
 
     def __post_init__(self) -> None:
-        if not (0 <= self.rel_margin < 1 and self.abs_margin_s >= 0 and self.bandwidth_Bps > 0):
-            raise ValueError("router margins must be >= 0 (rel < 1) and bandwidth > 0")
-        if self.max_remote_attempts < 0 or self.default_rtt_s < 0 or self.rtt_margin < 0:
-            raise ValueError("max_remote_attempts, default_rtt_s and rtt_margin must be >= 0")
+        if not (0 <= self.rel_margin < 1 and self.abs_margin_s >= 0):
+            raise ValueError("router margins must be >= 0 (rel < 1)")
+        if self.max_remote_attempts < 0 or self.default_rtt_s < 0 or self.margin_sigmas < 0:
+            raise ValueError("max_remote_attempts, default_rtt_s and margin_sigmas must be >= 0")
+        if self.placement_blocks < 1 or not 0 <= self.placement_share <= 1:
+            raise ValueError("placement_blocks >= 1 and placement_share in [0, 1]")
 
 
 def rtt_from_peer_table(table: Any) -> Callable[[str], float | None]:
@@ -233,8 +253,14 @@ class Router:
         config: RouterConfig | None = None,
         registry: CollectorRegistry | None = None,
         trust: Any = None,
+        self_id: str | None = None,
+        netcost: ForwardCost | None = None,
     ) -> None:
         self.views = views
+        # This node's peer id: it takes part in the rendezvous ranking under its real name, so
+        # every node ranks the same set the same way.
+        self.self_id = self_id
+        self.netcost = netcost if netcost is not None else ForwardCost()
         self.rtt_s = rtt_s
         # Trust hook (overlay/trust.py): a TrustBook, or None. Peers it finds unusable are
         # skipped as "untrusted", so their (lying) digests no longer drive decisions.
@@ -273,8 +299,27 @@ class Router:
             stats.inflight -= 1
             stats.inflight_s = max(0.0, stats.inflight_s - service_s) if stats.inflight else 0.0
 
+    def observe_forward(
+        self, peer_id: str, prompt_tokens: int, first_token_s: float, engine_s: float
+    ) -> None:
+        """A forward's first token arrived after ``first_token_s`` here; the serving engine
+        took ``engine_s`` of it: learn the network cost from the difference."""
+        rtt = self.rtt_s(peer_id)
+        if rtt is not None:
+            self.netcost.observe(
+                peer_id, rtt, request_bytes(prompt_tokens), first_token_s, engine_s
+            )
+
     def forget_peer(self, peer_id: str) -> None:
         self._stats.pop(peer_id, None)
+        self.netcost.forget_peer(peer_id)
+
+    def learned(self) -> dict[str, Any]:
+        """What the router has learned, for ``/status``."""
+        return {
+            "network": self.netcost.as_dict(),
+            "confidence": {p: round(s.confidence, 3) for p, s in self._stats.items()},
+        }
 
     # -- decision -------------------------------------------------------------------------
 
@@ -288,18 +333,18 @@ class Router:
         local: LocalState,
         exclude: frozenset[str] = frozenset(),
         record: bool = True,
+        expected_tokens: float | None = None,
     ) -> RoutingDecision:
         cfg = self.config
+        expected = max_tokens if expected_tokens is None else min(expected_tokens, max_tokens)
         candidates: list[CandidateEstimate] = []
         local_est = None
         if local.available:
-            local_est = self._local_estimate(local, prompt_tokens, max_tokens)
+            local_est = self._local_estimate(local, prompt_tokens, expected)
             candidates.append(local_est)
-        # Per decision, not per peer: the prompt's fingerprints (per width), transfer, clock.
+        # Per decision, not per peer: the prompt's fingerprints (per width), bytes, clock.
         fps_by_bits: dict[int, list[int]] = {}
-        transfer = (
-            REQUEST_OVERHEAD_BYTES + REQUEST_BYTES_PER_TOKEN * prompt_tokens
-        ) / cfg.bandwidth_Bps
+        nbytes = request_bytes(prompt_tokens)
         now_wall = self.views.wall_now()
         for view in self.views.live(model_id):
             if view.peer_id in exclude:
@@ -309,27 +354,32 @@ class Router:
                 shift = 64 - view.fp_bits
                 fps = fps_by_bits[view.fp_bits] = [h >> shift for h in prompt_block_hashes]
             candidates.append(
-                self._peer_estimate(view, fps, prompt_tokens, max_tokens, local, transfer, now_wall)
+                self._peer_estimate(view, fps, prompt_tokens, expected, local, nbytes, now_wall)
             )
         eligible = sorted(
             (c for c in candidates if not c.is_local and c.skipped is None),
             key=lambda c: c.total_s,
         )
+        home = self._placement_home(candidates, prompt_block_hashes, prompt_tokens, local, eligible)
         margin = cfg.abs_margin_s
         if local_est is not None:
-            margin = max(cfg.abs_margin_s, cfg.rel_margin * local_est.total_s)
+            differing = local_est.wait_s + local_est.prefill_s
+            margin = max(cfg.abs_margin_s, cfg.rel_margin * differing)
             better = [
-                c
-                for c in eligible
-                if c.total_s + max(margin, cfg.rtt_margin * c.rtt_s) < local_est.total_s
+                c for c in eligible if c.total_s + self._margin(c, margin) < local_est.total_s
             ]
             remote_order = [c.peer_id for c in better[: cfg.max_remote_attempts]]
+            if home is not None and cfg.max_remote_attempts > 0:
+                remote_order = [] if home == LOCAL else [home]
             attempts = (*remote_order, LOCAL)
             if remote_order:
-                chosen, reason = remote_order[0], "remote_faster"
+                chosen = remote_order[0]
+                reason = "placement_home" if home is not None else "remote_faster"
             else:
                 chosen = LOCAL
-                if not eligible:
+                if home == LOCAL:
+                    reason = "placement_home"
+                elif not eligible:
                     reason = "local_best"
                 elif cfg.max_remote_attempts == 0:
                     reason = "forwarding_off"
@@ -337,6 +387,11 @@ class Router:
                     reason = "remote_saving_below_margin"
         else:
             remote_order = [c.peer_id for c in eligible[: max(1, cfg.max_remote_attempts)]]
+            if home is not None and home in remote_order:
+                remote_order.remove(home)
+                remote_order.insert(0, home)
+            elif home is not None:
+                remote_order = [home, *remote_order[: max(0, cfg.max_remote_attempts - 1)]]
             attempts = tuple(remote_order)
             chosen = remote_order[0] if remote_order else LOCAL
             reason = "no_local_engine" if remote_order else "no_candidate"
@@ -351,17 +406,52 @@ class Router:
             candidates=tuple(sorted(candidates, key=lambda c: c.total_s)),
             attempts=attempts,
             local_total_s=None if local_est is None else local_est.total_s,
+            expected_tokens=expected,
+            placement_home=home,
         )
         if record:
             self._record(decision)
         return decision
 
+    def _margin(self, c: CandidateEstimate, margin: float) -> float:
+        return max(margin, self.config.margin_sigmas * self.netcost.spread_s(c.rtt_s))
+
+    def _placement_home(
+        self,
+        candidates: list[CandidateEstimate],
+        prompt_block_hashes: Sequence[int],
+        prompt_tokens: int,
+        local: LocalState,
+        eligible: list[CandidateEstimate],
+    ) -> str | None:
+        """The rendezvous home of a prompt nobody eligible holds, or None (see the contract)."""
+        cfg = self.config
+        if not cfg.placement or not prompt_block_hashes:
+            return None
+        blocks = min(cfg.placement_blocks, len(prompt_block_hashes))
+        pool = [c for c in candidates if c.is_local or c.skipped is None]
+        if not pool or any(c.cached_tokens >= blocks * BLOCK_SIZE - 1 for c in pool):
+            return None  # somebody holds the key: ordinary cost routing finds them
+        if any(c.is_local for c in pool) and self.self_id is None:
+            return None  # without our own name the ranking would differ from our peers'
+        best = min(c.total_s for c in pool)
+        rate = local.prefill_s_per_token or max(
+            (c.prefill_s / max(1, prompt_tokens - c.cached_tokens) for c in eligible), default=0
+        )
+        budget = best + cfg.placement_share * prompt_tokens * rate
+        key = prompt_block_hashes[blocks - 1].to_bytes(8, "little")
+        home = max(
+            (c for c in pool if c.total_s <= budget),
+            key=lambda c: _rendezvous(key, self.self_id if c.is_local else c.peer_id),
+        )
+        return LOCAL if home.is_local else home.peer_id
+
     def _local_estimate(
-        self, local: LocalState, prompt_tokens: int, max_tokens: int
+        self, local: LocalState, prompt_tokens: int, expected_tokens: float
     ) -> CandidateEstimate:
         cached = _usable_cached(local.cached_tokens, prompt_tokens)
         prefill = (prompt_tokens - cached) * local.prefill_s_per_token
-        decode = max_tokens * local.decode_s_per_token
+        decode = expected_tokens * local.decode_s_per_token
         wait = local.wait_s if self.config.load_aware else 0.0
         total = wait + local.overhead_s + prefill + decode
         return CandidateEstimate(
@@ -383,9 +473,9 @@ class Router:
         view: PeerView,
         prompt_fps: list[int],
         prompt_tokens: int,
-        max_tokens: int,
+        expected_tokens: float,
         local: LocalState,
-        transfer: float,
+        nbytes: int,
         now_wall: float,
     ) -> CandidateEstimate:
         cfg = self.config
@@ -404,10 +494,10 @@ class Router:
         if not cfg.load_aware:
             wait = 0.0
         prefill = (prompt_tokens - cached) * prefill_rate
-        decode = max_tokens * decode_rate
-        total = (
-            cfg.forward_round_trips * rtt + transfer + wait + local.overhead_s + prefill + decode
-        )
+        decode = expected_tokens * decode_rate
+        network = self.netcost.estimate(peer, rtt, nbytes)
+        transfer = nbytes / self.netcost.bandwidth_Bps
+        total = network + wait + local.overhead_s + prefill + decode
         skipped = None
         if load.push_back:
             skipped = "push_back"
@@ -427,6 +517,7 @@ class Router:
             decode_s=decode,
             overhead_s=local.overhead_s,
             total_s=total,
+            network_s=network,
             rtt_known=rtt_known,
             info_age_s=max(0.0, now_wall - view.issued_at),
             confidence=conf,
@@ -447,6 +538,14 @@ class Router:
         chosen = decision.estimate_for(decision.chosen)
         if decision.local_total_s is not None and chosen is not None:
             self.metrics.saving.observe(max(0.0, decision.local_total_s - chosen.total_s))
+
+
+def request_bytes(prompt_tokens: int) -> int:
+    return REQUEST_OVERHEAD_BYTES + REQUEST_BYTES_PER_TOKEN * prompt_tokens
+
+
+def _rendezvous(key: bytes, name: str) -> int:
+    return int.from_bytes(hashlib.blake2b(key + name.encode(), digest_size=8).digest(), "big")
 
 
 def _usable_cached(cached: int, prompt_tokens: int) -> int:
