@@ -699,6 +699,9 @@ class RoutedService:
             attempts.append(Attempt(target, "ok", len(outcome.tokens), time.perf_counter() - t0))
             self._count("ok")
             self.router.observe_served(target, est.cached_tokens, outcome.done.cached_tokens)
+            self.router.note_forwarded(
+                target, block_hashes(request.prompt + outcome.tokens[:-1], self.salt)
+            )
             if outcome.first_token_s is not None:
                 self.router.observe_forward(
                     target, len(request.prompt), outcome.first_token_s, outcome.done.ttft_s

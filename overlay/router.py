@@ -10,7 +10,9 @@ Contract:
   time of requests this router already sent there and that the peer's digests cannot show yet
   (``inflight``); the cached prefix is the view's estimate times the peer's measured
   *confidence*: an EWMA of real / estimated cached tokens reported by the requests it served
-  (stale views cost what they really cost). For the local node: no network, the engine's exact
+  (stale views cost what they really cost). What this node itself forwarded to a peer counts as
+  cached there too (``note_forwarded``): a chat's history is used once, so it is never advertised,
+  yet its next turn should follow it. For the local node: no network, the engine's exact
   cached prefix, wait and calibrated speeds. ``expected_tokens`` is the predicted output length
   (``inference/lengths.py``), never more than ``max_tokens``.
 - A peer is chosen only when ``total_peer + margin < total_local`` where
@@ -46,8 +48,9 @@ import json
 import logging
 import math
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -199,6 +202,10 @@ class _PeerStats:
     inflight_s: float = 0.0
     inflight: int = 0
     served: int = 0
+    # Block hashes of what this node forwarded there (prompt and answer), newest last: the
+    # peer caches them, but a block used once is never advertised (overlay/privacy.py), so
+    # only the origin knows a chat's history lives there.
+    sent: OrderedDict[int, None] = field(default_factory=OrderedDict)
 
 
 @dataclass
@@ -213,6 +220,7 @@ class RouterConfig:
     confidence_alpha: float = 0.3
     min_confidence: float = 0.05
     log_candidates: int = 16  # candidates written per decision log line (best first)
+    sent_memory_blocks: int = 4096  # per peer: ~64k tokens of forwarded prompts remembered
     # False: queues are ignored (every wait counts 0): the cache-only routing the paper starts
     # from, kept to measure what load awareness buys (bench/routing_bench.py).
     load_aware: bool = True
@@ -310,6 +318,25 @@ class Router:
                 peer_id, rtt, request_bytes(prompt_tokens), first_token_s, engine_s
             )
 
+    def note_forwarded(self, peer_id: str, block_hashes: Sequence[int]) -> None:
+        """``peer_id`` served a request whose prompt and answer have these full blocks."""
+        sent = self._stats.setdefault(peer_id, _PeerStats()).sent
+        for h in block_hashes:
+            sent[h] = None
+            sent.move_to_end(h)
+        while len(sent) > self.config.sent_memory_blocks:
+            sent.popitem(last=False)
+
+    def _sent_prefix_tokens(self, stats: _PeerStats | None, block_hashes: Sequence[int]) -> int:
+        if stats is None or not stats.sent:
+            return 0
+        n = 0
+        for h in block_hashes:
+            if h not in stats.sent:
+                break
+            n += 1
+        return n * BLOCK_SIZE
+
     def forget_peer(self, peer_id: str) -> None:
         self._stats.pop(peer_id, None)
         self.netcost.forget_peer(peer_id)
@@ -354,7 +381,9 @@ class Router:
                 shift = 64 - view.fp_bits
                 fps = fps_by_bits[view.fp_bits] = [h >> shift for h in prompt_block_hashes]
             candidates.append(
-                self._peer_estimate(view, fps, prompt_tokens, expected, local, nbytes, now_wall)
+                self._peer_estimate(
+                    view, fps, prompt_block_hashes, prompt_tokens, expected, local, nbytes, now_wall
+                )
             )
         eligible = sorted(
             (c for c in candidates if not c.is_local and c.skipped is None),
@@ -472,6 +501,7 @@ class Router:
         self,
         view: PeerView,
         prompt_fps: list[int],
+        prompt_block_hashes: Sequence[int],
         prompt_tokens: int,
         expected_tokens: float,
         local: LocalState,
@@ -481,8 +511,10 @@ class Router:
         cfg = self.config
         peer = view.peer_id
         load = view.load
-        view_cached = prefix_tokens(view, prompt_fps)
         stats = self._stats.get(peer)
+        view_cached = max(
+            prefix_tokens(view, prompt_fps), self._sent_prefix_tokens(stats, prompt_block_hashes)
+        )
         conf = 1.0 if stats is None else stats.confidence
         cached = _usable_cached(int(view_cached * conf), prompt_tokens)
         rtt = self.rtt_s(peer)

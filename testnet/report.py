@@ -133,6 +133,20 @@ def markdown(results: dict[str, Any]) -> str:
     if r and b and r["latency_s"]["mean"] and b["latency_s"]["mean"]:
         ratio = r["latency_s"]["mean"] / b["latency_s"]["mean"]
         lines += ["", f"routing / baseline mean latency: **{ratio:.3f}**"]
+    chats = {arm: a["chat"] for arm, a in arms.items() if a.get("chat")}
+    if chats:
+        lines += [
+            "",
+            "| arm | mean latency by turn (s) | later turns with their history cached "
+            "| nodes serving each system prompt |",
+            "|---|---|---|---|",
+        ]
+        for arm, c in chats.items():
+            by_turn = ", ".join(f"{t}: {v:.2f}" for t, v in c["latency_s_by_turn"].items())
+            copies = ", ".join(f"{k}: {v}" for k, v in c["serving_nodes_per_system_prompt"].items())
+            lines.append(
+                f"| {arm} | {by_turn} | {_fmt(c['history_cached_share'], True)} | {copies} |"
+            )
     paper = PAPER.get(name)
     if paper:
         lines += ["", f"Paper ({name}): {json.dumps(paper)}"]

@@ -42,7 +42,7 @@ from typing import Any
 import httpx
 import trio
 
-from p2pnode.testnet import churn, driver
+from p2pnode.testnet import chat, churn, driver
 from p2pnode.testnet.launch import NODE_CMD, LaunchError, RunningTrial, launch_trial
 from p2pnode.testnet.report import check_consistency, write_report
 from p2pnode.testnet.spec import ARMS, SpecError, TrialSpec, builtin_spec_path, load_spec
@@ -67,10 +67,21 @@ def _spec_echo(spec: TrialSpec) -> dict[str, Any]:
         ],
         "node": vars(spec.node),
         "workload": {
+            "kind": w.kind,
+            **(
+                {
+                    "sessions": w.sessions,
+                    "turns": w.turns,
+                    "system_prompts": w.system_prompts,
+                    "think_time_s": w.think_time_s,
+                }
+                if w.kind == "chat"
+                else {}
+            ),
             "subjects": w.subjects if isinstance(w.subjects, int) else list(w.subjects),
             "per_subject": w.per_subject,
             "popularity": w.popularity if w.popularity == "uniform" else f"zipf(s={w.zipf_s:g})",
-            "requests": w.requests,
+            "requests": w.planned_requests,
             "arrival": f"poisson({w.rate_per_s:g}/s)" if w.arrival == "poisson" else "closed",
             "concurrency": w.concurrency,
             "max_tokens": w.max_tokens,
@@ -160,6 +171,20 @@ async def _drive_arm(
     )
 
 
+async def _drive_chat_arm(trial: RunningTrial) -> list[dict[str, Any]]:
+    spec = trial.spec
+    sessions = chat.build_sessions(spec.workload, spec.seed, spec.node_count)
+    return await chat.drive_chat(
+        trial.apis,
+        sessions,
+        spec.workload,
+        max_duration_s=spec.max_duration_s,
+        peer_ids=trial.peer_ids,
+        tokenize=chat_tokenize(spec),
+        on_record=_Progress(trial.arm, spec.workload.planned_requests),
+    )
+
+
 def _snapshot(trial: RunningTrial, arm_dir: Path) -> None:
     (arm_dir / "status.json").write_text(json.dumps(trial.statuses(), indent=1))
     metrics = arm_dir / "metrics"
@@ -172,20 +197,56 @@ def _snapshot(trial: RunningTrial, arm_dir: Path) -> None:
         (metrics / f"{node.name}.prom").write_text(text)
 
 
-def prompt_token_ids(spec: TrialSpec, requests: Sequence[driver.PlannedRequest]):
-    """Token ids of each planned prompt as a node encodes it, or None when no tokenizer loads."""
+def _tokenizer(spec: TrialSpec) -> Any:
     from transformers import AutoTokenizer
 
     from p2pnode.inference.models import default_model_path
 
     try:
         path = default_model_path() if spec.model == "default" else spec.model
-        tok = AutoTokenizer.from_pretrained(str(path))
+        return AutoTokenizer.from_pretrained(str(path))
     except (OSError, ValueError) as exc:
         print(f"no tokenizer for the hit rate ceiling: {exc}", file=sys.stderr)
         return None
+
+
+def prompt_token_ids(spec: TrialSpec, requests: Sequence[driver.PlannedRequest]):
+    """Token ids of each planned prompt as a node encodes it, or None when no tokenizer loads."""
+    tok = _tokenizer(spec)
+    if tok is None:
+        return None
     # as EngineFront.encode does: no special tokens
     return [list(tok.encode(p.prompt, add_special_tokens=False)) for p in requests]
+
+
+def chat_tokenize(spec: TrialSpec) -> Any:
+    """``messages -> ids`` as EngineFront.encode_chat renders a chat, or None."""
+    tok = _tokenizer(spec)
+    if tok is None:
+        return None
+
+    def encode(messages: list[dict[str, str]]) -> list[int]:
+        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return list(tok.encode(text, add_special_tokens=False))
+
+    return encode
+
+
+def _attach_chat_oracle(records: list[dict[str, Any]]) -> str | None:
+    """Chat prompts exist only once the answers before them do: the ceiling is taken over
+    the turns in the order they were sent."""
+    sent = sorted(
+        (r for r in records if r["status"] == "ok" and r.get("prompt_ids")),
+        key=lambda r: r["sent_order"],
+    )
+    if any(r["status"] == "ok" and not r.get("prompt_ids") for r in records):
+        return "no hit rate ceiling: the model's tokenizer did not load"
+    off = [r["i"] for r in sent if r["prompt_tokens"] != len(r["prompt_ids"])]
+    if off:
+        return f"no hit rate ceiling: prompt token counts differ from the nodes' for {off[:5]}"
+    for r, o in zip(sent, driver.oracle_cached([r["prompt_ids"] for r in sent]), strict=True):
+        r["oracle_cached"] = o
+    return None
 
 
 def _attach_oracle(records: list[dict[str, Any]], ids: list[list[int]] | None) -> str | None:
@@ -212,7 +273,8 @@ def run_arm(
 ) -> dict[str, Any]:
     arm_dir = out_dir / arm
     arm_dir.mkdir(parents=True, exist_ok=True)
-    requests = driver.build_requests(spec.workload, spec.seed, spec.node_count)
+    is_chat = spec.workload.kind == "chat"
+    requests = [] if is_chat else driver.build_requests(spec.workload, spec.seed, spec.node_count)
     result: dict[str, Any] = {"warnings": []}
     t0 = time.monotonic()
     try:
@@ -224,19 +286,31 @@ def run_arm(
             result["peer_ids"] = trial.peer_ids
             result["apis"] = trial.apis
             churn_out: dict[str, Any] = {}  # churn: departure watches
-            records = trio.run(_drive_arm, trial, requests, stream, churn_out)
+            if is_chat:
+                records = trio.run(_drive_chat_arm, trial)
+            else:
+                records = trio.run(_drive_arm, trial, requests, stream, churn_out)
             _snapshot(trial, arm_dir)
     except LaunchError as exc:
         print(f"[{arm}] failed to start: {exc}", file=sys.stderr)
         result["error"] = str(exc)[:4000]
         return result
     result["logs"] = str(out_dir / "nodes" / arm / "logs")
-    warning = _attach_oracle(records, prompt_token_ids(spec, requests))
+    if is_chat:
+        warning = _attach_chat_oracle(records)
+        for r in records:
+            r.pop("prompt_ids", None)
+            r.pop("sent_order", None)
+    else:
+        warning = _attach_oracle(records, prompt_token_ids(spec, requests))
     if warning:
         result["warnings"].append(warning)
     driver.write_jsonl(arm_dir / "requests.jsonl", records)
     summary = driver.summarize(records, churn.max_nodes(spec))  # churn: joiners serve too
     result["summary"] = summary
+    if is_chat:
+        result["chat"] = chat.chat_summary(records)
+        print(f"[{arm}] chat: {result['chat']}", file=sys.stderr)
     if spec.churn:  # churn
         result["churn"] = churn.churn_summary(
             records, spec.churn, churn_out.get("watches", []), churn_out.get("applied", [])
@@ -249,7 +323,7 @@ def run_arm(
             f"{c['latency_away_from_churn_s']}",
             file=sys.stderr,
         )
-    result["consistency"] = check_consistency(records, summary, len(requests))
+    result["consistency"] = check_consistency(records, summary, spec.workload.planned_requests)
     result["wall_s"] = round(time.monotonic() - t0, 1)
     lat = summary["latency_s"]
     print(

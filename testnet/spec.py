@@ -76,6 +76,7 @@ COMPUTE_MODES = ("real", "emulated")
 ARMS = ("routing", "baseline")
 POPULARITY = ("uniform", "zipf")
 ARRIVALS = ("poisson", "closed")
+WORKLOAD_KINDS = ("mmlu", "chat")
 CHURN_ACTIONS = ("leave", "kill", "join")  # churn: "kill" = SIGKILL
 MAX_NODES = 256
 MAX_REGIONS = 200  # each region gets its own 127.x.0.0/16 (see wan.py)
@@ -124,6 +125,9 @@ class NodeSettingsSpec:
 
 @dataclass(frozen=True)
 class Workload:
+    # "mmlu": one-shot 5-shot MMLU prompts; "chat": sessions of growing histories that share a
+    # few system prompts (testnet/chat.py).
+    kind: str = "mmlu"
     subjects: tuple[str, ...] | int = 8
     per_subject: int = 20
     popularity: str = "uniform"
@@ -135,6 +139,16 @@ class Workload:
     max_tokens: int = 1
     temperature: float = 0.0
     request_timeout_s: float = 120.0
+    # chat only: sessions arrive at rate_per_s; each runs `turns` turns with exponential think
+    # times of mean think_time_s, on one of `system_prompts` system prompts (by popularity).
+    sessions: int = 40
+    turns: int = 4
+    system_prompts: int = 4
+    think_time_s: float = 2.0
+
+    @property
+    def planned_requests(self) -> int:
+        return self.sessions * self.turns if self.kind == "chat" else self.requests
 
 
 @dataclass(frozen=True)
@@ -393,6 +407,11 @@ def _workload(table: _Table) -> Workload:
     else:
         raise table.fail("subjects", "must be a count (1-57) or a list of MMLU subject names")
     out = Workload(
+        kind=table.str_("kind", d.kind, WORKLOAD_KINDS),
+        sessions=table.int_("sessions", d.sessions, 1, 100_000),
+        turns=table.int_("turns", d.turns, 1, 64),
+        system_prompts=table.int_("system_prompts", d.system_prompts, 1, 57),
+        think_time_s=table.float_("think_time_s", d.think_time_s, 0.0, 3600.0),
         subjects=subjects,
         per_subject=table.int_("per_subject", d.per_subject, 1, 100),
         popularity=table.str_("popularity", d.popularity, POPULARITY),
