@@ -364,12 +364,14 @@ async def test_peer_in_push_back_receives_nothing_new(
         )
         before = b.server.received
         # Three origins that hold nothing of the prompt, so B's cache would be worth a forward.
-        for origin, request in zip([a, cc, d], requests, strict=True):
+        for k, (origin, request) in enumerate(zip([a, cc, d], requests, strict=True)):
             res = await origin.generate(request, {"max_tokens": 3})
             est = res.decision.estimate_for(b.node.peer_id)
             assert est is not None and est.skipped == "push_back", explain(res)
-            # Without push-back B would have won: its estimate beats local by the margin.
-            assert est.total_s + res.decision.margin_s < res.decision.local_total_s
+            if k == 0:
+                # Without push-back B would have won: its estimate beats local by the margin.
+                # (The prefix then gets a second home, so later origins may find it there.)
+                assert est.total_s + res.decision.margin_s < res.decision.local_total_s
             assert res.served_by != b.node.peer_id
         assert b.server.received == before  # not one request stream reached B
         await busy.aclose()
@@ -423,7 +425,8 @@ async def test_forged_digests_are_ignored(loaded_model: Any, overlay_network: An
         assert a.views.version_of(b.node.peer_id, a.model_id)[0] == b_version[0]  # same epoch
         assert a.views.get(outsider.peer_id, a.model_id) is None
         decision = a.decide(forged_prompt, {"max_tokens": 4})
-        assert decision.chosen == LOCAL
+        # Nobody holds it: a miss, placed at its rendezvous home, not drawn to the forger.
+        assert decision.reason == "placement_home", json.dumps(decision.to_log())
         assert all(x.cached_tokens == 0 for x in decision.candidates)
 
 
