@@ -64,6 +64,7 @@ from transformers import DynamicCache
 
 from p2pnode.inference.models import LoadedModel
 from p2pnode.inference.sampling import make_generator, probs_from_logits
+from p2pnode.speculation._prefix import PrefixKV
 
 
 class VerifierError(Exception):
@@ -257,6 +258,7 @@ class BatchedVerifier:
         max_wait_ms: float = 2.0,
         idle_timeout_s: float = 120.0,
         max_lead: int = 64,
+        prefix_cache_tokens: int = 8192,
     ) -> None:
         self.target = target
         self.device = _device_of(target.model)
@@ -271,7 +273,9 @@ class BatchedVerifier:
         self.max_lead = max_lead
         self.sessions: dict[str, _Session] = {}
         self.stats = {"batches": 0, "blocks": 0, "stale": 0, "accepted": 0, "drafted": 0}
-        self.stats.update(lead=0, superseded=0)
+        self.stats.update(lead=0, superseded=0, sessions=0, prefill_tokens=0, prefix_hit_tokens=0)
+        # KV of closed sessions' tokens: a session on a known prefix prefills only the rest.
+        self.prefix = PrefixKV(self.model_id, prefix_cache_tokens)
         # None in the queue is a wake-up: a session may lead now (opened, or its block returned)
         self._send, self._recv = trio.open_memory_channel[_Pending | None](math.inf)
         self._device = trio.Lock()  # one forward at a time: prefill or batch
@@ -304,19 +308,24 @@ class BatchedVerifier:
             raise SessionLimit(f"prompt of {len(prompt)} tokens exceeds {self.max_tokens - 1}")
         self._check_ids(prompt, "prompt")
         sid = secrets.token_hex(8)
-        cache, generator, lead = (
-            DynamicCache(),
-            make_generator(options.seed),
-            min(lead, self.max_lead),
-        )
+        generator, lead = make_generator(options.seed), min(lead, self.max_lead)
+        # The session's cache holds all its tokens but the last, which the first block (or,
+        # leading, the prefill itself) runs: at most len(prompt) - 1 come from the prefix cache.
+        cache, hit = self.prefix.take(prompt, keep_last=1)
         first: int | None = None
         async with self._device:
             if lead:  # the prefill's last logits give the first token: a lead at once
                 first = await trio.to_thread.run_sync(
-                    self._prefill_and_pick, cache, prompt, options, generator
+                    self._prefill_and_pick, cache, prompt[hit:], options, generator
                 )
-            elif len(prompt) > 1:
-                await trio.to_thread.run_sync(self._prefill, cache, prompt[:-1])
+            elif len(prompt) - 1 > hit:
+                await trio.to_thread.run_sync(self._prefill, cache, prompt[hit:-1])
+        computed = (len(prompt) if lead else len(prompt) - 1) - hit
+        self.stats["sessions"] += 1
+        self.stats["prefix_hit_tokens"] += hit
+        self.stats["prefill_tokens"] += computed
+        if computed > 0:
+            self.prefix.keep(prompt, cache)
         if len(self.sessions) >= self.max_sessions:  # others opened while we prefilled
             raise VerifierFull(f"verifier is at its {self.max_sessions} sessions: retry later")
         s = _Session(
@@ -342,13 +351,15 @@ class BatchedVerifier:
         return sid
 
     def close_session(self, sid: str) -> None:
-        self.sessions.pop(sid, None)
+        s = self.sessions.pop(sid, None)
+        if s is not None and not s.busy:  # a busy cache is being cropped by a forward pass
+            self.prefix.keep(s.tokens[:-1], s.cache)  # the next turn of a chat starts here
 
     def _reap_idle(self) -> None:
         now = trio.current_time()
         for sid, s in list(self.sessions.items()):
             if not s.busy and now - s.last_used > self.idle_timeout_s:
-                del self.sessions[sid]
+                self.close_session(sid)
 
     def _check_ids(self, ids: list[int] | tuple[int, ...], what: str) -> None:
         bad = [

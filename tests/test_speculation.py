@@ -376,6 +376,44 @@ async def test_greedy_speculation_equals_target_several_tenants_at_once(
     assert not verifier.sessions  # every transport closed its session
 
 
+async def test_verifier_prefix_cache_prefills_only_the_new_suffix(target, draft, prompts) -> None:
+    # A chat's second turn: the history (prompt + first answer) is in the verifier's prefix
+    # cache once the first session closed, so the new session prefills only the new message.
+    eos = target.eos_token_ids
+    verifier = BatchedVerifier(target, max_wait_ms=5)
+    first = prompts[0]
+    stats = verifier.stats
+
+    async def run(prompt: list[int], lead: int = 0) -> list[int]:
+        async with inprocess_transport(verifier) as transport:
+            r = await speculative_generate(
+                draft, transport, prompt, 8, gamma=3, lead=lead, eos_token_ids=eos
+            )
+        return r.tokens
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(verifier.run)
+        with trio.fail_after(120):
+            answer = await run(first)
+            assert stats["prefix_hit_tokens"] == 0 and stats["prefill_tokens"] == len(first) - 1
+            # The same prompt again: nothing to prefill but the token the first block runs.
+            before = stats["prefill_tokens"]
+            assert await run(first) == answer
+            assert stats["prefill_tokens"] == before
+            assert stats["prefix_hit_tokens"] == len(first) - 1
+            # The next turn: history + a new user message; with a lead the prefill runs the
+            # prompt's last token too, for its logits.
+            second = first + answer + prompts[1][1:]
+            before, hits = stats["prefill_tokens"], stats["prefix_hit_tokens"]
+            got = await run(second, lead=2)
+            hit = stats["prefix_hit_tokens"] - hits
+            assert hit >= len(first) + len(answer) - 1
+            assert stats["prefill_tokens"] - before == len(second) - hit
+        nursery.cancel_scope.cancel()
+    assert answer == target_generate(target, first, 8, eos_token_ids=eos)
+    assert got == target_generate(target, second, 8, eos_token_ids=eos)
+
+
 def test_draft_rollback_after_rejection_equals_clean_run(draft, prompts) -> None:
     # A drafts 3 tokens, then the verifier rejects the 2nd: A rolls back to prompt + t1 + X.
     # B reaches the same tokens without ever drafting past them. Same forwards in the same
