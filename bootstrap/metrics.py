@@ -4,11 +4,13 @@ Contract:
 - ``NodeMetrics(registry, *, node=None, engine=None, service=None)`` registers, in ``registry``:
   counters ``p2pnode_api_requests_total{endpoint,status}``, ``p2pnode_prompt_tokens_total``,
   ``p2pnode_generated_tokens_total`` and ``p2pnode_cached_prompt_tokens_total`` (by ``served``:
-  ``local``, ``remote``, or ``unknown`` when a stop string cancelled the request), ``p2pnode_speculation_{proposed,accepted}_tokens_total`` (incremented
-  by the speculation code through ``metrics.speculation``); histograms
+  ``local``, ``remote``, or ``unknown`` when a stop string cancelled the request); histograms
   ``p2pnode_time_to_first_token_seconds``, ``p2pnode_inter_token_latency_seconds`` and
   ``p2pnode_request_duration_seconds`` (measured at the HTTP API, routing and forwarding
-  included); and one collector that reads live values at scrape time (see ``LiveCollector``).
+  included); and one collector that reads live values at scrape time (see ``LiveCollector``),
+  among them the verifier's counters (``p2pnode_verifier_*``: sessions, blocks, drafted and
+  accepted tokens, lead tokens, prefill and prefix-cache tokens, committed tokens, whose rate is
+  its tokens/s) once ``live.verifier`` is set.
 - Counters owned elsewhere are NOT duplicated: the router (``p2pnode_routing_*``), forwarding
   (``p2pnode_forward_attempts``, ``p2pnode_forward_served``) and anti-entropy
   (``p2pnode_digest_*``, incl. ``p2pnode_digest_published_bytes``) register theirs in the same
@@ -31,26 +33,6 @@ _ITL_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1, 2,
 _DURATION_BUCKETS = (0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 60, 120, math.inf)
 
 
-class SpeculationMetrics:
-    """Counters the speculative decoding code increments: tokens drafted and accepted."""
-
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self.proposed = Counter(
-            "p2pnode_speculation_proposed_tokens",
-            "Draft tokens sent for verification",
-            registry=registry,
-        )
-        self.accepted = Counter(
-            "p2pnode_speculation_accepted_tokens",
-            "Draft tokens the verifier accepted",
-            registry=registry,
-        )
-
-    def observe(self, proposed: int, accepted: int) -> None:
-        self.proposed.inc(proposed)
-        self.accepted.inc(accepted)
-
-
 class LiveCollector(Collector):
     """Values owned by other parts, read when ``/metrics`` is scraped.
 
@@ -66,16 +48,19 @@ class LiveCollector(Collector):
         engine: Any = None,
         service: Any = None,
         inflight: Callable[[], int] | None = None,
+        verifier: Any = None,
     ) -> None:
         self.node = node
         self.engine = engine
         self.service = service
         self.inflight = inflight  # set by the API app
+        self.verifier = verifier  # set once the node's verifier runs
 
     def collect(self) -> Iterator[Metric]:
         yield from self._peers()
         yield from self._engine()
         yield from self._service()
+        yield from self._verifier()
         if self.inflight is not None:
             g = GaugeMetricFamily(
                 "p2pnode_api_inflight_requests", "Completion requests being served by the API"
@@ -132,6 +117,44 @@ class LiveCollector(Collector):
         yield views
 
 
+    # BatchedVerifier.stats key -> (metric name, help)
+    _VERIFIER_COUNTERS = (
+        ("sessions", "p2pnode_verifier_sessions", "Verification sessions opened"),
+        ("blocks", "p2pnode_verifier_blocks", "Draft blocks verified"),
+        ("drafted", "p2pnode_verifier_drafted_tokens", "Draft tokens verified"),
+        ("accepted", "p2pnode_verifier_accepted_tokens", "Draft tokens accepted"),
+        ("lead", "p2pnode_verifier_lead_tokens", "Tokens the verifier committed ahead (lead)"),
+        ("stale", "p2pnode_verifier_stale_blocks", "Blocks built on a stale base (no compute)"),
+        ("batches", "p2pnode_verifier_batches", "Batched target forward passes"),
+        ("prefill_tokens", "p2pnode_verifier_prefill_tokens", "Prompt tokens prefilled"),
+        (
+            "prefix_hit_tokens",
+            "p2pnode_verifier_prefix_hit_tokens",
+            "Prompt tokens taken from the verifier's prefix cache",
+        ),
+    )
+
+    def _verifier(self) -> Iterator[Metric]:
+        v = self.verifier
+        if v is None:
+            return
+        stats = v.stats
+        for key, name, text in self._VERIFIER_COUNTERS:
+            c = CounterMetricFamily(name, text)
+            c.add_metric([], float(stats.get(key, 0)))
+            yield c
+        # Committed tokens (accepted + one target token per block + leads): rate() of it is
+        # the verifier's tokens/s.
+        c = CounterMetricFamily(
+            "p2pnode_verifier_committed_tokens", "Tokens committed to sessions (rate: tokens/s)"
+        )
+        c.add_metric([], float(stats["accepted"] + stats["blocks"] + stats["lead"]))
+        yield c
+        g = GaugeMetricFamily("p2pnode_verifier_active_sessions", "Open verification sessions")
+        g.add_metric([], float(len(v.sessions)))
+        yield g
+
+
 class NodeMetrics:
     """See the module contract."""
 
@@ -186,7 +209,6 @@ class NodeMetrics:
             buckets=_DURATION_BUCKETS,
             registry=registry,
         )
-        self.speculation = SpeculationMetrics(registry)
         self.live = LiveCollector(node=node, engine=engine, service=service)
         registry.register(self.live)
 

@@ -334,6 +334,7 @@ async def _run_locked(settings: NodeSettings, timeouts: dict[str, float], task_s
             )
             if verifier is not None:
                 app.state.console.watch_verifier(verifier)
+                app.state.metrics.live.verifier = verifier  # p2pnode_verifier_* on /metrics
             starting.serve(app)
             nursery.start_soon(_stop_on_signal, nursery.cancel_scope)
 

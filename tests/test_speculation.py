@@ -14,7 +14,9 @@ from functools import partial
 import pytest
 import torch
 import trio
+from prometheus_client import CollectorRegistry
 
+from p2pnode.bootstrap.metrics import NodeMetrics
 from p2pnode.identity import NodeKey
 from p2pnode.inference.models import load_model
 from p2pnode.inference.sampling import probs_from_logits
@@ -412,6 +414,15 @@ async def test_verifier_prefix_cache_prefills_only_the_new_suffix(target, draft,
         nursery.cancel_scope.cancel()
     assert answer == target_generate(target, first, 8, eos_token_ids=eos)
     assert got == target_generate(target, second, 8, eos_token_ids=eos)
+    # The same counters reach a node's /metrics.
+    registry = CollectorRegistry()
+    metrics = NodeMetrics(registry)
+    metrics.live.verifier = verifier
+    sample = registry.get_sample_value
+    assert sample("p2pnode_verifier_sessions_total") == 3
+    assert sample("p2pnode_verifier_prefix_hit_tokens_total") == stats["prefix_hit_tokens"] > 0
+    assert sample("p2pnode_verifier_committed_tokens_total") >= 24
+    assert sample("p2pnode_verifier_active_sessions") == 0
 
 
 def test_draft_rollback_after_rejection_equals_clean_run(draft, prompts) -> None:
