@@ -116,7 +116,6 @@ class LiveCollector(Collector):
         views.add_metric([], float(len(s.views)))
         yield views
 
-
     # BatchedVerifier.stats key -> (metric name, help)
     _VERIFIER_COUNTERS = (
         ("sessions", "p2pnode_verifier_sessions", "Verification sessions opened"),

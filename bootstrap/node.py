@@ -311,12 +311,8 @@ async def _run_locked(settings: NodeSettings, timeouts: dict[str, float], task_s
         async with trio.open_nursery() as nursery:
             await nursery.start(reachability.run)
             verifier = None
-            if service is not None:
-                await nursery.start(service.run)
-                from p2pnode.overlay.trust_store import TRUST_FILE, keep_trust_saved
-
-                nursery.start_soon(keep_trust_saved, service.trust, settings.home / TRUST_FILE)
             if engine is not None and "verifier" in settings.role:
+                from p2pnode.speculation.advert import VerifierAdvert
                 from p2pnode.speculation.protocol import serve_verifier
                 from p2pnode.speculation.verify import BatchedVerifier
 
@@ -325,6 +321,14 @@ async def _run_locked(settings: NodeSettings, timeouts: dict[str, float], task_s
                 # One per-peer budget for everything a peer can make this node do.
                 limiter = service.limiter if service is not None else None
                 serve_verifier(node, verifier, limiter=limiter)
+                if service is not None:  # its cache and queue in the digests edges follow
+                    advert = VerifierAdvert(node.peer_id, verifier, settings.advertise_min_uses)
+                    service.advertise(advert.builder)
+            if service is not None:
+                await nursery.start(service.run)
+                from p2pnode.overlay.trust_store import TRUST_FILE, keep_trust_saved
+
+                nursery.start_soon(keep_trust_saved, service.trust, settings.home / TRUST_FILE)
             app = build_app(
                 status,
                 service=service,

@@ -541,6 +541,13 @@ class RoutedService:
             limiter=self.limiter,
         )
 
+    def advertise(self, builder: DigestBuilder) -> None:
+        """Publish one more digest (a verifier's) with this node's anti-entropy; call before
+        ``run``."""
+        ae = self.antientropy
+        ae.builders[builder.model_id] = builder
+        ae.models = sorted(set(ae.models) | {builder.model_id})
+
     # -- local state --------------------------------------------------------------------------
 
     def local_load(self) -> LoadInfo:

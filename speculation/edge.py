@@ -45,8 +45,12 @@ from dataclasses import dataclass, field
 
 import trio
 
+from p2pnode.overlay.antientropy import AntiEntropy
+from p2pnode.overlay.router import rtt_from_peer_table
 from p2pnode.overlay.trust import TrustBook
+from p2pnode.overlay.views import PeerViews
 from p2pnode.speculation._audit import Audit, audit_result
+from p2pnode.speculation.advert import rank_verifiers, verify_digest_model
 from p2pnode.speculation.client import (
     BadVerdict,
     SpecResult,
@@ -130,8 +134,12 @@ class EdgeClient:
         gamma: int | None = None,
         result_timeout_s: float = 30.0,
         trust: TrustBook | None = None,
+        views: PeerViews | None = None,
     ) -> None:
         self.node = node
+        # Verifiers' digests (speculation/advert.py), when this edge follows them: the choice
+        # weighs what each verifier has cached and its queue against its RTT.
+        self.views = views
         # Trust hook (overlay/trust.py): impossible verdicts count against a verifier; demoted
         # verifiers are left out of find_verifiers until their trust recovers.
         self.trust = trust if trust is not None else TrustBook()
@@ -146,6 +154,15 @@ class EdgeClient:
         self._auto_runs = 0
         eos = getattr(self.tokenizer, "eos_token_id", None)
         self.eos_token_ids: tuple[int, ...] = (eos,) if isinstance(eos, int) else ()
+
+    def rank(self, peers: list[str], prompt_ids: list[int]) -> list[str]:
+        """``peers`` best first for this prompt: by RTT + queue + uncached prefill when the
+        verifiers' digests are followed, else by RTT."""
+        if self.views is None:
+            return peers
+        return rank_verifiers(
+            peers, prompt_ids, self.model_id, self.views, rtt_from_peer_table(self.node.peers)
+        )
 
     async def find_verifiers(self) -> list[str]:
         if self._fixed is not None:
@@ -212,7 +229,8 @@ class EdgeClient:
                 _sink.send_nowait(list(new))
 
         while not self._done(committed, max_tokens):
-            candidates = [p for p in await self.find_verifiers() if p not in tried]
+            found = await self.find_verifiers()
+            candidates = self.rank([p for p in found if p not in tried], ids + committed)
             if not candidates:
                 why = "; ".join(f"{p[-8:]}: {e}" for p, e in tried.items()) or "none found"
                 raise NoVerifier(
@@ -390,6 +408,8 @@ async def open_edge(
 ) -> AsyncIterator[EdgeClient]:
     """An ``EdgeClient`` on a new overlay node with role "edge" (or on ``node``)."""
     async with AsyncExitStack() as stack:
+        follow: AntiEntropy | None = None
+        views = PeerViews()
         if draft is None:
             draft = await trio.to_thread.run_sync(load_draft)
         if node is None:
@@ -407,14 +427,35 @@ async def open_edge(
                 roles={"edge"},
             )
             node = await stack.enter_async_context(open_overlay_node(cfg))
+            # Follow the verifiers' digests: their caches and queues decide which one to use.
+            # (Only on a node of our own: a given node may run its own digest handler.)
+            follow = AntiEntropy(
+                node, None, views, models=[verify_digest_model(draft.target_model_id)]
+            )
+            await stack.enter_async_context(_running(follow))
         client = EdgeClient(
-            node, draft, verifiers=verifiers, gamma=gamma, result_timeout_s=result_timeout_s
+            node,
+            draft,
+            verifiers=verifiers,
+            gamma=gamma,
+            result_timeout_s=result_timeout_s,
+            views=views if follow is not None else None,
         )
         try:
             yield client
         finally:
             with trio.CancelScope(shield=True):
                 await client.aclose()
+
+
+@asynccontextmanager
+async def _running(service: AntiEntropy) -> AsyncIterator[None]:
+    async with trio.open_nursery() as nursery:
+        await nursery.start(service.run)
+        try:
+            yield
+        finally:
+            nursery.cancel_scope.cancel()
 
 
 def run_edge_cli(

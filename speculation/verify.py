@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import math
 import secrets
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -276,6 +277,9 @@ class BatchedVerifier:
         self.stats.update(lead=0, superseded=0, sessions=0, prefill_tokens=0, prefix_hit_tokens=0)
         # KV of closed sessions' tokens: a session on a known prefix prefills only the rest.
         self.prefix = PrefixKV(self.model_id, prefix_cache_tokens)
+        # Measured speeds (EWMA), advertised with the verifier's digest (speculation/advert.py).
+        self.timing = {"batch_s": 0.0, "prefill_s_per_token": 0.0}
+        self.on_open: Callable[[list[int]], None] | None = None  # each session's prompt
         # None in the queue is a wake-up: a session may lead now (opened, or its block returned)
         self._send, self._recv = trio.open_memory_channel[_Pending | None](math.inf)
         self._device = trio.Lock()  # one forward at a time: prefill or batch
@@ -313,6 +317,7 @@ class BatchedVerifier:
         # leading, the prefill itself) runs: at most len(prompt) - 1 come from the prefix cache.
         cache, hit = self.prefix.take(prompt, keep_last=1)
         first: int | None = None
+        t0 = time.perf_counter()
         async with self._device:
             if lead:  # the prefill's last logits give the first token: a lead at once
                 first = await trio.to_thread.run_sync(
@@ -321,6 +326,10 @@ class BatchedVerifier:
             elif len(prompt) - 1 > hit:
                 await trio.to_thread.run_sync(self._prefill, cache, prompt[hit:-1])
         computed = (len(prompt) if lead else len(prompt) - 1) - hit
+        if computed > 0:
+            self._observe("prefill_s_per_token", (time.perf_counter() - t0) / computed)
+        if self.on_open is not None:
+            self.on_open(prompt)
         self.stats["sessions"] += 1
         self.stats["prefix_hit_tokens"] += hit
         self.stats["prefill_tokens"] += computed
@@ -349,6 +358,10 @@ class BatchedVerifier:
         if s.lead_left:
             self._send.send_nowait(None)
         return sid
+
+    def _observe(self, key: str, value: float) -> None:
+        old = self.timing[key]
+        self.timing[key] = value if old == 0.0 else 0.8 * old + 0.2 * value
 
     def close_session(self, sid: str) -> None:
         s = self.sessions.pop(sid, None)
@@ -423,7 +436,9 @@ class BatchedVerifier:
             compute = [item for item in batch if self._plan(item)]
             if compute:
                 async with self._device:
+                    t0 = time.perf_counter()
                     await trio.to_thread.run_sync(self._run_batch, compute)
+                    self._observe("batch_s", time.perf_counter() - t0)
             for item in batch:
                 self._finish(item)
 

@@ -18,9 +18,13 @@ from prometheus_client import CollectorRegistry
 
 from p2pnode.bootstrap.metrics import NodeMetrics
 from p2pnode.identity import NodeKey
+from p2pnode.inference.blockhash import block_hashes, model_salt
 from p2pnode.inference.models import load_model
 from p2pnode.inference.sampling import probs_from_logits
+from p2pnode.overlay.antientropy import AntiEntropy, AntiEntropyConfig
 from p2pnode.overlay.node import OverlayConfig, open_overlay_node
+from p2pnode.overlay.views import PeerViews
+from p2pnode.speculation.advert import VerifierAdvert, rank_verifiers, verify_digest_model
 from p2pnode.speculation.client import (
     DraftRunner,
     inprocess_transport,
@@ -517,6 +521,64 @@ async def _edge_client(target, draft, overlay_network):
             yield client
         finally:
             await client.aclose()
+
+
+async def test_edge_picks_the_verifier_holding_the_prefix_over_a_nearer_one(
+    target, draft, prompts, overlay_network
+) -> None:
+    # Two verifiers gossip their digests; V1 has served this prompt twice (so its blocks are
+    # advertised), V2 nothing. The edge, following the digests, ranks V1 first even when V2 is
+    # a little nearer: V2 would prefill the whole prompt, V1 only the last token.
+    eos = target.eos_token_ids
+    prompt = prompts[0] * 4  # ~100 tokens: several blocks
+    key = verify_digest_model(target.model_id)
+    ae_config = AntiEntropyConfig(interval_s=0.2, pull_min_interval_s=0.3)
+    async with overlay_network(3) as (n1, n2, edge), trio.open_nursery() as nursery:
+        verifiers, edge_views = [], PeerViews()
+        for node in (n1, n2):
+            v = BatchedVerifier(target, max_wait_ms=5)
+            advert = VerifierAdvert(node.peer_id, v, min_uses=2)
+            await nursery.start(v.run)
+            serve_verifier(node, v)
+            ae = AntiEntropy(
+                node, node.config.key, PeerViews(), builders={key: advert.builder}, config=ae_config
+            )
+            await nursery.start(ae.run)
+            verifiers.append(v)
+        await nursery.start(AntiEntropy(edge, None, edge_views, models=[key], config=ae_config).run)
+        for _ in range(2):
+            async with inprocess_transport(verifiers[0]) as transport:
+                await speculative_generate(draft, transport, prompt, 2, eos_token_ids=eos)
+        hashes = block_hashes(prompt, model_salt(target.model_id))
+        for _ in range(200):  # at most 20 s for both digests to arrive
+            held = edge_views.cached_prefix_tokens(n1.peer_id, hashes, key)
+            if held >= len(prompt) - 16 and edge_views.get(n2.peer_id, key) is not None:
+                break
+            await trio.sleep(0.1)
+        else:
+            raise AssertionError(f"the edge never saw both verifiers' digests (V1 holds {held})")
+        rtt = {n1.peer_id: 0.015, n2.peer_id: 0.010}.get
+        assert rank_verifiers(
+            [n2.peer_id, n1.peer_id], prompt, target.model_id, edge_views, rtt
+        ) == [
+            n1.peer_id,
+            n2.peer_id,
+        ]
+        # Nothing of it cached anywhere (chat prompts would share the template's system
+        # prompt): the nearer one.
+        other = list(range(1000, 1100))
+        assert (
+            rank_verifiers([n1.peer_id, n2.peer_id], other, target.model_id, edge_views, rtt)[0]
+            == n2.peer_id
+        )
+        client = EdgeClient(edge, draft, verifiers=[n2.peer_id, n1.peer_id], views=edge_views)
+        try:
+            result = await client.generate(prompt, 6)
+        finally:
+            await client.aclose()
+        assert result.verifiers == [n1.peer_id]
+        assert result.tokens == target_generate(target, prompt, 6, eos_token_ids=eos)
+        nursery.cancel_scope.cancel()
 
 
 async def test_greedy_over_libp2p_equals_target_and_sessions_are_released(
