@@ -22,6 +22,7 @@ import pytest
 import trio
 from prometheus_client import CollectorRegistry
 
+from p2pnode.bootstrap.api import DEFAULT_CHAT_MAX_TOKENS
 from p2pnode.identity import NodeKey, plaincbor
 from p2pnode.inference.blockhash import BLOCK_SIZE, block_hashes
 from p2pnode.inference.engine import open_engine
@@ -258,6 +259,29 @@ async def test_prefix_cached_on_b_is_served_by_b_with_the_local_answer(
         local = await a.engine.generate(request, {"max_tokens": 8})
         assert local.cached_tokens == 0  # A computed it all itself: a true reference
         assert res.tokens == local.tokens and len(res.tokens) >= 2
+
+
+async def test_chat_without_max_tokens_goes_to_the_peer_holding_its_system_prompt(
+    loaded_model: Any, overlay_network: Any
+) -> None:
+    # No max_tokens: the default limit (1,024 tokens, ~100 s of decode at the pinned speed)
+    # is paid wherever the request runs, so it must not drown the prefill a cached 300-token
+    # system prompt saves.
+    long_system = " ".join([SYSTEM] * 4)
+    async with cluster(loaded_model, overlay_network) as c:
+        a, b, _, _ = c.services
+        earlier = chat(b, QUESTIONS[0], system=long_system)
+        request = chat(a, QUESTIONS[1], system=long_system)
+        shared = common_blocks(earlier, request)
+        assert shared >= 288, shared
+        await b.engine.generate(earlier, {"max_tokens": 2})
+        await wait_view(a, b, request, shared)
+        # What the API passes for a chat call without max_tokens (its chat default).
+        decision = a.decide(request, {"max_tokens": DEFAULT_CHAT_MAX_TOKENS})
+        assert decision.chosen == b.node.peer_id and decision.reason == "remote_faster", json.dumps(
+            decision.to_log()
+        )
+        assert decision.margin_s < 0.5  # 5 % of queue + prefill, not of the 100 s decode
 
 
 async def test_large_injected_rtt_keeps_the_request_local(
