@@ -273,7 +273,7 @@ async def test_chat_without_max_tokens_goes_to_the_peer_holding_its_system_promp
         earlier = chat(b, QUESTIONS[0], system=long_system)
         request = chat(a, QUESTIONS[1], system=long_system)
         shared = common_blocks(earlier, request)
-        assert shared >= 288, shared
+        assert shared >= 256, shared  # the ~300-token system prompt, in whole shared blocks
         await b.engine.generate(earlier, {"max_tokens": 2})
         await wait_view(a, b, request, shared)
         # What the API passes for a chat call without max_tokens (its chat default).
