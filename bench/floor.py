@@ -4,6 +4,9 @@ Run: ``python bench/floor.py`` (prints a table, writes bench/results/floor.json)
 ``--compare`` also measures the decode/verify paths with the streaming kernels off (the plain
 torch path) in the same run, interleaved, so the two are compared under the same load.
 
+Times are the best of ``--reps`` (the median is in the JSON): on a machine shared with other
+sessions, the closest a step came to having the core to itself.
+
 Measured first: read bandwidth (a plain fp32 tensor sum over 512 MB, far past the caches) and
 compute rate (a prefill-shaped fp32 matmul). Then for each path the median time, its floor and
 the ratio time / floor:
@@ -40,24 +43,24 @@ RESULTS = Path(__file__).parent / "results" / "floor.json"
 CONTEXT = 200  # tokens already cached when a decode/verify step is timed
 
 
-def median_s(fn, reps: int) -> float:
+def best_s(fn, reps: int) -> float:
     fn()  # warm-up
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return min(times)
 
 
 def read_bandwidth(reps: int = 7) -> float:
     x = torch.ones(128 * 1024 * 1024)  # 512 MB
-    return x.numel() * 4 / median_s(lambda: x.sum(), reps)
+    return x.numel() * 4 / best_s(lambda: x.sum(), reps)
 
 
 def compute_rate(reps: int = 5) -> float:
     a, b = torch.randn(512, 576), torch.randn(576, 1536)
-    return 2 * 512 * 576 * 1536 / median_s(lambda: a @ b, reps)
+    return 2 * 512 * 576 * 1536 / best_s(lambda: a @ b, reps)
 
 
 def tensor_bytes(tensors) -> int:
@@ -119,7 +122,7 @@ def row(name, t, floor, **extra) -> dict:
     }
 
 
-def decode_paths(loaded, bw, flops, reps, prompt) -> list[dict]:
+def decode_paths(loaded, bw, flops, prompt) -> list[tuple]:
     backend = HFBackend(loaded.model)
     model = loaded.model
     wbytes, params = weight_bytes_target(model), n_params(model)
@@ -133,18 +136,15 @@ def decode_paths(loaded, bw, flops, reps, prompt) -> list[dict]:
         toks = [prompt[-1]] * batch
 
         def step(states=states, toks=toks):
-            backend.decode(states, toks)
+            with torch.inference_mode():
+                backend.decode(states, toks)
 
-        t = median_s(step, reps)
-        ctx = CONTEXT + reps // 2
-        floor = max((wbytes + batch * kv_bytes(model, ctx)) / bw, 2 * params * batch / flops)
-        out.append(row(f"target decode b={batch}", t / 1, floor, per_token_ms=1000 * t / batch))
-        for s in states:
-            backend.free(s)
+        floor = max((wbytes + batch * kv_bytes(model, CONTEXT)) / bw, 2 * params * batch / flops)
+        out.append((f"target decode b={batch}", step, floor, {}))
     return out
 
 
-def verify_paths(loaded, bw, flops, reps, prompt) -> list[dict]:
+def verify_paths(loaded, bw, flops, prompt) -> list[tuple]:
     from p2pnode.speculation.verify import BatchedVerifier, Block, SamplingOptions, _Pending
 
     verifier = BatchedVerifier(loaded)
@@ -154,8 +154,7 @@ def verify_paths(loaded, bw, flops, reps, prompt) -> list[dict]:
     async def open_one() -> str:
         return await verifier.open_session(prompt, SamplingOptions())
 
-    sid = trio.run(open_one)
-    session = verifier.sessions[sid]
+    session = verifier.sessions[trio.run(open_one)]
     out = []
     for k in (1, 5, 9):
         draft = tuple(prompt[-k + 1 :]) if k > 1 else ()
@@ -166,13 +165,12 @@ def verify_paths(loaded, bw, flops, reps, prompt) -> list[dict]:
                 verifier._forward([_Pending(session, block)])
             session.cache.crop(-k)
 
-        t = median_s(step, reps)
         floor = max((wbytes + kv_bytes(model, CONTEXT)) / bw, 2 * params * k / flops)
-        out.append(row(f"verify {k}", t, floor, positions=k))
+        out.append((f"verify {k}", step, floor, {"positions": k}))
     return out
 
 
-def draft_path(bw, flops, reps, prompt) -> dict:
+def draft_path(bw, flops, prompt) -> tuple:
     from transformers import DynamicCache
 
     from p2pnode.speculation.draft import load_draft
@@ -188,10 +186,34 @@ def draft_path(bw, flops, reps, prompt) -> dict:
             model(input_ids=torch.tensor([[prompt[-1]]]), past_key_values=cache, use_cache=True)
         cache.crop(-1)
 
-    t = median_s(step, reps)
     wbytes = weight_bytes_draft(model)
     floor = max((wbytes + kv_bytes(model, CONTEXT)) / bw, 2 * n_params(model) / flops)
-    return row("draft decode (W4A16)", t, floor, weight_mb=wbytes / 1e6, act=str(draft.act_dtype))
+    return ("draft decode (W4A16)", step, floor, {"weight_mb": wbytes / 1e6})
+
+
+def measure(paths: list[tuple], modes: list[bool], reps: int) -> list[dict]:
+    """Every path in every mode, interleaved rep by rep (so both modes see the same load).
+    ``time_ms`` is the best of ``reps``: on a shared machine the closest a step came to having
+    the core to itself; the median is kept beside it."""
+    times: dict[tuple[str, bool], list[float]] = {}
+    for rep in range(reps + 1):
+        for name, step, _floor, _extra in paths:
+            for on in modes:
+                _kernels.set_enabled(on)
+                t0 = time.perf_counter()
+                step()
+                if rep:  # rep 0 warms up
+                    times.setdefault((name, on), []).append(time.perf_counter() - t0)
+    _kernels.set_enabled(True)
+    rows = []
+    for on in modes:
+        for name, _step, floor, extra in paths:
+            ts = times[(name, on)]
+            tag = "" if on else " [torch path]"
+            rows.append(
+                row(name + tag, min(ts), floor, median_ms=1000 * statistics.median(ts), **extra)
+            )
+    return rows
 
 
 def prefill_paths(loaded, bw, flops, reps) -> list[dict]:
@@ -217,7 +239,7 @@ def prefill_paths(loaded, bw, flops, reps) -> list[dict]:
             return miss, hit
 
     miss, hit = trio.run(run)
-    m, h = statistics.median(miss), statistics.median(hit)
+    m, h = min(miss), min(hit)  # best of reps, as for the steps
     floor_miss = 2 * params * 1050 / flops
     floor_hit = 2 * params * 50 / flops + kv_bytes(loaded.model, 1000) / bw
     return [
@@ -246,17 +268,9 @@ def main() -> None:
     print(f"read bandwidth {bw / 1e9:.1f} GB/s, compute {flops / 1e9:.1f} GFLOP/s (one thread)")
     print(f"streaming kernels: {'on' if _kernels.library() is not None else 'unavailable'}")
     modes = [True, False] if args.compare and _kernels.library() is not None else [True]
-    rows: list[dict] = []
-    for on in modes:
-        _kernels.set_enabled(on)
-        tag = "" if on else " [torch path]"
-        part = decode_paths(loaded, bw, flops, args.reps, prompt)
-        part += [draft_path(bw, flops, args.reps, prompt)]
-        part += verify_paths(loaded, bw, flops, args.reps, prompt)
-        for r in part:
-            r["path"] += tag
-        rows += part
-    _kernels.set_enabled(True)
+    paths = decode_paths(loaded, bw, flops, prompt) + [draft_path(bw, flops, prompt)]
+    paths += verify_paths(loaded, bw, flops, prompt)
+    rows = measure(paths, modes, args.reps)
     if not args.skip_prefill:
         rows += prefill_paths(loaded, bw, flops, max(3, args.reps // 3))
     print(f"{'path':44} {'time ms':>9} {'floor ms':>9} {'ratio':>6}")
