@@ -10,7 +10,10 @@ from p2pnode.inference import _kernels
 from p2pnode.inference._kvslab import Slab
 
 lib = _kernels.library()
-needs_lib = pytest.mark.skipif(lib is None, reason="no C compiler: the torch path is used")
+needs_lib = pytest.mark.skipif(
+    lib is None,
+    reason="kernels unavailable (no C compiler, or P2PNODE_KERNELS=0): the torch path is used",
+)
 
 
 @needs_lib
