@@ -3,11 +3,12 @@
 Contract (``Backend``): all calls come from one thread at a time (the engine's scheduler).
 - ``new_state(prefix_kv, prefix_len)`` starts a sequence whose first ``prefix_len`` tokens
   already have KV (``prefix_kv`` in the radix layout ``[layers, 2, kv_heads, T, head_dim]``, or
+  the radix nodes' spans in that layout, in order, as ``RadixCache.gather_parts`` returns them;
   ``None`` when ``prefix_len`` is 0 or the backend keeps no KV).
 - ``extend(state, tokens)`` runs the tokens (batch of one, chunked prefill) and returns the
   logits ``[V]`` after the last one.
 - ``decode(states, tokens)`` feeds one token to each state in ONE batched forward and returns
-  logits ``[B, V]``. ``HFBackend`` keeps the decoding sequences in a left-padded batched cache
+  logits ``[B, V]``. ``HFBackend`` keeps the decoding sequences in a left-padded batched slab
   (attention mask + per-row position ids) and rebuilds it only when the set of states changes.
 - ``export_kv(state, begin, end)`` copies the KV of tokens ``[begin, end)`` out (radix layout)
   for the prefix cache; ``free(state)`` drops a finished sequence.
@@ -17,20 +18,26 @@ from __future__ import annotations
 
 import time
 import zlib
+from collections.abc import Sequence
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
-from transformers import DynamicCache
 
+from p2pnode.inference._kvslab import Slab
 from p2pnode.inference.costmodel import CostModel
+
+# Positions a slab gets beyond what it must hold at creation: decode steps append in place and
+# the slab doubles (one copy) only when they run out.
+_SLACK = 256
 
 
 class Backend(Protocol):
     vocab_size: int
     kv_bytes_per_token: int
 
-    def new_state(self, prefix_kv: torch.Tensor | None, prefix_len: int) -> object: ...
+    def new_state(
+        self, prefix_kv: torch.Tensor | Sequence[torch.Tensor] | None, prefix_len: int
+    ) -> object: ...
     def extend(self, state: object, tokens: list[int]) -> torch.Tensor: ...
     def decode(self, states: list, tokens: list[int]) -> torch.Tensor: ...
     def export_kv(self, state: object, begin: int, end: int) -> torch.Tensor | None: ...
@@ -38,27 +45,30 @@ class Backend(Protocol):
 
 
 class _HFState:
-    __slots__ = ("length", "cache", "row", "freed")
+    __slots__ = ("length", "slab", "row", "freed")
 
-    def __init__(self, cache: DynamicCache, length: int) -> None:
+    def __init__(self, slab: Slab | None, length: int) -> None:
         self.length = length
-        self.cache: DynamicCache | None = cache
-        self.row: int | None = None  # row in the batched cache while decoding
+        self.slab = slab  # its own KV while not in the batch
+        self.row: int | None = None  # row in the batched slab while decoding
         self.freed = False
 
 
 class _Batch:
-    def __init__(
-        self, rows: list[_HFState], cache: DynamicCache, pads: list[int], mask: torch.Tensor
-    ):
+    def __init__(self, rows: list[_HFState], slab: Slab, pads: list[int], mask: torch.Tensor):
         self.rows = rows
-        self.cache = cache
+        self.slab = slab
         self.pads = pads
         self.mask = mask
 
 
 class HFBackend:
-    """The real transformers model, fp32 on CPU."""
+    """The real transformers model, fp32 on CPU.
+
+    KV lives in preallocated slabs (``_kvslab.Slab``, the radix tree's layout with a batch
+    axis): a forward writes its new positions in place, a cache hit is one copy from the tree's
+    spans, an export one slice. The decoding batch has one slab, left-padded, rebuilt when the
+    set of decoding states changes."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         cfg = model.config
@@ -69,40 +79,49 @@ class HFBackend:
         self.head_dim = int(
             getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         )
+        self.dtype = next(model.parameters()).dtype
         dtype_size = next(model.parameters()).element_size()
         self.kv_bytes_per_token = self.num_layers * 2 * self.kv_heads * self.head_dim * dtype_size
         self._batch: _Batch | None = None
 
+    def _slab(self, batch: int, capacity: int) -> Slab:
+        return Slab(
+            self.num_layers, self.kv_heads, self.head_dim, batch, capacity + _SLACK, self.dtype
+        )
+
     # ---- per-state KV access ---------------------------------------------------------------
-    def _layer_kv(self, state: _HFState, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``[1, H, length, D]`` keys and values of one layer, wherever the state lives."""
+    def _rows(self, state: _HFState, begin: int, end: int) -> torch.Tensor:
+        """Radix-layout view of the state's positions ``[begin, end)``, wherever it lives."""
         if state.row is not None and self._batch is not None:
             b, r = self._batch, state.row
-            lay = b.cache.layers[layer]
-            p = b.pads[r]
-            return lay.keys[r : r + 1, :, p:], lay.values[r : r + 1, :, p:]
-        assert state.cache is not None
-        lay = state.cache.layers[layer]
-        return lay.keys, lay.values
+            return b.slab.rows(r, b.pads[r] + begin, b.pads[r] + end)
+        assert state.slab is not None
+        return state.slab.rows(0, begin, end)
 
-    def new_state(self, prefix_kv: torch.Tensor | None, prefix_len: int) -> _HFState:
-        if prefix_kv is None or prefix_len == 0:
-            return _HFState(DynamicCache(), 0)
-        data = [
-            (prefix_kv[i, 0].unsqueeze(0), prefix_kv[i, 1].unsqueeze(0))
-            for i in range(self.num_layers)
-        ]
-        return _HFState(DynamicCache(ddp_cache_data=data), prefix_len)
+    def new_state(
+        self, prefix_kv: torch.Tensor | Sequence[torch.Tensor] | None, prefix_len: int
+    ) -> _HFState:
+        """``prefix_kv``: one radix-layout tensor, or the tree's spans in order (no concat)."""
+        slab = self._slab(1, prefix_len)
+        if prefix_kv is not None and prefix_len > 0:
+            parts = [prefix_kv] if isinstance(prefix_kv, torch.Tensor) else list(prefix_kv)
+            slab.load_parts(parts)
+            if slab.length != prefix_len:
+                raise ValueError(f"prefix KV covers {slab.length} tokens, not {prefix_len}")
+        else:
+            prefix_len = 0
+        return _HFState(slab, prefix_len)
 
     def extend(self, state: _HFState, tokens: list[int]) -> torch.Tensor:
         if state.row is not None:
             self._detach(state)
+        assert state.slab is not None
         n = len(tokens)
         pos = torch.arange(state.length, state.length + n).unsqueeze(0)
         out = self.model(
             input_ids=torch.tensor([tokens]),
             position_ids=pos,
-            past_key_values=state.cache,
+            past_key_values=state.slab.cache,
             use_cache=True,
             logits_to_keep=1,
         )
@@ -118,9 +137,9 @@ class HFBackend:
         pos = torch.tensor([[s.length] for s in states])
         out = self.model(
             input_ids=torch.tensor(tokens).unsqueeze(1),
-            attention_mask=mask,
+            attention_mask=mask if len(states) > 1 else None,
             position_ids=pos,
-            past_key_values=b.cache,
+            past_key_values=b.slab.cache,
             use_cache=True,
         )
         b.mask = mask
@@ -129,10 +148,10 @@ class HFBackend:
         return out.logits[:, -1]
 
     def _detach(self, state: _HFState) -> None:
-        """Move a state out of the batch into its own cache."""
-        data = [tuple(t.clone() for t in self._layer_kv(state, i)) for i in range(self.num_layers)]
-        state.cache = DynamicCache(ddp_cache_data=data)
-        state.row = None
+        """Move a state out of the batch into its own slab (one copy)."""
+        slab = self._slab(1, state.length)
+        slab.load_parts([self._rows(state, 0, state.length)])
+        state.slab, state.row = slab, None
 
     def _rebuild(self, states: list[_HFState]) -> None:
         old = self._batch
@@ -142,34 +161,26 @@ class HFBackend:
                     self._detach(s)
         width = max(s.length for s in states)
         pads = [width - s.length for s in states]
-        data = []
-        for i in range(self.num_layers):
-            ks, vs = [], []
-            for s, p in zip(states, pads, strict=True):
-                k, v = self._layer_kv(s, i)
-                ks.append(F.pad(k, (0, 0, p, 0)) if p else k)
-                vs.append(F.pad(v, (0, 0, p, 0)) if p else v)
-            data.append(
-                (torch.cat(ks) if len(ks) > 1 else ks[0], torch.cat(vs) if len(vs) > 1 else vs[0])
-            )
+        slab = self._slab(len(states), width)
+        for r, (s, p) in enumerate(zip(states, pads, strict=True)):
+            if p:  # masked out, but must be finite: 0 x NaN is NaN in the attention sum
+                slab.rows(r, 0, p).zero_()
+            slab.rows(r, p, width).copy_(self._rows(s, 0, s.length))
+        slab.set_length(width)
         mask = torch.ones(len(states), width, dtype=torch.long)
         for r, p in enumerate(pads):
             mask[r, :p] = 0
-        self._batch = _Batch(list(states), DynamicCache(ddp_cache_data=data), pads, mask)
+        self._batch = _Batch(list(states), slab, pads, mask)
         for r, s in enumerate(states):
             s.row = r
-            s.cache = None
+            s.slab = None
 
     def export_kv(self, state: _HFState, begin: int, end: int) -> torch.Tensor:
-        layers = []
-        for i in range(self.num_layers):
-            k, v = self._layer_kv(state, i)
-            layers.append(torch.stack([k[0, :, begin:end], v[0, :, begin:end]]))
-        return torch.stack(layers).contiguous()
+        return self._rows(state, begin, end).contiguous()
 
     def free(self, state: _HFState) -> None:
         state.freed = True
-        state.cache = None
+        state.slab = None
         b = self._batch
         if b is not None and all(s.freed for s in b.rows):
             self._batch = None
@@ -209,7 +220,9 @@ class EmulatedBackend:
         self.cost = cost
         self.eos_token_id = eos_token_id
 
-    def new_state(self, prefix_kv: torch.Tensor | None, prefix_len: int) -> _EmuState:
+    def new_state(
+        self, prefix_kv: torch.Tensor | Sequence[torch.Tensor] | None, prefix_len: int
+    ) -> _EmuState:
         return _EmuState(prefix_len)
 
     def _logits(self, state: _EmuState) -> torch.Tensor:

@@ -304,7 +304,7 @@ class Engine(EngineFront):
         m = self.tree.match(req.prompt)
         req.handle = self.tree.lock(m)
         usable = min(m.length, len(req.prompt) - 1)
-        kv = self.tree.gather(m, usable) if usable > 0 else None
+        kv = self.tree.gather_parts(m, usable) if usable > 0 else None
         req.state = self._backend.new_state(kv, usable)
         req.cached = req.pos = usable
         self.totals["prompt_tokens"] += len(req.prompt)

@@ -197,9 +197,13 @@ def default_model_path() -> Path:
 
 
 def load_model(
-    path: str | Path | None = None, *, dtype: torch.dtype = torch.float32
+    path: str | Path | None = None, *, dtype: torch.dtype = torch.float32, accelerate: bool = True
 ) -> LoadedModel:
-    """Load the default model (``path=None``) or a local Hugging Face folder, in eval mode."""
+    """Load the default model (``path=None``) or a local Hugging Face folder, in eval mode.
+
+    ``accelerate``: decode steps and short blocks (at most 16 tokens) run the streaming kernels
+    of ``_kernels.py`` (same weights, float rounding only; ``P2PNODE_KERNELS=0`` turns them
+    off everywhere), and attention keeps grouped-query heads inside SDPA (``_attention.py``)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if path is None:
@@ -215,6 +219,12 @@ def load_model(
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"cannot load a model from {folder}: {exc}") from exc
     model.eval()
+    if accelerate:
+        from p2pnode.inference import _attention
+        from p2pnode.inference._kernels import accelerate as swap_linears
+
+        swap_linears(model)
+        _attention.use(model)
     return LoadedModel(
         name=name,
         model=model,

@@ -7,7 +7,8 @@ Contract:
   KV is allowed (the emulated backend keeps only token structure).
 - ``match(tokens)`` returns the longest cached prefix (``Match.length``) in O(len(tokens)):
   children are looked up by their first token and spans compared as tuples. ``gather(m)``
-  concatenates the KV of the first ``m.length`` tokens along the token axis (a new tensor).
+  concatenates the KV of the first ``m.length`` tokens along the token axis (a new tensor);
+  ``gather_parts(m)`` returns the nodes' views instead, for a reader that copies them once.
 - ``insert(tokens, kv)`` stores what a request computed; ``kv`` is a tensor covering
   ``tokens`` (token axis -2) or a callable ``kv(begin, end)`` returning the slice for tokens
   ``[begin, end)`` (called only for the part not already cached). A divergence inside a node
@@ -195,8 +196,12 @@ class RadixCache:
         with self._lock:
             return self._walk(tuple(tokens), touch=False).length
 
-    def gather(self, m: Match | LockHandle, length: int | None = None) -> torch.Tensor | None:
-        """KV of the first ``length`` (default: all matched) tokens, concatenated on axis -2."""
+    def gather_parts(
+        self, m: Match | LockHandle, length: int | None = None
+    ) -> list[torch.Tensor] | None:
+        """Like ``gather`` without the concatenation: views of each node's KV on the path, in
+        order, covering the first ``length`` tokens (a reader copies them once, where it needs
+        them). The views stay valid while the path is pinned."""
         with self._lock:
             node = m._node
             if node is None:
@@ -214,7 +219,12 @@ class RadixCache:
                     parts.append(node.kv[..., : length - node.start, :])
                 node = node.parent
             parts.reverse()
-            return torch.cat(parts, dim=-2)
+            return parts
+
+    def gather(self, m: Match | LockHandle, length: int | None = None) -> torch.Tensor | None:
+        """KV of the first ``length`` (default: all matched) tokens, concatenated on axis -2."""
+        parts = self.gather_parts(m, length)
+        return None if parts is None else torch.cat(parts, dim=-2)
 
     def lock(self, m: Match) -> LockHandle:
         with self._lock:

@@ -18,6 +18,7 @@ from prometheus_client import CollectorRegistry
 
 from p2pnode.bootstrap.metrics import NodeMetrics
 from p2pnode.identity import NodeKey
+from p2pnode.inference import _kernels
 from p2pnode.inference.blockhash import block_hashes, model_salt
 from p2pnode.inference.models import load_model
 from p2pnode.inference.sampling import probs_from_logits
@@ -104,8 +105,16 @@ def test_private_int4_cpu_kernel_matches_dequantized_matmul() -> None:
     x = torch.randn(5, 576)
     ref = x @ deq.t()
     for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 2e-2)):  # bf16: 8-bit mantissa
-        y = Int4Linear(q, scales, 64, dtype)(x.to(dtype)).float()
+        lin = Int4Linear(q, scales, 64, dtype)
+        old = _kernels.set_enabled(False)  # the private op (prefill's path), not the kernel
+        try:
+            y = lin(x.to(dtype)).float()
+        finally:
+            _kernels.set_enabled(old)
         assert (y - ref).abs().max() <= tol * ref.abs().max()
+        if lin.stream:  # decode's path: the streaming int4 kernel, fp32 math
+            y = lin(x).float()
+            assert (y - ref).abs().max() <= 1e-4 * ref.abs().max()
 
 
 def test_gptq_layout_round_trip_and_config(draft) -> None:
@@ -485,6 +494,118 @@ async def test_sampled_speculation_first_token_follows_target(target, draft) -> 
     chi2 = sum((c - n * e) ** 2 / (n * e) for c, e in zip(counts, expected, strict=True) if e > 0)
     assert n == 48 and chi2 < 16.3, (counts, expected)
     assert not math.isnan(chi2)
+
+
+# Chi-square critical values at p = 0.001 by degrees of freedom (no scipy here): a correct
+# sampler fails the test one time in a thousand.
+CHI2_P001 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32, 8: 26.12}
+CHI2_P001.update({9: 27.88, 10: 29.59, 11: 31.26, 12: 32.91})
+
+
+class _WireTransport:
+    """The in-process transport with every block's draft distribution passed through the
+    protocol's frame codec (``encode_q`` -> a ``VerifyBlock`` frame -> ``decode_q``), so the
+    verifier sees exactly what an edge puts on the wire: the truncated, sparse q."""
+
+    def __init__(self, inner, vocab: int) -> None:
+        self.inner, self.vocab = inner, vocab
+        self.max_block = inner.max_block
+        self.sent_q = 0
+
+    async def open(self, prompt, options, *, lead: int = 0) -> int:
+        return await self.inner.open(prompt, options, lead=lead)
+
+    async def send_block(self, block: Block) -> None:
+        from p2pnode.overlay import wire
+        from p2pnode.speculation.protocol import LIMIT
+
+        width, ids, vals = encode_q(block.draft_probs)
+        msg = VerifyBlock(
+            block.number, block.base_len, block.base_token, list(block.tokens), width, ids, vals
+        )
+        frame = wire.encode_frame(wire.to_wire(msg), limit=LIMIT)
+        got = wire.from_wire(wire.decode_frame(frame, limit=LIMIT), VerifyBlock)
+        q = decode_q(got, self.vocab)
+        self.sent_q += q is not None and 0 < got.q_width < self.vocab
+        await self.inner.send_block(
+            Block(got.number, got.base_len, got.base_token, tuple(got.tokens), q)
+        )
+
+    async def receive_result(self):
+        return await self.inner.receive_result()
+
+    async def close(self) -> None:
+        await self.inner.close()
+
+
+def _target_joint(target, prompt: list[int], temperature: float, top_p: float, depth: int):
+    """Exact probability of every continuation of ``depth`` tokens under target-only sampling
+    (enumerated over the support of each step's distribution)."""
+    out: dict[tuple[int, ...], float] = {}
+
+    def walk(prefix: tuple[int, ...], mass: float) -> None:
+        if len(prefix) == depth:
+            out[prefix] = mass
+            return
+        with torch.inference_mode():
+            logits = target.model(input_ids=torch.tensor([prompt + list(prefix)])).logits[0, -1]
+        p = probs_from_logits(logits, temperature, top_p)
+        for t in torch.nonzero(p).flatten().tolist():
+            walk((*prefix, t), mass * float(p[t]))
+
+    walk((), 1.0)
+    return out
+
+
+@pytest.mark.slow
+async def test_sampled_speculation_joint_of_three_tokens_follows_target(target, draft) -> None:
+    # The whole sampled pipeline: async blocks (depth 3, gamma 2, so blocks are drafted on
+    # guessed bonus tokens and die), the verifier's lead on half the runs, the draft's
+    # top-64-truncated q through the wire codec, rejection sampling in batches of edges. Over
+    # N seeded runs the joint of the first 3 tokens must match target-only sampling: chi-square
+    # over the outcomes expected >= 5 times (rarer ones pooled into one bin) below the p = 0.001
+    # critical value. top_p 0.5 on a prompt with a confident answer keeps the joint support to
+    # a handful of sequences (3 here: 0.69, 0.17, 0.14), so N = 120 gives every bin its counts and
+    # the test stays cheap.
+    temperature, top_p, n_runs = 1.0, 0.5, 120
+    prompt = target.tokenizer("The capital of France is")["input_ids"]
+    joint = _target_joint(target, prompt, temperature, top_p, 3)
+    assert 2 <= len(joint) <= 40, f"support of {len(joint)} sequences: pick another prompt"
+    verifier = BatchedVerifier(target, max_sessions=64, max_batch=16, max_wait_ms=5)
+    got: list[tuple[int, ...]] = []
+    wire_blocks = [0]
+    edges = trio.Semaphore(16)
+
+    async def one(seed: int) -> None:
+        o = SamplingOptions(temperature=temperature, top_p=top_p, seed=seed)
+        async with edges, inprocess_transport(verifier) as inner:
+            transport = _WireTransport(inner, target.vocab_size)
+            lead = 2 * (seed % 2)
+            res = await speculative_generate(
+                draft, transport, prompt, 3, gamma=2, depth=3, lead=lead, options=o
+            )
+            wire_blocks[0] += transport.sent_q
+        got.append(tuple(res.tokens[:3]))
+
+    with trio.fail_after(600):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(verifier.run)
+            async with trio.open_nursery() as runs:
+                for seed in range(n_runs):
+                    runs.start_soon(one, seed)
+            nursery.cancel_scope.cancel()
+    assert len(got) == n_runs and all(len(t) == 3 for t in got)
+    assert set(got) <= set(joint), f"sequences the target never samples: {set(got) - set(joint)}"
+    assert wire_blocks[0] > 0  # blocks carried a draft distribution through the codec
+    counts = Counter(got)
+    common = [s for s, p in joint.items() if p * n_runs >= 5]
+    rare_p = 1 - sum(joint[s] for s in common)
+    bins = [(counts[s], joint[s]) for s in common]
+    if rare_p * n_runs >= 1:
+        bins.append((n_runs - sum(counts[s] for s in common), rare_p))
+    chi2 = sum((c - n_runs * p) ** 2 / (n_runs * p) for c, p in bins)
+    assert len(bins) >= 3, "too few bins to test a joint distribution"
+    assert chi2 < CHI2_P001[len(bins) - 1], (chi2, sorted(counts.items()), joint)
 
 
 # ---------------------------------------------------------------- over libp2p

@@ -1,0 +1,62 @@
+"""Attention for the CPU fast path: transformers' SDPA call with grouped-query attention kept
+inside the kernel.
+
+transformers' own "sdpa" path repeats the K/V heads (``repeat_kv``: a copy of the layer's whole
+KV, 3x its size for SmolLM2's 9 query / 3 KV heads) whenever an attention mask is present,
+which is every cached prefill, verify block and batched decode step. torch's SDPA takes
+``enable_gqa=True`` with a mask as well; the result is the same attention (float rounding
+only). ``use(model)`` switches a loaded model to it; other models keep their own.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+NAME = "p2pnode_sdpa"
+
+
+def gqa_sdpa(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    q_len, kv_len = query.shape[2], key.shape[2]
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    causal = bool(q_len > 1 and attention_mask is None and causal)
+    if causal and kv_len > q_len:  # as transformers does: only an empty static cache gets here
+        key, value = key[:, :, :q_len], value[:, :, :q_len]
+    out = F.scaled_dot_product_attention(
+        query,
+        key,
+        value,
+        attn_mask=attention_mask,
+        dropout_p=dropout,
+        scale=scaling,
+        is_causal=causal,
+        enable_gqa=query.shape[1] != key.shape[1],
+    )
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(NAME, gqa_sdpa)
+ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, sdpa_mask)  # the masks SDPA expects (None = causal)
+
+
+def use(model: torch.nn.Module) -> bool:
+    """Switch ``model`` to ``gqa_sdpa`` when it runs transformers' SDPA on the CPU now."""
+    cfg = model.config
+    if getattr(cfg, "_attn_implementation", None) != "sdpa":
+        return False
+    if next(model.parameters()).device.type != "cpu":
+        return False
+    cfg._attn_implementation = NAME
+    return True

@@ -1,0 +1,184 @@
+"""Weight-streaming CPU kernels for decode and short verify blocks (``_kernels.c``).
+
+Contract:
+- ``library()`` compiles ``_kernels.c`` once with the system C compiler (``$CC``, else ``cc``)
+  into ``models.cache_dir()/kernels/`` (keyed by the source, the compiler and the CPU flags;
+  ~0.3 s) and loads it with ctypes. It returns ``None`` (and logs why, once) when no compiler
+  works or ``P2PNODE_KERNELS=0``: every caller then keeps the plain torch path.
+- ``StreamLinear(weight)`` replaces an ``nn.Linear`` without bias: inputs of at most
+  ``MAX_ROWS`` rows (decode steps, verify blocks) go through the fp32 or bf16 kernel, longer
+  ones (prefill) through ``F.linear``. It keeps the caller's weight tensor (a tied lm_head stays
+  tied). Outputs agree with ``F.linear`` to float rounding (~1e-6 relative), and a row's output
+  is bitwise the same whatever the number of rows.
+- ``accelerate(model)`` swaps the bias-free linears of a decoder and its lm_head in place;
+  returns how many were swapped (0 when the kernels are unavailable).
+- ``int4_matmul(packed, scales, x, group)``: ``x @ W.T`` for symmetric int4 weights in the
+  layout ``pack_int4`` makes (see ``_kernels.c``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+from functools import cache
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+MAX_ROWS = 16  # above this a matmul is compute-bound and the BLAS is the faster path
+_enabled = [True]
+
+
+def set_enabled(on: bool) -> bool:
+    """Route ``StreamLinear`` through the kernels (True) or ``F.linear``; returns the old value.
+    For benchmarks that compare both paths in one run."""
+    old, _enabled[0] = _enabled[0], on
+    return old
+
+
+def enabled() -> bool:
+    return _enabled[0]
+
+
+_SOURCE = Path(__file__).with_name("_kernels.c")
+_FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-shared", "-fPIC"]
+_P = ctypes.c_void_p
+_I = ctypes.c_int
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+@cache
+def library() -> ctypes.CDLL | None:
+    if os.environ.get("P2PNODE_KERNELS", "1") == "0":
+        return None
+    from p2pnode.inference.models import cache_dir
+
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        log.warning("no C compiler (cc/gcc): decode runs on the slower torch path")
+        return None
+    src = _SOURCE.read_bytes()
+    key = hashlib.sha256(src + cc.encode() + " ".join(_FLAGS).encode() + _cpu_flags().encode())
+    out = cache_dir() / "kernels" / f"stream-{key.hexdigest()[:16]}.so"
+    if not out.is_file():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
+        try:
+            subprocess.run(
+                [cc, *_FLAGS, "-o", str(tmp), str(_SOURCE)],
+                check=True,
+                capture_output=True,
+                timeout=120,
+            )
+            tmp.replace(out)  # atomic: a process starting at the same time loads all or nothing
+        except (OSError, subprocess.SubprocessError) as exc:
+            err = getattr(exc, "stderr", b"") or b""
+            log.warning("building %s failed (%s %s): torch path", _SOURCE.name, exc, err[:300])
+            tmp.unlink(missing_ok=True)
+            return None
+    lib = ctypes.CDLL(str(out))
+    for name in ("gemv_f32", "gemv_bf16"):
+        getattr(lib, name).argtypes = [_P, _P, _P, _I, _I, _I]
+        getattr(lib, name).restype = None
+    lib.gemv_int4.argtypes = [_P, _P, _P, _P, _I, _I, _I, _I]
+    lib.gemv_int4.restype = None
+    return lib
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.dtype != torch.float32:
+        x2 = x2.float()
+    return x2.contiguous()
+
+
+class StreamLinear(nn.Module):
+    """``F.linear(x, weight)`` with the streaming kernel for short inputs (see the contract)."""
+
+    def __init__(self, weight: torch.Tensor, lib: ctypes.CDLL) -> None:
+        super().__init__()
+        if weight.dtype not in (torch.float32, torch.bfloat16) or weight.shape[1] % 32:
+            raise ValueError(f"needs fp32/bf16 weights with inputs % 32 == 0, got {weight.shape}")
+        self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight, False)
+        self.out_features, self.in_features = weight.shape
+        self._fn = lib.gemv_f32 if weight.dtype == torch.float32 else lib.gemv_bf16
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        n_rows = x.numel() // self.in_features
+        if n_rows > MAX_ROWS or not _enabled[0] or x.device.type != "cpu" or not w.is_contiguous():
+            return F.linear(x.to(w.dtype), w).to(x.dtype)
+        x2 = _rows(x)
+        y = torch.empty(n_rows, self.out_features, dtype=torch.float32)
+        self._fn(w.data_ptr(), x2.data_ptr(), y.data_ptr(), n_rows, *w.shape)
+        return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+
+
+def accelerate(model: nn.Module) -> int:
+    """Swap every bias-free ``nn.Linear`` (decoder and lm_head) for a ``StreamLinear``."""
+    lib = library()
+    if lib is None:
+        return 0
+    swapped = 0
+    for mod in list(model.modules()):
+        for child_name, child in list(mod.named_children()):
+            if (
+                type(child) is nn.Linear
+                and child.bias is None
+                and child.weight.dtype in (torch.float32, torch.bfloat16)
+                and child.in_features % 32 == 0
+            ):
+                setattr(mod, child_name, StreamLinear(child.weight, lib))
+                swapped += 1
+    return swapped
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """int values 0..15 ``[N, K]`` -> ``[N, K / 2]`` uint8 in the kernel's layout: in each run of
+    32 inputs, byte j holds input j (low nibble) and input j + 16 (high nibble)."""
+    n, k = q.shape
+    if k % 32:
+        raise ValueError(f"int4 kernel needs inputs % 32 == 0, got {k}")
+    runs = q.to(torch.uint8).reshape(n, k // 32, 2, 16)
+    return (runs[:, :, 0] | (runs[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+
+
+def int4_matmul(
+    packed: torch.Tensor, scales: torch.Tensor, x: torch.Tensor, group_size: int
+) -> torch.Tensor:
+    """``x @ W.T`` (fp32 out) with ``W = (q - 8) * scales[:, k // group]``; ``scales`` fp32
+    ``[N, K / group]``. Needs ``library()``; at most ``MAX_ROWS`` rows."""
+    lib = library()
+    assert lib is not None
+    n, k = packed.shape[0], packed.shape[1] * 2
+    x2 = _rows(x)
+    y = torch.empty(x2.shape[0], n, dtype=torch.float32)
+    lib.gemv_int4(
+        packed.data_ptr(),
+        scales.data_ptr(),
+        x2.data_ptr(),
+        y.data_ptr(),
+        x2.shape[0],
+        n,
+        k,
+        group_size,
+    )
+    return y

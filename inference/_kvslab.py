@@ -1,0 +1,135 @@
+"""A preallocated KV cache in the radix tree's layout, for transformers' Cache API.
+
+Contract:
+- ``Slab(num_layers, kv_heads, head_dim, batch, capacity)`` holds ONE tensor ``kv`` of shape
+  ``[layers, 2, batch, kv_heads, capacity, head_dim]`` (fp32) and a length per layer. Its
+  ``cache`` (a ``transformers.Cache``) hands each attention layer views ``[batch, heads, n,
+  head_dim]`` of the first ``n`` positions: a forward writes its new keys/values in place and
+  copies nothing else (``DynamicCache`` concatenates the whole cache on every step: a copy of
+  all the KV per token).
+- Capacity doubles (one copy) when a write would overflow.
+- ``load(prefix_kv)`` fills the first ``T`` positions of row 0 from a radix-layout tensor
+  ``[layers, 2, kv_heads, T, head_dim]`` (one copy); ``load_parts(parts)`` does it from the
+  radix nodes' spans without concatenating them first. ``rows(b, begin, end)`` is a view in
+  the radix layout, ``export(b, begin, end)`` a contiguous copy of it.
+- ``crop(n)`` drops the last ``n`` positions (no copy).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, DynamicLayer
+
+_MIN_CAPACITY = 256
+
+
+class _SlabLayer(DynamicLayer):
+    """One decoder layer's view of the slab (keys/values are views, refreshed on update)."""
+
+    def __init__(self, slab: Slab, index: int) -> None:
+        super().__init__()
+        self.slab, self.index, self.n = slab, index, 0
+        self.dtype, self.device = slab.kv.dtype, slab.kv.device
+        self.is_initialized = True
+        self._refresh()
+
+    def _refresh(self) -> None:
+        kv = self.slab.kv
+        self.keys = kv[self.index, 0, :, :, : self.n]
+        self.values = kv[self.index, 1, :, :, : self.n]
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        return None
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        n, t = self.n, key_states.shape[-2]
+        self.slab.reserve(n + t)
+        kv = self.slab.kv
+        kv[self.index, 0, :, :, n : n + t].copy_(key_states)
+        kv[self.index, 1, :, :, n : n + t].copy_(value_states)
+        self.n = n + t
+        self._refresh()
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.n
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove > 0:
+            raise ValueError("crop takes a negative count: the number of tokens to drop")
+        self.n = max(0, self.n + tokens_to_remove)
+        self._refresh()
+
+    def reset(self) -> None:
+        self.n = 0
+        self._refresh()
+
+
+class Slab:
+    def __init__(
+        self,
+        num_layers: int,
+        kv_heads: int,
+        head_dim: int,
+        batch: int = 1,
+        capacity: int = _MIN_CAPACITY,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        shape = (num_layers, 2, batch, kv_heads, max(capacity, 1), head_dim)
+        self.kv = torch.empty(shape, dtype=dtype)
+        self.layers = [_SlabLayer(self, i) for i in range(num_layers)]
+        self.cache = Cache(layers=self.layers)
+
+    @property
+    def length(self) -> int:
+        return self.layers[0].n
+
+    @property
+    def capacity(self) -> int:
+        return self.kv.shape[4]
+
+    def reserve(self, n: int) -> None:
+        if n <= self.capacity:
+            return
+        cap = max(n, 2 * self.capacity, _MIN_CAPACITY)
+        old = self.kv
+        shape = list(old.shape)
+        shape[4] = cap
+        self.kv = torch.empty(shape, dtype=old.dtype)
+        used = max(layer.n for layer in self.layers)
+        self.kv[:, :, :, :, :used].copy_(old[:, :, :, :, :used])
+        for layer in self.layers:
+            layer._refresh()
+
+    def set_length(self, n: int) -> None:
+        self.reserve(n)
+        for layer in self.layers:
+            layer.n = n
+            layer._refresh()
+
+    def load_parts(self, parts: list[torch.Tensor], row: int = 0) -> None:
+        """Positions ``[0, sum of spans)`` of ``row`` from radix-layout spans, in order."""
+        total = sum(p.shape[-2] for p in parts)
+        self.reserve(total)
+        pos = 0
+        for p in parts:
+            t = p.shape[-2]
+            self.kv[:, :, row, :, pos : pos + t].copy_(p)
+            pos += t
+        if row == 0:
+            self.set_length(total)
+
+    def load(self, prefix_kv: torch.Tensor) -> None:
+        self.load_parts([prefix_kv])
+
+    def rows(self, b: int, begin: int, end: int) -> torch.Tensor:
+        """View ``[layers, 2, kv_heads, end - begin, head_dim]`` of row ``b``."""
+        return self.kv[:, :, b, :, begin:end]
+
+    def export(self, b: int, begin: int, end: int) -> torch.Tensor:
+        return self.rows(b, begin, end).contiguous()
+
+    def crop(self, n: int) -> None:
+        self.cache.crop(-n)

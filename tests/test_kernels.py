@@ -1,0 +1,82 @@
+"""The decode fast paths without the model: streaming kernels and KV slabs (small tensors)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from p2pnode.inference import _kernels
+from p2pnode.inference._kvslab import Slab
+
+lib = _kernels.library()
+needs_lib = pytest.mark.skipif(
+    lib is None,
+    reason="kernels unavailable (no C compiler, or P2PNODE_KERNELS=0): the torch path is used",
+)
+
+
+@needs_lib
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_stream_linear_matches_f_linear_and_rows_are_independent(dtype) -> None:
+    torch.manual_seed(0)
+    w = torch.randn(200, 96).to(dtype)  # 200 outputs: not a multiple of any block size
+    lin = _kernels.StreamLinear(w, lib)
+    for rows in (1, 3, 8, 9, 16):
+        x = torch.randn(1, rows, 96)
+        ref = F.linear(x, w.float())
+        y = lin(x)
+        assert y.shape == ref.shape
+        assert (y - ref).abs().max() <= 1e-5 * ref.abs().max()
+        # The same row alone gives the same bits: a verify block agrees with a decode step.
+        assert torch.equal(lin(x[:, -1:]), y[:, -1:])
+    long = torch.randn(40, 96)  # past MAX_ROWS: torch's matmul in the weights' dtype
+    ref = F.linear(long, w.float())
+    tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16 inputs there: an 8-bit mantissa
+    assert (lin(long) - ref).abs().max() <= tol * ref.abs().max()
+
+
+@needs_lib
+def test_int4_kernel_matches_the_dequantized_matmul() -> None:
+    torch.manual_seed(1)
+    q = torch.randint(0, 16, (12, 128), dtype=torch.int32)
+    scales = torch.rand(12, 2) + 0.1  # group 64
+    deq = (q.float() - 8) * scales.repeat_interleave(64, dim=1)
+    x = torch.randn(5, 128)
+    y = _kernels.int4_matmul(_kernels.pack_int4(q), scales, x, 64)
+    assert (y - x @ deq.t()).abs().max() <= 1e-4 * (x @ deq.t()).abs().max()
+
+
+def test_kernels_off_switch_falls_back_to_f_linear() -> None:
+    w = torch.randn(8, 32)
+    if lib is None:
+        assert _kernels.accelerate(torch.nn.Sequential(torch.nn.Linear(32, 8, bias=False))) == 0
+        return
+    lin = _kernels.StreamLinear(w, lib)
+    x = torch.randn(2, 32)
+    old = _kernels.set_enabled(False)
+    try:
+        assert torch.equal(lin(x), F.linear(x, w))
+    finally:
+        _kernels.set_enabled(old)
+
+
+def test_slab_writes_in_place_grows_crops_and_loads_spans() -> None:
+    slab = Slab(num_layers=2, kv_heads=1, head_dim=4, capacity=3)
+    layer = slab.cache.layers[0]
+    k = torch.arange(2 * 4, dtype=torch.float32).reshape(1, 1, 2, 4)
+    keys, values = slab.cache.update(k, -k, 0)
+    assert torch.equal(keys, k) and torch.equal(values, -k)
+    slab.cache.update(k, -k, 1)
+    assert slab.cache.get_seq_length() == 2
+    k2 = torch.ones(1, 1, 5, 4)  # past the capacity: the slab doubles and keeps what it held
+    keys, _ = slab.cache.update(k2, k2, 0)
+    assert slab.capacity >= 7 and torch.equal(keys[:, :, :2], k) and keys.shape[2] == 7
+    layer.crop(-5)
+    assert layer.get_seq_length() == 2 and torch.equal(layer.keys, k)
+    # A radix-layout prefix [layers, 2, heads, T, dim] loads from its spans with one copy each.
+    full = torch.randn(2, 2, 1, 6, 4)
+    other = Slab(num_layers=2, kv_heads=1, head_dim=4)
+    other.load_parts([full[..., :4, :], full[..., 4:, :]])
+    assert other.length == 6 and torch.equal(other.export(0, 0, 6), full)
+    assert torch.equal(other.cache.layers[1].values[0], full[1, 1])
