@@ -30,11 +30,11 @@ Contract:
 from __future__ import annotations
 
 import heapq
+import sys
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING, TypeAlias
 
 from p2pnode.inference.blockhash import (
     BLOCK_SIZE,
@@ -46,7 +46,11 @@ from p2pnode.inference.blockhash import (
     model_salt,
 )
 
-KVSource = torch.Tensor | Callable[[int, int], torch.Tensor | None] | None
+if TYPE_CHECKING:
+    import torch
+
+# torch only in annotations: the emulated engine keeps no KV and never loads it
+KVSource: TypeAlias = "torch.Tensor | Callable[[int, int], torch.Tensor | None] | None"
 Listener = Callable[[BlockEvent], None]
 
 
@@ -214,6 +218,8 @@ class RadixCache:
                     parts.append(node.kv[..., : length - node.start, :])
                 node = node.parent
             parts.reverse()
+            import torch
+
             return torch.cat(parts, dim=-2)
 
     def lock(self, m: Match) -> LockHandle:
@@ -302,7 +308,8 @@ class RadixCache:
     def _slice_kv(kv: KVSource, begin: int, end: int) -> torch.Tensor | None:
         if kv is None:
             return None
-        if callable(kv) and not isinstance(kv, torch.Tensor):
+        torch = sys.modules.get("torch")  # a tensor means torch is loaded already
+        if callable(kv) and not (torch is not None and isinstance(kv, torch.Tensor)):
             out = kv(begin, end)
         else:
             out = kv[..., begin:end, :].clone()

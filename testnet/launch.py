@@ -21,9 +21,8 @@ Contract:
   ``trial.nodes``. Every node started is stopped when the block ends.
 - ``node_cmd`` (default ``python -m p2pnode.bootstrap.cli``) is the command line a node's arguments
   are appended to (another build of the node, a profiler wrapper).
-- Emulated compute still loads the tokenizer and weights once per process (~2 s, ~0.6 GB
-  each on the default model); real compute pins ``torch_threads`` via the flag and
-  ``OMP_NUM_THREADS``.
+- Emulated compute loads only the tokenizer (no torch, ~130 MB per node process); real
+  compute pins ``torch_threads`` via the flag and ``OMP_NUM_THREADS``.
 """
 
 from __future__ import annotations
