@@ -23,12 +23,17 @@ from pathlib import Path
 
 import httpx
 
+from p2pnode.testnet.zygote import Zygote
 
-def spawn(args: list[str], home: Path) -> subprocess.Popen:
+
+def spawn(args: list[str], home: Path, zygote: Zygote | None = None):
     home.mkdir(parents=True)
+    argv = [*args, "--home", str(home)]
+    argv += ["--listen", "/ip4/127.0.0.1/tcp/0", "--api-port", "0", "--log-level", "warning"]
+    if zygote is not None:
+        return zygote.spawn(argv, dict(os.environ), home / "node.log", entry="cli")
     return subprocess.Popen(
-        [sys.executable, "-m", "p2pnode.bootstrap.cli", *args, "--home", str(home)]
-        + ["--listen", "/ip4/127.0.0.1/tcp/0", "--api-port", "0", "--log-level", "warning"],
+        [sys.executable, "-m", "p2pnode.bootstrap.cli", *argv],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
@@ -59,6 +64,11 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=180.0)
     parser.add_argument("--compute", choices=["emulated", "none"], default="emulated")
     parser.add_argument("--gossip-interval", type=float, default=None)
+    parser.add_argument(
+        "--no-fork",
+        action="store_true",
+        help="start each node as a fresh interpreter instead of forking it (testnet/zygote.py)",
+    )
     args = parser.parse_args()
     engine = (
         ["--model", "default", "--backend", "emulated"]
@@ -68,16 +78,17 @@ def main() -> None:
     if args.gossip_interval is not None:
         engine += ["--gossip-interval", str(args.gossip_interval)]
     root = Path(tempfile.mkdtemp(prefix="p2pnode-join-bench-"))
-    procs: list[subprocess.Popen] = []
+    procs: list = []
     load_at_start = os.getloadavg()[0]
+    zygote = None if args.no_fork else Zygote.start(dict(os.environ))
     try:
-        procs.append(spawn(["bootstrap"], root / "boot"))
+        procs.append(spawn(["bootstrap"], root / "boot", zygote))
         boot = runtime(root / "boot", time.monotonic() + 60)
         launched = time.monotonic()
         deadline = launched + args.timeout
         homes = [root / f"n{i}" for i in range(args.nodes)]
         for home in homes:
-            procs.append(spawn(["join", *engine, "--bootstrap", boot["addrs"][0]], home))
+            procs.append(spawn(["join", *engine, "--bootstrap", boot["addrs"][0]], home, zygote))
         infos = [runtime(home, deadline) for home in homes]
         started = time.monotonic() - launched
         ids = {info["peer_id"] for info in infos}
@@ -121,6 +132,10 @@ def main() -> None:
             if full_view_at
             else None,
             "compute": args.compute,
+            "forked": zygote is not None,
+            "all_started_to_full_view_s": round(max(full_view_at.values()) - started, 2)
+            if len(full_view_at) == len(infos)
+            else None,
             "join_to_cache_views_s": round(max(cache_view_at.values()), 2)
             if want_views and len(cache_view_at) == len(infos)
             else None,
@@ -139,6 +154,8 @@ def main() -> None:
                 proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 proc.kill()
+        if zygote is not None:
+            zygote.close()
 
 
 if __name__ == "__main__":

@@ -251,10 +251,26 @@ def load_model(path: str | Path | None = None, *, dtype: torch.dtype | None = No
     )
 
 
+_PRELOADED: dict[str, LightModel] = {}
+
+
+def preload_light_model(path: str | Path | None = None) -> LightModel:
+    """Load the light model now and hand this same object to later ``load_light_model``
+    calls of this process and of processes forked from it (a trial's fork server loads the
+    tokenizer once for all its nodes)."""
+    light = _PRELOADED[str(path)] = _load_light_model(path)
+    return light
+
+
 def load_light_model(path: str | Path | None = None) -> LightModel:
     """The default model (``path=None``) or a local folder for an emulated engine: tokenizer
     and sizes only (see ``LightModel``). The default model must have been converted once
     (``load_model`` or ``default_model_path``, which need torch); this never converts."""
+    preloaded = _PRELOADED.get(str(path))
+    return preloaded if preloaded is not None else _load_light_model(path)
+
+
+def _load_light_model(path: str | Path | None) -> LightModel:
     from p2pnode.inference.tokenizer import LightTokenizer, TokenizerLoadError
 
     if path is None:
@@ -275,7 +291,7 @@ def load_light_model(path: str | Path | None = None) -> LightModel:
         raise ModelLoadError(f"cannot read the model in {folder} for emulation: {exc}") from exc
     light = LightModel(
         name=name,
-        model_id=compute_model_id(name, tokenizer, weights_digest(folder)),
+        model_id=_cached_model_id(name, folder, tokenizer),
         tokenizer=tokenizer,
         vocab_size=vocab_size,
         context_length=context_length,
@@ -294,6 +310,40 @@ def release_freed_memory() -> None:
 
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+def _cached_model_id(name: str, folder: Path, tokenizer: LightTokenizer) -> str:
+    """``compute_model_id`` of the folder, remembered next to the weights digest: keyed by the
+    tokenizer file's size and mtime and by that digest, so a changed tokenizer or weights
+    recomputes it. Fingerprinting a 49k vocabulary is a tenth of an emulated node's start-up
+    CPU, paid by every node of a trial on the same files."""
+    digest = weights_digest(folder)
+    tok = folder / "tokenizer.json"
+    key = {
+        "name": name,
+        "weights": digest,
+        "tokenizer": [tok.stat().st_size, tok.stat().st_mtime_ns],
+    }
+    path = (
+        cache_dir()
+        / "model-ids"
+        / f"{hashlib.sha256(str(folder.resolve()).encode()).hexdigest()[:16]}.json"
+    )
+    try:
+        cached = json.loads(path.read_text())
+        if cached.get("key") == key and isinstance(cached.get("model_id"), str):
+            return cached["model_id"]
+    except (OSError, ValueError, AttributeError):
+        pass
+    model_id = compute_model_id(name, tokenizer, digest)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+        tmp.write_text(json.dumps({"key": key, "model_id": model_id}))
+        tmp.replace(path)
+    except OSError:
+        pass  # a read-only cache: computed again next time
+    return model_id
 
 
 def _eos_ids(folder: Path, config: dict, tokenizer: LightTokenizer) -> list[int]:
