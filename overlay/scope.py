@@ -14,7 +14,8 @@ RTT (so a node far from everyone still has somewhere to send work). Memory and d
 per node are then O(max_views), independent of the swarm's size.
 
 A far holder of a LONG prefix can still win (its saving grows with the prefix): it is found on
-demand, not kept in view. ``prefix_key(block_hashes)`` is the DHT key of a prompt: the chained
+demand, not kept in view, and only when ``lookup_worth``: the prefill it could save exceeds the
+lookup's latency plus a forward to the holder. ``prefix_key(block_hashes)`` is the DHT key of a prompt: the chained
 hash of its first ``key_blocks`` blocks, which names the whole leading prefix (block hashes chain
 over their parents). A node caching a prompt of at least ``key_blocks`` blocks announces itself
 under that key; a node routing such a prompt with no in-scope holder looks the key up and pulls
@@ -55,6 +56,12 @@ class ScopePolicy:
     def rtt_budget_s(self) -> float:
         saving = self.max_prompt_tokens * self.prefill_s_per_token
         return saving / max(1e-9, self.forward_round_trips + self.rtt_margin)
+
+    def lookup_worth(self, uncached_tokens: int, lookup_s: float, rtt_s: float) -> bool:
+        """Is a prefix lookup worth its latency? Only when the prefill it could save beats the
+        lookup plus the forward to a holder ``rtt_s`` away (what the router would then add)."""
+        forward = (self.forward_round_trips + self.rtt_margin) * rtt_s
+        return uncached_tokens * self.prefill_s_per_token > lookup_s + forward
 
     def select(self, rtts: Iterable[tuple[str, float]]) -> set[str]:
         """Peers to keep in view, from ``(peer_id, rtt_s)`` pairs (see the module doc)."""

@@ -371,10 +371,14 @@ class Simulation:
         best = max((c.view_cached_tokens for c in decision.candidates), default=0)
         if key is None or best > kb * 16 or node.tree.prefix_len(ids) > kb * 16:
             return decision
+        hops = max(1, math.ceil(math.log2(max(2, self.cfg.nodes)) / 2))
+        cost = hops * node.mean_rtt_s
+        uncached = len(ids) - max(best, node.tree.prefix_len(ids))
+        if not self.cfg.scope.lookup_worth(uncached, cost, node.mean_rtt_s):
+            return decision
         holders = [h for h in self.directory.get(key, []) if h != node.index and self.nodes[h].up]
         self.lookups += 1
-        hops = max(1, math.ceil(math.log2(max(2, self.cfg.nodes)) / 2))
-        yield self.env.timeout(hops * node.mean_rtt_s)
+        yield self.env.timeout(cost)
         if not holders:
             return decision
         views = router.views

@@ -46,6 +46,9 @@ def test_scope_policy_keeps_the_nearest_within_budget() -> None:
     rtts = [("far", 0.9), ("a", 0.01), ("b", 0.02), ("c", 0.03)]
     assert policy.select(rtts) == {"a", "b"}
     assert ScopePolicy(max_prompt_tokens=1, max_views=2, k_nearest=1).select(rtts) == {"a"}
+    # a lookup pays when the prefill it could save beats it plus the forward: 430 tokens = 1 s
+    assert policy.lookup_worth(430, lookup_s=0.3, rtt_s=0.1)
+    assert not policy.lookup_worth(430, lookup_s=0.3, rtt_s=0.2)
     assert prefix_key([1, 2, 3], 4) is None
     # the key block's chained hash names the whole leading prefix; later blocks do not matter
     assert prefix_key([1, 2, 3, 4], 4) == prefix_key([1, 2, 3, 4, 5], 4)
