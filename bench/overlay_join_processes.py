@@ -78,6 +78,8 @@ def main() -> None:
     if args.gossip_interval is not None:
         engine += ["--gossip-interval", str(args.gossip_interval)]
     root = Path(tempfile.mkdtemp(prefix="p2pnode-join-bench-"))
+    # SIGTERM (e.g. `timeout`) unwinds through the finally below, which stops every node
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     procs: list = []
     load_at_start = os.getloadavg()[0]
     zygote = None if args.no_fork else Zygote.start(dict(os.environ))
@@ -95,7 +97,7 @@ def main() -> None:
         full_view_at: dict[str, float] = {}
         cache_view_at: dict[str, float] = {}
         want_views = args.compute == "emulated"
-        with httpx.Client(timeout=10) as client:
+        with httpx.Client(timeout=3) as client:
             while time.monotonic() < deadline and (
                 len(full_view_at) < len(infos) or (want_views and len(cache_view_at) < len(infos))
             ):
