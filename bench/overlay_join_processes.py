@@ -1,9 +1,12 @@
 """Join-to-full-view time with every node in its own OS process (the way volunteers run).
 
-Starts `p2pnode bootstrap` and N `p2pnode join --model none` processes on 127.0.0.1, all
-knowing only the bootstrap, and measures the time from launching the joiners until every
-joiner's /peers lists every other joiner as "up". Prints and writes
-bench/results/overlay_join_processes.json. Run: `python bench/overlay_join_processes.py [--nodes 16]`.
+Starts `p2pnode bootstrap` and N `p2pnode join` processes on 127.0.0.1 (`--compute emulated`,
+the default: light emulated engines, as trials run them; `none`: no engine), all knowing only
+the bootstrap, and measures the time from launching the joiners until every joiner's /peers
+lists every other joiner as "up", and, with engines, until every joiner holds a cache view of
+every other one (what a routing trial waits for). Also the RSS of each joiner at the end.
+Prints and writes bench/results/overlay_join_processes[-N].json.
+Run: `python bench/overlay_join_processes.py [--nodes 16] [--compute none]`.
 """
 
 from __future__ import annotations
@@ -20,12 +23,17 @@ from pathlib import Path
 
 import httpx
 
+from p2pnode.testnet.zygote import Zygote
 
-def spawn(args: list[str], home: Path) -> subprocess.Popen:
+
+def spawn(args: list[str], home: Path, zygote: Zygote | None = None):
     home.mkdir(parents=True)
+    argv = [*args, "--home", str(home)]
+    argv += ["--listen", "/ip4/127.0.0.1/tcp/0", "--api-port", "0", "--log-level", "warning"]
+    if zygote is not None:
+        return zygote.spawn(argv, dict(os.environ), home / "node.log", entry="cli")
     return subprocess.Popen(
-        [sys.executable, "-m", "p2pnode.bootstrap.cli", *args, "--home", str(home)]
-        + ["--listen", "/ip4/127.0.0.1/tcp/0", "--api-port", "0", "--log-level", "warning"],
+        [sys.executable, "-m", "p2pnode.bootstrap.cli", *argv],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
@@ -40,36 +48,75 @@ def runtime(home: Path, deadline: float) -> dict:
     raise TimeoutError(f"{home} did not start")
 
 
+def _rss_mb(pid: int) -> float | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return round(int(line.split()[1]) / 1024, 1)
+    except OSError:
+        pass
+    return None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nodes", type=int, default=16)
     parser.add_argument("--timeout", type=float, default=180.0)
+    parser.add_argument("--compute", choices=["emulated", "none"], default="emulated")
+    parser.add_argument("--gossip-interval", type=float, default=None)
+    parser.add_argument(
+        "--no-fork",
+        action="store_true",
+        help="start each node as a fresh interpreter instead of forking it (testnet/zygote.py)",
+    )
     args = parser.parse_args()
+    engine = (
+        ["--model", "default", "--backend", "emulated"]
+        if args.compute == "emulated"
+        else ["--model", "none"]
+    )
+    if args.gossip_interval is not None:
+        engine += ["--gossip-interval", str(args.gossip_interval)]
     root = Path(tempfile.mkdtemp(prefix="p2pnode-join-bench-"))
-    procs: list[subprocess.Popen] = []
+    # SIGTERM (e.g. `timeout`) unwinds through the finally below, which stops every node
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    procs: list = []
     load_at_start = os.getloadavg()[0]
+    zygote = None if args.no_fork else Zygote.start(dict(os.environ))
     try:
-        procs.append(spawn(["bootstrap"], root / "boot"))
+        procs.append(spawn(["bootstrap"], root / "boot", zygote))
         boot = runtime(root / "boot", time.monotonic() + 60)
         launched = time.monotonic()
         deadline = launched + args.timeout
         homes = [root / f"n{i}" for i in range(args.nodes)]
         for home in homes:
-            procs.append(spawn(["join", "--model", "none", "--bootstrap", boot["addrs"][0]], home))
+            procs.append(spawn(["join", *engine, "--bootstrap", boot["addrs"][0]], home, zygote))
         infos = [runtime(home, deadline) for home in homes]
         started = time.monotonic() - launched
         ids = {info["peer_id"] for info in infos}
         full_view_at: dict[str, float] = {}
-        with httpx.Client(timeout=5) as client:
-            while time.monotonic() < deadline and len(full_view_at) < len(infos):
+        cache_view_at: dict[str, float] = {}
+        want_views = args.compute == "emulated"
+        with httpx.Client(timeout=3) as client:
+            while time.monotonic() < deadline and (
+                len(full_view_at) < len(infos) or (want_views and len(cache_view_at) < len(infos))
+            ):
                 for info in infos:
-                    if info["peer_id"] in full_view_at:
-                        continue
-                    peers = client.get(info["api"] + "/peers").json()
-                    up = {p["peer_id"] for p in peers if p["state"] == "up"}
-                    if ids - {info["peer_id"]} <= up:
-                        full_view_at[info["peer_id"]] = time.monotonic() - launched
+                    me = info["peer_id"]
+                    try:
+                        if me not in full_view_at:
+                            peers = client.get(info["api"] + "/peers").json()
+                            up = {p["peer_id"] for p in peers if p["state"] == "up"}
+                            if ids - {me} <= up:
+                                full_view_at[me] = time.monotonic() - launched
+                        if want_views and me not in cache_view_at:
+                            status = client.get(info["api"] + "/status").json()
+                            if ids - {me} <= set(status["routing"]["views"]):
+                                cache_view_at[me] = time.monotonic() - launched
+                    except httpx.HTTPError:
+                        pass  # a node still starting its API: asked again next round
                 time.sleep(0.2)
+            rss = [_rss_mb(p.pid) for p in procs[1:]]
         result = {
             "nodes": args.nodes,
             "processes": args.nodes + 1,
@@ -86,9 +133,19 @@ def main() -> None:
             )
             if full_view_at
             else None,
+            "compute": args.compute,
+            "forked": zygote is not None,
+            "all_started_to_full_view_s": round(max(full_view_at.values()) - started, 2)
+            if len(full_view_at) == len(infos)
+            else None,
+            "join_to_cache_views_s": round(max(cache_view_at.values()), 2)
+            if want_views and len(cache_view_at) == len(infos)
+            else None,
+            "rss_mb_max": max((r for r in rss if r is not None), default=None),
+            "rss_mb_mean": round(sum(r for r in rss if r) / max(1, sum(1 for r in rss if r)), 1),
         }
         print(json.dumps(result, indent=2))
-        out = Path(__file__).parent / "results" / "overlay_join_processes.json"
+        out = Path(__file__).parent / "results" / f"overlay_join_processes-{args.nodes}.json"
         out.parent.mkdir(exist_ok=True)
         out.write_text(json.dumps(result, indent=2))
     finally:
@@ -99,6 +156,8 @@ def main() -> None:
                 proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 proc.kill()
+        if zygote is not None:
+            zygote.close()
 
 
 if __name__ == "__main__":

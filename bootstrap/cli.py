@@ -370,6 +370,22 @@ def testnet(args: tuple[str, ...]) -> None:
     sys.exit(run_trial_main(list(args)))
 
 
+@main.command(
+    context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False},
+    add_help_option=False,
+)
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def simulate(args: tuple[str, ...]) -> None:
+    """Simulate the real routing code at swarm scale: `p2pnode simulate --nodes 100,1000,10000`.
+
+    A discrete-event simulation (simpy) of the router, digests, views and scoped views on a
+    simulated WAN; `p2pnode simulate --help` lists every option.
+    """
+    from p2pnode.testnet.simulate import main as simulate_main
+
+    sys.exit(simulate_main(list(args)))
+
+
 @main.command()
 @click.option("--nodes", default=3, show_default=True, help="Serving nodes (plus one bootstrap).")
 @click.option("--subjects", default=3, show_default=True, help="MMLU subjects in the workload.")

@@ -40,14 +40,20 @@ async def _load_engine(settings: NodeSettings, stack: AsyncExitStack):
     if settings.model == "none":
         return None
     from p2pnode.inference import open_engine
-    from p2pnode.inference.models import ModelLoadError, load_model
+    from p2pnode.inference.models import ModelLoadError, load_light_model, load_model
 
     path = None if settings.model == "default" else settings.model
     if settings.engine == "vllm":
         return await _open_vllm(settings, path, stack)
-    log.info("loading model %s", settings.model)
+    # Emulated compute needs the tokenizer and the sizes, not the weights: no torch, no
+    # transformers, a few tens of MB instead of ~0.35 GB per node.
+    emulated = settings.backend == "emulated"
+    load = load_light_model if emulated else load_model
+    log.info(
+        "loading model %s%s", settings.model, " (tokenizer only: emulated)" if emulated else ""
+    )
     try:
-        loaded = await trio.to_thread.run_sync(load_model, path)
+        loaded = await trio.to_thread.run_sync(load, path)
     except ModelLoadError as exc:
         raise NodeStartError(str(exc)) from None
     return await stack.enter_async_context(
@@ -82,7 +88,7 @@ async def _open_vllm(settings: NodeSettings, path: str | None, stack: AsyncExitS
 async def _verifier_model(engine, settings: NodeSettings):
     """The engine's model; a vLLM engine has none in this process, so the verifier loads its
     own (torch; vLLM offers no way to score draft tokens from its prefix cache)."""
-    if engine.loaded is not None:
+    if getattr(engine.loaded, "model", None) is not None:
         return engine.loaded
     from p2pnode.inference.models import load_model
 
@@ -114,6 +120,29 @@ def _routing_status(service) -> dict[str, Any]:
         # What the router learned online: the network cost of forwards and each peer's
         # cache-claim confidence; and the completion lengths its estimates expect.
         "learned": {**service.router.learned(), "lengths": service.lengths.as_dict()},
+    }
+
+
+# Modules whose presence says what a node costs: an emulated node must load neither.
+HEAVY_MODULES = ("torch", "transformers", "vllm")
+
+
+def process_status() -> dict[str, Any]:
+    """This process's resident memory and which heavy libraries it has imported (read from
+    the process itself at each call, so trials and tests can check what a node really costs)."""
+    import resource
+    import sys
+
+    rss_kb = None
+    try:
+        with open("/proc/self/status") as f:
+            rss_kb = next((int(line.split()[1]) for line in f if line.startswith("VmRSS:")), None)
+    except OSError:
+        pass
+    return {
+        "rss_bytes": rss_kb * 1024 if rss_kb is not None else None,
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "heavy_modules": [m for m in HEAVY_MODULES if m in sys.modules],
     }
 
 
@@ -304,6 +333,7 @@ async def _run_locked(settings: NodeSettings, timeouts: dict[str, float], task_s
                 "relay": relay.status(),
                 "reachability": reachability.status(),
                 "network": settings.network,
+                "process": process_status(),
             }
 
         # The API stops first (its graceful shutdown runs while the overlay and engine close).

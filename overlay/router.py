@@ -39,6 +39,11 @@ Contract:
   neither logged nor counted.
 - ``PushBack(high, low)``: hysteresis for the flag a node advertises: on at ``queue_depth >= high``,
   off again at ``queue_depth <= low``.
+- Bound on what a node keeps (``overlay/scope.py``): the router reads only ``views.live()``; with
+  ``ScopedViews`` that is the peers within ``rtt_budget_s = max_prompt_tokens *
+  prefill_s_per_token / (forward_round_trips + rtt_margin)`` (farther ones cannot win by the
+  rule above), at most ``max_views`` of them, plus the ``k_nearest`` always; far holders of a
+  long prefix are found by a prefix-key lookup and admitted for the decision.
 """
 
 from __future__ import annotations

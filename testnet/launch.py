@@ -20,10 +20,11 @@ Contract:
   NEW node (fresh home and identity, the region of ``spec.churn_new_nodes()``), appended to
   ``trial.nodes``. Every node started is stopped when the block ends.
 - ``node_cmd`` (default ``python -m p2pnode.bootstrap.cli``) is the command line a node's arguments
-  are appended to (another build of the node, a profiler wrapper).
-- Emulated compute still loads the tokenizer and weights once per process (~2 s, ~0.6 GB
-  each on the default model); real compute pins ``torch_threads`` via the flag and
-  ``OMP_NUM_THREADS``.
+  are appended to (another build of the node, a profiler wrapper). With the default command,
+  emulated nodes on this host's loopback are forked from a fork server that imported the
+  node's modules once (``testnet/zygote.py``): same processes, a fraction of the start-up CPU.
+- Emulated compute loads only the tokenizer (no torch, ~130 MB per node process); real
+  compute pins ``torch_threads`` via the flag and ``OMP_NUM_THREADS``.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ import httpx
 from p2pnode.testnet import wan
 from p2pnode.testnet.netns import Testbed, require_netns
 from p2pnode.testnet.spec import TrialSpec
+from p2pnode.testnet.zygote import ForkedProc, Zygote
 
 STOP_GRACE_S = 15.0
 # p2pnode itself, through the trial's entry point that injects the spec's WAN delays first
@@ -68,9 +70,10 @@ class NodeProc:
     args: list[str]
     env: dict[str, str]
     cmd: list[str] = field(default_factory=lambda: list(NODE_CMD))
-    proc: subprocess.Popen | None = None
+    proc: subprocess.Popen | ForkedProc | None = None
     info: dict[str, Any] | None = None
     log_files: list[Path] = field(default_factory=list)
+    zygote: Zygote | None = None  # forks the node instead of starting an interpreter
 
     @property
     def api(self) -> str:
@@ -100,6 +103,11 @@ def _spawn(node: NodeProc) -> None:
     (node.home / "runtime.json").unlink(missing_ok=True)
     log_path = node.home / f"node-{len(node.log_files)}.log"
     node.log_files.append(log_path)
+    if node.zygote is not None and tuple(node.cmd) == NODE_CMD:
+        log_path.touch()
+        node.proc = node.zygote.spawn(node.args, node.env, log_path)
+        node.info = None
+        return
     with log_path.open("wb") as log:
         node.proc = subprocess.Popen(
             [*node.cmd, *node.args],
@@ -214,6 +222,7 @@ class RunningTrial:
             log_level=self.log_level, node_cmd=self.node_cmd,
         )  # fmt: skip
         node.args[1:1] = ["--bootstrap", self.bootstrap_addr]
+        node.zygote = self.bootstrap.zygote
         self.nodes.append(node)
         return node
 
@@ -472,7 +481,13 @@ def launch_trial(
     )
     started = time.monotonic()
     deadline = started + start_timeout_s
+    zygote = None
     try:
+        if spec.compute == "emulated" and tuple(node_cmd) == NODE_CMD and bed is None:
+            # Emulated nodes import the same modules: fork them from one process that did.
+            zygote = Zygote.start(node_env(1))
+            for node in [bootstrap, *nodes]:
+                node.zygote = zygote
         # The bootstrap's address is known before it runs (its key is made here, its port
         # picked free), so every process starts at once: start-up is mostly imports and
         # model loading, and nodes retry the bootstrap until it listens.
@@ -500,3 +515,5 @@ def launch_trial(
                     shutil.copyfile(path, logs / f"{node.name}{suffix}.log")
         if bed is not None:
             bed.close()
+        if zygote is not None:
+            zygote.close()

@@ -43,6 +43,7 @@ import httpx
 import trio
 
 from p2pnode.testnet import chat, churn, driver
+from p2pnode.testnet.capacity import check_memory
 from p2pnode.testnet.launch import NODE_CMD, LaunchError, RunningTrial, launch_trial
 from p2pnode.testnet.report import check_consistency, write_report
 from p2pnode.testnet.spec import ARMS, SpecError, TrialSpec, builtin_spec_path, load_spec
@@ -198,14 +199,13 @@ def _snapshot(trial: RunningTrial, arm_dir: Path) -> None:
 
 
 def _tokenizer(spec: TrialSpec) -> Any:
-    from transformers import AutoTokenizer
-
-    from p2pnode.inference.models import default_model_path
+    """The spec's tokenizer as a node loads it, or None. The light tokenizer tokenizes and
+    renders chats as transformers does (tests/test_light_node.py)."""
+    from p2pnode.inference.models import ModelLoadError, load_light_model
 
     try:
-        path = default_model_path() if spec.model == "default" else spec.model
-        return AutoTokenizer.from_pretrained(str(path))
-    except (OSError, ValueError) as exc:
+        return load_light_model(None if spec.model == "default" else spec.model).tokenizer
+    except ModelLoadError as exc:
         print(f"no tokenizer for the hit rate ceiling: {exc}", file=sys.stderr)
         return None
 
@@ -397,6 +397,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     arms = spec.arms if args.arms is None else tuple(a for a in args.arms.split(",") if a)
     if not arms or any(a not in ARMS for a in arms):
         parser.error(f"--arms: use a comma list of {', '.join(ARMS)}")
+    fit = check_memory(spec)
+    if not fit.ok:
+        print(f"not started: {fit.message}", file=sys.stderr)
+        return 2
+    print(f"memory: {fit.message}", file=sys.stderr)
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
     out = Path(args.out) if args.out else Path("testnet/results") / f"{spec.name}-{stamp}"
     command = "python -m p2pnode.testnet.run_trial " + shlex.join(argv or sys.argv[1:])

@@ -1,0 +1,31 @@
+"""The seam between the engine and its compute backend (contract in ``_backend.py``).
+
+Kept apart from the backends so that importing it pulls in neither torch (the model backend)
+nor anything else heavy: the emulated backend runs without them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Protocol, TypeAlias
+
+if TYPE_CHECKING:
+    import torch
+
+    from p2pnode.inference.emulated import EmulatedLogits
+
+# A ``[V]`` row (``[B, V]`` from decode): a tensor from the model, a closed form when emulated.
+Logits: TypeAlias = "torch.Tensor | EmulatedLogits"
+
+
+class Backend(Protocol):
+    vocab_size: int
+    kv_bytes_per_token: int
+
+    def new_state(
+        self, prefix_kv: torch.Tensor | Sequence[torch.Tensor] | None, prefix_len: int
+    ) -> object: ...
+    def extend(self, state: object, tokens: list[int]) -> Logits: ...
+    def decode(self, states: list, tokens: list[int]) -> torch.Tensor | list[EmulatedLogits]: ...
+    def export_kv(self, state: object, begin: int, end: int) -> torch.Tensor | None: ...
+    def free(self, state: object) -> None: ...

@@ -1,0 +1,121 @@
+"""Scoped views: keep full cache views only of the peers that could win a request.
+
+Rule (derived from the router's choice rule, ``overlay/router.py``): a peer is chosen only when
+``total_peer + max(margin, rtt_margin * rtt) < total_local``, and a forward costs at least
+``forward_round_trips * rtt`` more than serving here. What a peer can save us is at most the
+prefill of the longest prompt we expect, ``max_prompt_tokens * prefill_s_per_token`` (plus the
+difference in queues, which push-back bounds). So a peer whose RTT exceeds
+
+    rtt_budget_s = max_prompt_tokens * prefill_s_per_token / (forward_round_trips + rtt_margin)
+
+can never win on cache and is not worth a view. ``ScopePolicy.select`` keeps, of the peers
+within the budget, the ``max_views`` nearest, and always the ``k_nearest`` nearest whatever their
+RTT (so a node far from everyone still has somewhere to send work). Memory and digest traffic
+per node are then O(max_views), independent of the swarm's size.
+
+A far holder of a LONG prefix can still win (its saving grows with the prefix): it is found on
+demand, not kept in view, and only when ``lookup_worth``: the prefill it could save exceeds the
+lookup's latency plus a forward to the holder. ``prefix_key(block_hashes)`` is the DHT key of a prompt: the chained
+hash of its first ``key_blocks`` blocks, which names the whole leading prefix (block hashes chain
+over their parents). A node caching a prompt of at least ``key_blocks`` blocks announces itself
+under that key; a node routing such a prompt with no in-scope holder looks the key up and pulls
+the holders' digests for that one decision (``ScopedViews.admit_temporarily``).
+
+``ScopedViews`` is the hook into ``PeerViews``: the same class, whose ``live()`` (what the router
+reads) lists in-scope and temporarily admitted peers only, and whose ``apply`` drops digests of
+peers out of scope before storing them (so their fingerprints cost no memory).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import struct
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+from p2pnode.overlay.digest import Digest
+from p2pnode.overlay.views import ApplyResult, PeerView, PeerViews
+
+
+@dataclass(frozen=True)
+class ScopePolicy:
+    max_prompt_tokens: int = 2048
+    prefill_s_per_token: float = 1 / 430
+    forward_round_trips: float = 3.0
+    rtt_margin: float = 1.0
+    max_views: int = 64
+    k_nearest: int = 8
+    key_blocks: int = 4  # a prompt of at least 64 tokens has a DHT key
+
+    def __post_init__(self) -> None:
+        if self.max_views < 0 or self.k_nearest < 0 or self.key_blocks < 1:
+            raise ValueError("need max_views >= 0, k_nearest >= 0 and key_blocks >= 1")
+
+    @property
+    def rtt_budget_s(self) -> float:
+        saving = self.max_prompt_tokens * self.prefill_s_per_token
+        return saving / max(1e-9, self.forward_round_trips + self.rtt_margin)
+
+    def lookup_worth(self, uncached_tokens: int, lookup_s: float, rtt_s: float) -> bool:
+        """Is a prefix lookup worth its latency? Only when the prefill it could save beats the
+        lookup plus the forward to a holder ``rtt_s`` away (what the router would then add)."""
+        forward = (self.forward_round_trips + self.rtt_margin) * rtt_s
+        return uncached_tokens * self.prefill_s_per_token > lookup_s + forward
+
+    def select(self, rtts: Iterable[tuple[str, float]]) -> set[str]:
+        """Peers to keep in view, from ``(peer_id, rtt_s)`` pairs (see the module doc)."""
+        ranked = heapq.nsmallest(
+            max(self.max_views, self.k_nearest), rtts, key=lambda pr: (pr[1], pr[0])
+        )
+        keep = {p for p, _ in ranked[: self.k_nearest]}
+        budget = self.rtt_budget_s
+        keep.update(p for p, rtt in ranked[: self.max_views] if rtt <= budget)
+        return keep
+
+
+def prefix_key(block_hashes: Sequence[int], key_blocks: int) -> bytes | None:
+    """DHT key of a prompt's leading prefix, or None when it has fewer than ``key_blocks``
+    full blocks. Block ``i``'s hash covers blocks ``0..i``, so one hash names the prefix."""
+    if len(block_hashes) < key_blocks:
+        return None
+    return hashlib.sha256(
+        b"p2pnode-prefix-v1" + struct.pack("<Q", block_hashes[key_blocks - 1])
+    ).digest()
+
+
+class ScopedViews(PeerViews):
+    """``PeerViews`` restricted to a scope (see the module doc); ``scope`` is re-read on every
+    call, so the owner can update it as RTTs are measured."""
+
+    def __init__(self, scope: Callable[[], set[str]], **kwargs) -> None:
+        super().__init__(**kwargs)
+        self._scope = scope
+        self._temporary: dict[str, float] = {}  # peer -> admitted until (views clock)
+
+    def in_scope(self, peer_id: str) -> bool:
+        until = self._temporary.get(peer_id)
+        if until is not None and until >= self._clock():
+            return True
+        return peer_id in self._scope()
+
+    def admit_temporarily(self, peer_id: str, for_s: float) -> None:
+        """A holder found by a prefix lookup: in view for ``for_s`` seconds."""
+        self._temporary[peer_id] = max(self._temporary.get(peer_id, 0.0), self._clock() + for_s)
+
+    def apply(self, d: Digest) -> ApplyResult:
+        if not self.in_scope(d.peer_id):
+            return ApplyResult.STALE  # nothing to store, nothing to repair
+        return super().apply(d)
+
+    def live(self, model_id: str) -> list[PeerView]:
+        return [v for v in super().live(model_id) if self.in_scope(v.peer_id)]
+
+    def expire(self) -> list[tuple[str, str]]:
+        now = self._clock()
+        self._temporary = {p: t for p, t in self._temporary.items() if t >= now}
+        gone = super().expire()
+        for key in [k for k in self._views if not self.in_scope(k[0])]:
+            del self._views[key]
+            gone.append(key)
+        return gone

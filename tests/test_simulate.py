@@ -1,0 +1,75 @@
+"""``p2pnode simulate`` on a small swarm: the real router, digests and views on simpy's clock.
+
+Few nodes and a short simulated minute keep it quick; the figures it asserts are the ones the
+simulation exists for: routing beats serving where requests arrive, scoped views keep at most
+their bound, and full views hold every peer.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from p2pnode.overlay.scope import ScopedViews, ScopePolicy, prefix_key
+from p2pnode.testnet.simulate import SimConfig, mmlu_prompts, simulate
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    return mmlu_prompts(8, 6)
+
+
+def _cfg(**kw) -> SimConfig:
+    base = {"nodes": 24, "duration_s": 40.0, "rate_per_s": 4.0, "subjects": 8, "per_subject": 6}
+    return SimConfig(**(base | kw))
+
+
+@pytest.mark.slow
+def test_routing_beats_no_routing_and_scoped_views_stay_bounded(prompts) -> None:
+    policy = ScopePolicy(max_views=6, k_nearest=3)
+    baseline = simulate(_cfg(routing=False), prompts)
+    full = simulate(_cfg(), prompts)
+    scoped = simulate(_cfg(views="scoped", scope=policy), prompts)
+    assert baseline.requests == full.requests == scoped.requests > 100
+    assert full.views_per_node == 23 and scoped.views_per_node <= 6
+    assert scoped.digest_bytes_per_node_s < full.digest_bytes_per_node_s
+    assert full.hit_rate > baseline.hit_rate + 0.2
+    assert full.hit_rate <= full.hit_rate_ceiling
+    assert full.mean_latency_s < baseline.mean_latency_s
+    assert scoped.mean_latency_s < baseline.mean_latency_s
+
+
+def test_scope_policy_keeps_the_nearest_within_budget() -> None:
+    policy = ScopePolicy(
+        max_prompt_tokens=860, prefill_s_per_token=1 / 430, max_views=2, k_nearest=1
+    )
+    assert policy.rtt_budget_s == pytest.approx(0.5)
+    rtts = [("far", 0.9), ("a", 0.01), ("b", 0.02), ("c", 0.03)]
+    assert policy.select(rtts) == {"a", "b"}
+    assert ScopePolicy(max_prompt_tokens=1, max_views=2, k_nearest=1).select(rtts) == {"a"}
+    # a lookup pays when the prefill it could save beats it plus the forward: 430 tokens = 1 s
+    assert policy.lookup_worth(430, lookup_s=0.3, rtt_s=0.1)
+    assert not policy.lookup_worth(430, lookup_s=0.3, rtt_s=0.2)
+    assert prefix_key([1, 2, 3], 4) is None
+    # the key block's chained hash names the whole leading prefix; later blocks do not matter
+    assert prefix_key([1, 2, 3, 4], 4) == prefix_key([1, 2, 3, 4, 5], 4)
+    assert prefix_key([1, 2, 3, 4], 4) != prefix_key([1, 2, 3, 7], 4)
+
+
+def test_scoped_views_drop_digests_out_of_scope() -> None:
+    from p2pnode.overlay.digest import DigestBuilder
+    from p2pnode.overlay.views import ApplyResult
+
+    now = [0.0]
+    views = ScopedViews(lambda: {"near"}, clock=lambda: now[0], wall_clock=lambda: now[0])
+    for peer in ("near", "far"):
+        b = DigestBuilder(peer, "m")
+        b._add(123)
+        d = b.full()
+        assert views.apply(d) is (ApplyResult.APPLIED if peer == "near" else ApplyResult.STALE)
+    assert [v.peer_id for v in views.live("m")] == ["near"]
+    views.admit_temporarily("far", 5.0)
+    b = DigestBuilder("far", "m")
+    assert views.apply(b.full()) is ApplyResult.APPLIED
+    assert {v.peer_id for v in views.live("m")} == {"near", "far"}
+    now[0] = 6.0
+    assert [v.peer_id for v in views.live("m")] == ["near"]
