@@ -15,6 +15,8 @@ Contract:
   with the spec's model tokenizer as the nodes do), so the summary carries the workload's hit
   rate ceiling; left out, with a warning, when the tokenizer cannot load or its counts differ
   from the nodes' ``prompt_tokens``.
+- Adversaries: a spec with ``[[adversary]]`` adds ``adversaries`` to the arm's result
+  (``liars.adversary_summary``: wrong answers kept, also after detection, liars demoted).
 - Churn: a spec with ``[[churn]]`` runs its events during the workload
   (``churn.run_churn``), drives through ``churn.drive_with_retries`` (a request whose node left
   is retried on a live one) and adds ``churn`` (lost, duplicates, retries, latency near/away
@@ -42,7 +44,7 @@ from typing import Any
 import httpx
 import trio
 
-from p2pnode.testnet import churn, driver
+from p2pnode.testnet import churn, driver, liars
 from p2pnode.testnet.launch import NODE_CMD, LaunchError, RunningTrial, launch_trial
 from p2pnode.testnet.report import check_consistency, write_report
 from p2pnode.testnet.spec import ARMS, SpecError, TrialSpec, builtin_spec_path, load_spec
@@ -201,6 +203,31 @@ def _attach_oracle(records: list[dict[str, Any]], ids: list[list[int]] | None) -
     return None
 
 
+def _adversaries(
+    spec: TrialSpec,
+    arm: str,
+    out_dir: Path,
+    records: list[dict[str, Any]],
+    ids: list[list[int]] | None,
+    result: dict[str, Any],
+) -> dict[str, Any]:
+    """The ``[[adversary]]`` figures of one arm (``liars.adversary_summary``)."""
+    honest = liars.honest_texts(spec, ids)
+    if honest is None:
+        result["warnings"].append(
+            "no wrong-answer count: honest answers are recomputed for greedy emulated compute only"
+        )
+    homes = [out_dir / "nodes" / arm / f"node{k}" for k in range(len(result["peer_ids"]))]
+    adv = liars.adversary_summary(spec, records, result["peer_ids"], homes, honest)
+    print(
+        f"[{arm}] adversaries: wrong answers {adv['wrong_answers']} "
+        f"({adv['wrong_answers_after_detection']} after detection), liars demoted "
+        f"{adv['liars_demoted']}/{len(spec.adversaries)}",
+        file=sys.stderr,
+    )
+    return adv
+
+
 def run_arm(
     spec: TrialSpec,
     arm: str,
@@ -231,9 +258,12 @@ def run_arm(
         result["error"] = str(exc)[:4000]
         return result
     result["logs"] = str(out_dir / "nodes" / arm / "logs")
-    warning = _attach_oracle(records, prompt_token_ids(spec, requests))
+    ids = prompt_token_ids(spec, requests)
+    warning = _attach_oracle(records, ids)
     if warning:
         result["warnings"].append(warning)
+    if spec.adversaries:
+        result["adversaries"] = _adversaries(spec, arm, out_dir, records, ids, result)
     driver.write_jsonl(arm_dir / "requests.jsonl", records)
     summary = driver.summarize(records, churn.max_nodes(spec))  # churn: joiners serve too
     result["summary"] = summary
