@@ -406,6 +406,8 @@ def _serving_node(
         args += ["--adversary", liar.kind]
         if liar.rate is not None:
             args += ["--adversary-rate", repr(liar.rate)]
+        if liar.forge_digest:
+            args += ["--adversary-forge"]
     env = node_env(s.torch_threads)
     return NodeProc(f"node{i}", region, ip, home, args, env, list(node_cmd))
 

@@ -19,10 +19,12 @@ Contract:
     failed), ``first_detected_s`` (end of the first request whose route caught it; None
     when none did), ``attempts_until_detection`` (per origin that caught it: how many of
     its attempts went to the liar up to the one that failed), ``demoted_by`` /
-    ``routed_by`` (honest node indices whose trust file, written at shutdown, has it
-    demoted at least once / that routed to it);
-  - ``liars_demoted``: liars that every honest origin routing to them demoted (and at least
-    one did); ``undemoted``: the others.
+    ``routed_by`` (indices of the other nodes whose trust file, written at shutdown, has it
+    demoted at least once / that routed to it; every other node counts as an origin: a liar
+    lies only to peers, so its own clients are protected by its own, honest, origin code);
+  - ``liars_demoted``: liars that every origin routing to them demoted (and at least one
+    did); ``undemoted``: the others (a liar nobody routed to is among them: nothing could
+    catch it).
 - ``homes`` are the nodes' home folders (their ``trust.json``, ``overlay/trust_store.py``).
 """
 
@@ -87,7 +89,6 @@ def adversary_summary(
 ) -> dict[str, Any]:
     liar_nodes = {a.node: a for a in spec.adversaries}
     index_of = {pid: k for k, pid in enumerate(peer_ids)}
-    honest_nodes = [k for k in range(len(peer_ids)) if k not in liar_nodes]
     ok = sorted((r for r in records if r["status"] == "ok"), key=lambda r: r["sent_s"] or 0.0)
 
     wrong: list[dict[str, Any]] = []
@@ -121,18 +122,21 @@ def adversary_summary(
         and (r["arrival_node"], r["served_node"]) in caught
         and (r["sent_s"] or 0.0) > caught[(r["arrival_node"], r["served_node"])]
     ]
-    demotions = {k: _demoted_in(homes[k]) for k in honest_nodes}
+    # Every other node is an origin to a liar: a liar's own clients are served by that node's
+    # honest origin code (it lies only to peers), so its audits protect them as any node's.
+    demotions = {k: _demoted_in(homes[k]) for k in range(len(peer_ids))}
     liars: dict[str, Any] = {}
     demoted_count = 0
     undemoted = []
     for node, adv in sorted(liar_nodes.items()):
         pid = peer_ids[node]
-        routed_by = sorted(o for (o, liar) in routed if liar == node and o in honest_nodes)
-        demoted_by = [k for k in honest_nodes if demotions[k].get(pid, 0) > 0]
+        routed_by = sorted(o for (o, liar) in routed if liar == node and o != node)
+        demoted_by = [k for k in demotions if k != node and demotions[k].get(pid, 0) > 0]
         ends = [t for (o, liar), t in caught.items() if liar == node]
         liars[str(node)] = {
             "kind": adv.kind,
             "rate": adv.rate,
+            "forge_digest": adv.forge_digest,
             "peer_id": pid,
             "routed": {str(o): n for (o, liar), n in sorted(routed.items()) if liar == node},
             "kept": sum(r["served_node"] == node for r in ok),

@@ -164,6 +164,7 @@ def _adversary_lines(arms: dict[str, Any]) -> list[str]:
         ]
         for node, liar in adv["liars"].items():
             kind = liar["kind"] + (f" ({liar['rate']:g})" if liar.get("rate") else "")
+            kind += ", forged digest" if liar.get("forge_digest") else ""
             lines.append(
                 f"| {node} | {kind} | {sum(liar['routed'].values())} | {liar['kept']} | "
                 f"{liar['wrong_kept']} | {liar['audit_failed']} | "

@@ -60,6 +60,7 @@ Contract:
     node = 2
     kind = "wrong-output"       # "wrong-output" | "random-text" | "other-model" | "fake-cache"
     rate = 0.2                  # wrong-output only (default 0.05): share of tokens replaced
+    forge_digest = true         # answer liars: also forge a tempting digest (as fake-cache)
 - Adversaries (``testnet/adversary.py`` says what each kind does; trial nodes wire it in
   through ``testnet/node.py``): one entry per node, an initial node, at least one node left
   honest; ``rate`` is refused for the kinds it means nothing to (they lie on every answer,
@@ -161,6 +162,7 @@ class AdversarySpec:
     node: int
     kind: str
     rate: float | None = None  # wrong-output only: share of the served tokens replaced
+    forge_digest: bool = False  # an answer liar that also advertises prefixes it lacks
 
 
 @dataclass(frozen=True)
@@ -490,10 +492,15 @@ def _adversaries(raw: Any, source: str, count: int) -> tuple[AdversarySpec, ...]
         if t.has("rate") and kind != "wrong-output":
             raise t.fail("rate", f"only kind = 'wrong-output' takes a rate ({kind} lies always)")
         rate = t.float_("rate", 0.05, 1e-6, 1.0) if kind == "wrong-output" else None
+        forge = t.raw("forge_digest", False)
+        if not isinstance(forge, bool):
+            raise t.fail("forge_digest", f"must be true or false, got {forge!r}")
+        if forge and kind == "fake-cache":
+            raise t.fail("forge_digest", "fake-cache forges its digest anyway: leave it out")
         t.finish()
         if any(a.node == node for a in out):
             raise t.fail("node", f"node {node} is already an adversary: one kind per node")
-        out.append(AdversarySpec(node, kind, rate))
+        out.append(AdversarySpec(node, kind, rate, forge))
     if out and len(out) >= count:
         raise SpecError(
             f"{source}: every node is an adversary: leave at least one honest node (its "

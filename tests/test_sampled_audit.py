@@ -1,8 +1,9 @@
 """The likelihood test of sampled speculative results (speculation/_audit.py ``audit_sampled``).
 
-Real parts: the default SmolLM2 target (fp32) scores; honest results come from the real
-speculative path (the W4A16 draft against a ``BatchedVerifier`` on the target, seeded), so the
-false-alarm rate measured here is that of what an edge really receives.
+Real parts: the default SmolLM2 target (fp32) scores. Honest results: seeded samples of the
+target at the claimed temperature and top-p (speculative sampling's output has exactly this
+distribution), plus a few from the real speculative path (the W4A16 draft against a
+``BatchedVerifier`` on the target), so the false-alarm rate is measured on both.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from p2pnode.speculation.edge import EdgeResult
 from p2pnode.speculation.verify import BadRequest, BatchedVerifier, SamplingOptions
 
 QUESTIONS = ["Name a fruit.", "Why is the sky blue?", "Write a short poem.", "Count to five."]
-TEMPERATURE, TOP_P, TOKENS, RUNS = 0.8, 0.95, 16, 24
+TEMPERATURE, TOP_P, TOKENS = 0.8, 0.95, 16
+DIRECT, SPECULATIVE = 32, 4  # seeded honest runs of each kind
 BOUND = 1 / (1 + SAMPLED_Z_MAX**2)  # Cantelli: the false-alarm rate is at most this (5.9 %)
 
 
@@ -56,30 +58,38 @@ def _result(prompt, tokens, temperature=TEMPERATURE, verifiers=("v1",), starts=(
     )
 
 
-def _sample_target(target, prompt: list[int], n: int, temperature: float, seed: int):
-    """n tokens sampled from the target at ``temperature`` (no top-p): a liar's sampler."""
+def _sample_target(target, prompt: list[int], n: int, temperature: float, top_p: float, seed):
+    """n tokens sampled from the target (KV-cached decode, the verifier's sampling rule)."""
     gen = torch.Generator().manual_seed(seed)
-    seq = list(prompt)
+    out: list[int] = []
+    ids, past = torch.tensor([prompt]), None
     with torch.inference_mode():
         for _ in range(n):
-            logits = target.model(input_ids=torch.tensor([seq])).logits[0, -1]
-            p = probs_from_logits(logits, temperature, 1.0)
-            seq.append(int(torch.multinomial(p, 1, generator=gen)))
-    return seq[len(prompt) :]
+            res = target.model(input_ids=ids, past_key_values=past, use_cache=True)
+            past = res.past_key_values
+            p = probs_from_logits(res.logits[0, -1], temperature, top_p)
+            out.append(int(torch.multinomial(p, 1, generator=gen)))
+            ids = torch.tensor([[out[-1]]])
+    return out
 
 
 @pytest.mark.slow
 async def test_honest_sampled_results_pass_and_foreign_tokens_are_flagged(target) -> None:
-    draft = load_draft()
     scorer = ModelScorer(target.model)
-    verifier = BatchedVerifier(target, max_sessions=32, max_batch=8, max_wait_ms=5)
-    honest: list[tuple[list[int], list[int]]] = []
-    edges = trio.Semaphore(8)
+    honest = [
+        (
+            _prompt(target, k),
+            _sample_target(target, _prompt(target, k), TOKENS, TEMPERATURE, TOP_P, k),
+        )
+        for k in range(DIRECT)
+    ]
+    draft = load_draft()
+    verifier = BatchedVerifier(target, max_sessions=8, max_batch=4, max_wait_ms=5)
 
     async def one(seed: int) -> None:
         prompt = _prompt(target, seed)
         options = SamplingOptions(temperature=TEMPERATURE, top_p=TOP_P, seed=seed)
-        async with edges, inprocess_transport(verifier) as transport:
+        async with inprocess_transport(verifier) as transport:
             got = await speculative_generate(
                 draft, transport, prompt, TOKENS, gamma=4, depth=2, lead=4, options=options
             )
@@ -89,10 +99,11 @@ async def test_honest_sampled_results_pass_and_foreign_tokens_are_flagged(target
         async with trio.open_nursery() as nursery:
             await nursery.start(verifier.run)
             async with trio.open_nursery() as runs:
-                for seed in range(RUNS):
-                    runs.start_soon(one, seed)
+                for seed in range(SPECULATIVE):
+                    runs.start_soon(one, 100 + seed)
             nursery.cancel_scope.cancel()
-    assert len(honest) == RUNS
+    runs_total = DIRECT + SPECULATIVE
+    assert len(honest) == runs_total
 
     book = TrustBook()
     audits = [audit_sampled(book, _result(p, t), scorer) for p, t in honest]
@@ -100,7 +111,8 @@ async def test_honest_sampled_results_pass_and_foreign_tokens_are_flagged(target
     zs = [a.segments["v1"].statistic for a in audits]
     # Stated: at most 5.9 % false alarms whatever the distribution (Cantelli); seeded runs,
     # so this is deterministic up to the verifier's batching order.
-    assert len(alarms) <= math.floor(BOUND * RUNS), (len(alarms), zs)
+    assert len(alarms) <= math.floor(BOUND * runs_total), (len(alarms), zs)
+    print(f"false alarms {len(alarms)}/{runs_total}, honest z max {max(zs):.2f}")
     assert all(math.isfinite(z) for z in zs)
 
     gen = torch.Generator().manual_seed(7)
@@ -110,7 +122,7 @@ async def test_honest_sampled_results_pass_and_foreign_tokens_are_flagged(target
         random_text = audit_sampled(TrustBook(), _result(prompt, noise), scorer)
         assert random_text.verdict == "implausible" and random_text.blamed == ["v1"]
         # The target's own tokens, but sampled at temperature 2.0 while 0.8 is claimed.
-        hot = _sample_target(target, prompt, TOKENS, 2.0, seed=k)
+        hot = _sample_target(target, prompt, TOKENS, 2.0, 1.0, seed=k)
         assert audit_sampled(TrustBook(), _result(prompt, hot), scorer).verdict == "implausible"
 
     # A failed-over result: the first verifier's share is honest, the second's random; only
