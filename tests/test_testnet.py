@@ -485,8 +485,9 @@ def test_adversarial_trial_catches_every_liar_and_no_wrong_answer_is_kept_after(
     digest), one only forges its digest. Every request is answered, the answer liars fail
     audits (they really lied, through their nodes' forward servers) and are demoted by every
     origin that tried them, and no origin keeps a wrong answer from a liar it had caught.
-    Whether the cache-only liar is demoted depends on how often its claims fail (it caches
-    what it is sent, so many come true): reported, not asserted."""
+    Which liars get tried, and whether the cache-only liar is demoted (it caches what it is
+    sent, so many of its claims come true), depend on measured RTTs: reported, not
+    asserted."""
     import signal
     import sys
 
@@ -513,14 +514,16 @@ def test_adversarial_trial_catches_every_liar_and_no_wrong_answer_is_kept_after(
     adv, liars = arm["adversaries"], arm["adversaries"]["liars"]
     assert adv["wrong_answers"] is not None  # honest answers were recomputed
     assert adv["wrong_answers_after_detection"] == 0, adv
-    for node in ("2", "3"):  # answer liars with a forged digest: it draws prompts, they lie
-        liar = liars[node]
-        assert liar["routed_by"], liar  # the forgery worked: origins routed to it
+    tried = [liars[n] for n in ("2", "3") if liars[n]["routed_by"]]
+    # The forged digests drew forwards to an answer liar (which ones depends on the measured
+    # RTTs: the lowest estimate is tried first, the next liar once the first is demoted).
+    assert tried, liars
+    for liar in tried:
         assert liar["audit_failed"] >= 1, liar  # it really lied, through its forward server
         # probation holds every answer of a new peer: each origin that tried it caught it
         assert set(liar["routed_by"]) <= set(liar["demoted_by"]), liar
     assert liars["4"]["wrong_kept"] == 0  # fake-cache serves right answers
-    assert adv["liars_demoted"] >= 2, adv
+    assert adv["liars_demoted"] >= len(tried), adv
     assert "Adversaries (routing)" in (out / "report.md").read_text()
     assert proc.returncode == 0, log[-3000:]
 
