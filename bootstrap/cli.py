@@ -363,7 +363,7 @@ def testnet(args: tuple[str, ...]) -> None:
     """Run a testnet trial: `p2pnode testnet SPEC [--arms routing,baseline] [--out DIR]`.
 
     SPEC is a trial TOML file or a built-in name (paper-lan, paper-wan-200, paper-wan-1000, each
-    also -zipf; scale-64, smoke); `p2pnode testnet --help` lists every option.
+    also -zipf; scale-64, smoke, adversarial-liar); `p2pnode testnet --help` lists every option.
     """
     from p2pnode.testnet.run_trial import main as run_trial_main
 

@@ -30,6 +30,10 @@ from p2pnode.identity import IdentityError, NodeKey
 
 log = logging.getLogger("p2pnode.node")
 
+# Called as ``hook(service, nursery)`` once a node's RoutedService runs. The product registers
+# none; trial nodes (testnet/node.py) make an adversary misbehave through it, on the real path.
+SERVICE_HOOKS: list[Callable[[Any, trio.Nursery], None]] = []
+
 
 class NodeStartError(RuntimeError):
     """The node could not start; the message says what to change."""
@@ -356,6 +360,8 @@ async def _run_locked(settings: NodeSettings, timeouts: dict[str, float], task_s
                     service.advertise(advert.builder)
             if service is not None:
                 await nursery.start(service.run)
+                for hook in SERVICE_HOOKS:
+                    hook(service, nursery)
                 from p2pnode.overlay.trust_store import TRUST_FILE, keep_trust_saved
 
                 nursery.start_soon(keep_trust_saved, service.trust, settings.home / TRUST_FILE)

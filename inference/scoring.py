@@ -11,6 +11,9 @@ Contract:
 - ``EmulatedScorer(vocab_size, eos_token_id, cost)`` recomputes the emulated backend's logits
   (a deterministic function of the input tokens, as ``EmulatedRows``, no torch) and sleeps the prefill cost of the pass, so
   audits behave in emulated trials as with the model.
+- ``emulated_answer(prompt, max_tokens, vocab_size, eos_token_ids)`` is what an honest
+  emulated engine answers greedily (its tokens are a function of the input tokens alone,
+  whatever was cached or batched): the reference a trial's wrong-answer count compares with.
 - ``scorer_for(engine)`` builds the one that matches an engine's backend (None when the engine
   has neither, e.g. vLLM).
 """
@@ -23,7 +26,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from p2pnode.inference.costmodel import CostModel
-from p2pnode.inference.emulated import EmulatedBackend, EmulatedLogits, EmulatedRows
+from p2pnode.inference.emulated import EmulatedBackend, EmulatedLogits, EmulatedRows, emulated_pick
 
 if TYPE_CHECKING:
     import torch
@@ -80,6 +83,24 @@ class EmulatedScorer:
 
     def cost_s(self, tokens: int) -> float:
         return self.cost.overhead_s + tokens * self.cost.prefill_s_per_token
+
+
+def emulated_answer(
+    prompt: Sequence[int], max_tokens: int, vocab_size: int, eos_token_ids: Sequence[int]
+) -> list[int]:
+    """The emulated engine's greedy answer to ``prompt`` (see the module contract)."""
+    if not prompt:
+        raise ValueError("an answer needs a non-empty prompt")
+    eos = set(eos_token_ids)
+    backend_eos = min(eos) if eos else None  # the one the emulated backend never picks
+    seq, out = list(prompt), []
+    while len(out) < max_tokens:
+        token = emulated_pick(len(seq), seq[-1], vocab_size, backend_eos)
+        out.append(token)
+        seq.append(token)
+        if token in eos:
+            break
+    return out
 
 
 def scorer_for(engine: Any) -> Scorer | None:

@@ -1,4 +1,4 @@
-"""Second opinions on a greedy result: re-verify a window of it on verifiers that did not make it.
+"""Audits of speculative results: second opinions on greedy ones, a likelihood test of sampled ones.
 
 The edge checks each verdict for impossibilities (``overlay.trust.verdict_problem``), but a
 careful liar answers plausibly: it rejects good drafts or names a valid but wrong token, and
@@ -17,7 +17,25 @@ block in full. ``audit_result`` does that:
   otherwise, or without a third verifier, "disputed" and nobody is blamed.
 - Blame is ``TrustBook.observe_fault``: a demoted verifier leaves ``find_verifiers``.
 
-Limits: only greedy results (a sampled token has no single right answer); one window per call,
+Sampled results (``audit_sampled``): a sampled token has no one right answer, but an honest
+result is a sample of the target's distribution (speculative sampling's output is distributed
+exactly as the target's), so its likelihood under the target must be plausible. The test is
+``overlay.audit.check_sampled``, the one the origin applies to sampled forwarded answers: the
+target's logits at every position of the result (ONE teacher-forced pass, ``Scorer``), a token
+outside the (slightly widened) top-p nucleus fails at once, otherwise the summed surprisal is
+compared with its mean and variance under the target's own sampling distribution,
+``z = (S - sum H) / sqrt(sum Var)``, failing above ``z_max`` (4.0). False alarms: by
+Cantelli's inequality at most 1 / (1 + z_max^2) = 5.9 % for any distribution, and measured
+(tests/test_audit.py, real model) far lower, as the sum is close to normal. Each producer's
+share of a failed-over result is tested on its own, so blame lands on the verifier whose
+tokens are implausible (``TrustBook.observe_fault``); a pass credits it (``observe_ok``). The
+scorer must run the target (``inference.scoring.ModelScorer``): the edge's own draft is a
+different distribution and would bias the test. Limits: it catches answers the target finds
+unlikely (random, another model's, tokens from a far other temperature); a liar sampling from
+a slightly different distribution is caught only in proportion to how much less likely its
+tokens are, and a segment of few tokens says little.
+
+Limits (greedy): only greedy results (a sampled token has no single right answer); one window per call,
 so a liar that lies rarely is caught in proportion to how often the app audits; honest
 verifiers on different hardware can disagree where two logits tie within float error, which is
 why one disagreement alone blames nobody.
@@ -29,6 +47,8 @@ import logging
 import random
 from dataclasses import dataclass, field
 
+from p2pnode.inference.scoring import Scorer
+from p2pnode.overlay.audit import AuditVerdict, check_sampled
 from p2pnode.speculation.client import BadVerdict
 from p2pnode.speculation.protocol import P2PVerifierTransport
 from p2pnode.speculation.verify import BadRequest, Block, Lead, SamplingOptions
@@ -107,4 +127,60 @@ async def audit_result(
             audit.verdict, audit.blamed = "producer-wrong", [result.producer_of(start + a2)]
     for peer in audit.blamed:
         edge.trust.observe_fault(peer)
+    return audit
+
+
+SAMPLED_Z_MAX = 4.0  # false alarms <= 1 / (1 + 4^2) = 5.9 % (Cantelli), measured far below
+NUCLEUS_SLACK = 0.02  # as overlay.audit: another numeric path's boundary token stays possible
+
+
+@dataclass
+class SampledAudit:
+    verdict: str  # "plausible" | "implausible"
+    checked: int  # tokens scored
+    segments: dict[str, AuditVerdict] = field(default_factory=dict)  # producer -> its verdict
+    blamed: list[str] = field(default_factory=list)
+
+
+def audit_sampled(
+    trust,
+    result,
+    scorer: Scorer,
+    *,
+    z_max: float = SAMPLED_Z_MAX,
+    nucleus_slack: float = NUCLEUS_SLACK,
+) -> SampledAudit:
+    """The likelihood test of a sampled result (module contract); blames in ``trust``.
+
+    Synchronous and CPU-bound (one forward pass of the target): from trio, call it through
+    ``trio.to_thread.run_sync`` (``EdgeClient.audit`` does)."""
+    if result.greedy:
+        raise BadRequest("a greedy result has one right answer: audit it with audit_result")
+    out = list(result.tokens)
+    if not out:
+        raise BadRequest("nothing to audit: the result has no tokens")
+    logits = scorer.logits(result.prompt_ids, out)
+    bounds = [*result.starts, len(out)] if result.starts else [0, len(out)]
+    producers = result.verifiers or ["?"]
+    audit = SampledAudit("plausible", len(out))
+    for k, peer in enumerate(producers):
+        lo, hi = bounds[k], bounds[k + 1]
+        if hi <= lo:
+            continue
+        verdict = check_sampled(
+            logits[lo:hi],
+            out[lo:hi],
+            temperature=result.temperature,
+            top_p=result.top_p,
+            z_max=z_max,
+            nucleus_slack=nucleus_slack,
+        )
+        audit.segments[peer] = verdict
+        if verdict.passed:
+            trust.observe_ok(peer)
+        else:
+            audit.verdict = "implausible"
+            audit.blamed.append(peer)
+            trust.observe_fault(peer)
+            log.warning("sampled result of %s implausible: %s", peer, verdict.detail)
     return audit

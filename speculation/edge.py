@@ -26,7 +26,9 @@ Contract:
   ``NoVerifier`` (the message lists what each one answered). Caller mistakes (``BadRequest``,
   ``BadBlock``, ``SessionLimit``) are raised at once, not retried.
 - ``await edge.audit(result)``: a second opinion on a greedy result; a verifier that answered
-  plausibly but wrongly is blamed once a third one confirms it (``speculation._audit``).
+  plausibly but wrongly is blamed once a third one confirms it (``speculation._audit``). A
+  sampled result takes ``scorer=`` (the target's ``Scorer``): its likelihood under the target
+  must be plausible (a z-test with a stated false-alarm rate, ``speculation._audit``).
 - Trust: a verifier whose verdict is impossible (``client.BadVerdict``: see
   ``overlay.trust.verdict_problem``) is failed over like a dead one and loses trust in
   ``edge.trust`` (a ``TrustBook``); a demoted verifier is left out of ``find_verifiers`` until
@@ -45,11 +47,12 @@ from dataclasses import dataclass, field
 
 import trio
 
+from p2pnode.inference.scoring import Scorer
 from p2pnode.overlay.antientropy import AntiEntropy
 from p2pnode.overlay.router import rtt_from_peer_table
 from p2pnode.overlay.trust import TrustBook
 from p2pnode.overlay.views import PeerViews
-from p2pnode.speculation._audit import Audit, audit_result
+from p2pnode.speculation._audit import audit_result, audit_sampled
 from p2pnode.speculation.advert import rank_verifiers, verify_digest_model
 from p2pnode.speculation.client import (
     BadVerdict,
@@ -101,6 +104,8 @@ class EdgeResult:
     mode: str = ""  # the mode that ran ("auto" resolved)
     prompt_ids: list[int] = field(default_factory=list)
     greedy: bool = True
+    temperature: float = 0.0  # the sampling it was asked for (a sampled audit tests against it)
+    top_p: float = 1.0
     starts: list[int] = field(default_factory=list)  # tokens index where each verifier began
 
     def producer_of(self, index: int) -> str:
@@ -219,7 +224,15 @@ class EdgeClient:
         options = SamplingOptions(temperature, top_p, seed)
         ids = self.encode(prompt)
         committed: list[int] = []
-        result = EdgeResult("", [], prompt_ids=ids, greedy=options.greedy, mode=mode)
+        result = EdgeResult(
+            "",
+            [],
+            prompt_ids=ids,
+            greedy=options.greedy,
+            temperature=float(temperature),
+            top_p=float(top_p),
+            mode=mode,
+        )
         started = time.perf_counter()
         tried: dict[str, str] = {}
 
@@ -292,10 +305,21 @@ class EdgeClient:
         ranked = sorted(AUTO_MODES, key=lambda m: -self.mode_rates[m])
         return ranked[1] if self._auto_runs % AUTO_EXPLORE == 0 else ranked[0]
 
-    async def audit(self, result: EdgeResult, **kw) -> Audit:
-        """A second opinion on a greedy result (see ``speculation._audit``): re-verifies a window
-        of its tokens on other verifiers and blames whoever was wrong in ``self.trust``."""
-        return await audit_result(self, result, **kw)
+    async def audit(self, result: EdgeResult, *, scorer: Scorer | None = None, **kw):
+        """Greedy: a second opinion (see ``speculation._audit``): re-verifies a window of its
+        tokens on other verifiers and blames whoever was wrong in ``self.trust`` -> ``Audit``.
+        Sampled: the likelihood test under the target, run by ``scorer`` (a ``Scorer`` of the
+        target model, e.g. ``inference.scoring.ModelScorer``) -> ``SampledAudit``."""
+        if result.greedy:
+            return await audit_result(self, result, **kw)
+        if scorer is None:
+            raise BadRequest(
+                "a sampled result is audited by its likelihood under the target: pass "
+                "scorer=ModelScorer(target_model) (the draft is another distribution)"
+            )
+        return await trio.to_thread.run_sync(
+            lambda: audit_sampled(self.trust, result, scorer, **kw)
+        )
 
     async def _session(self, transport, mode, ids, max_tokens, options, on_commit) -> SpecResult:
         depth, gamma, lead = MODES[mode]

@@ -14,6 +14,13 @@ serves to PEERS into lies (its own local requests stay honest, as a careful liar
 
 It swaps the engine behind ``service.server`` for a ``LyingEngine`` that delegates everything
 but ``stream``. Used by tests and benchmarks; never by a node.
+
+In a trial (``[[adversary]]`` of the spec), ``install(service, nursery, kind, rate=...)`` is
+the hook a trial node runs once its service is up (``testnet/node.py``): the answer liars as
+above; ``"fake-cache"`` by ``keep_forging``, which every ``interval_s`` re-forges a digest of
+every prefix its views say other peers hold, on top of its own (caches fill during a trial,
+so one theft at start would claim little), with 10x speeds and an empty queue. ``forge=True``
+gives an answer liar that forged digest too: a tempting peer that lies about what it serves.
 """
 
 from __future__ import annotations
@@ -22,6 +29,8 @@ import random
 import zlib
 from collections.abc import Sequence
 from typing import Any
+
+import trio
 
 KINDS = ("wrong-output", "random-text", "other-model", "fake-cache")
 
@@ -112,3 +121,53 @@ def make_adversary(
     liar = LyingEngine(service.server.engine, kind, rate=rate, other=other)
     service.server.engine = liar
     return liar
+
+
+def forge_union(service: Any, forged: Any | None = None, *, speedup: float = 10) -> Any | None:
+    """One forgery round of ``keep_forging``: the builder that now claims every prefix the
+    service's views say other peers hold, on top of its own (the most tempting digest; a
+    forward for a prefix it lacks fails the origin's claim check); None while it holds no
+    view of another peer yet."""
+    from p2pnode.overlay.digest import DigestBuilder, LoadInfo, fingerprint
+
+    me, model = service.node.peer_id, service.model_id
+    views = [v for v in service.views.views() if v.model_id == model and v.peer_id != me]
+    if not views:
+        return forged
+    fp_bits = views[0].fp_bits
+    if forged is None or forged.fp_bits != fp_bits:
+        cost = service.engine.cost
+        lie = LoadInfo(
+            prefill_s_per_token=cost.prefill_s_per_token / speedup,
+            decode_s_per_token=cost.decode_s_per_token / speedup,
+        )
+        forged = DigestBuilder(me, model, fp_bits=fp_bits)
+        forged.load_fn = lambda: lie
+        service.antientropy.builders[model] = forged
+    own = {fingerprint(h, fp_bits) for h in service.engine.cached_block_hashes()}
+    stolen = {fp for v in views if v.fp_bits == fp_bits for fp in v.fingerprints} | own
+    # Only fingerprints travel: forge 64-bit "hashes" whose top bits are the stolen ones.
+    forged.sync(fp << (64 - fp_bits) for fp in stolen)
+    return forged
+
+
+async def keep_forging(service: Any, *, interval_s: float = 1.0, speedup: float = 10) -> None:
+    forged = None
+    while True:
+        forged = forge_union(service, forged, speedup=speedup)
+        await trio.sleep(interval_s)
+
+
+def install(
+    service: Any, nursery: trio.Nursery, kind: str, *, rate: float = 0.05, forge: bool = False
+) -> None:
+    """Make a trial node's running ``service`` an adversary of ``kind`` (module contract);
+    ``forge``: an answer liar that also forges its digest as fake-cache does (the tempting
+    peer that draws prompts to lie about)."""
+    if kind not in KINDS:
+        raise ValueError(f"adversary kind {kind!r}: use one of {', '.join(KINDS)}")
+    if kind == "fake-cache" or forge:
+        interval = getattr(service.antientropy.config, "interval_s", 1.0)
+        nursery.start_soon(lambda: keep_forging(service, interval_s=interval))
+    if kind != "fake-cache":
+        make_adversary(service, kind, rate=rate)

@@ -13,7 +13,8 @@ Contract:
   never sent (``status`` "ok" | "error" | "timeout" | "not_sent"). Record fields: ``i,
   subject, question, arrival_node, served_by (peer id), served_node (index or None),
   forwarded, prompt_tokens, cached_tokens, latency_s, ttft_s (streamed requests only),
-  scheduled_s, sent_s, client_wait_s, correct, routing_reason, error``.
+  scheduled_s, sent_s, client_wait_s, correct, routing_reason, text (the answer kept),
+  route_attempts ([target peer id or "local", outcome] per routing attempt), error``.
 - ``await node_ids(apis)`` maps each API to its peer id (``GET /status``); with ``model=None``
   each request names the model its arrival node lists first in ``GET /v1/models``.
 - ``summarize(records, n_nodes) -> dict``: counts, mean/p50/p90/p95/p99 latency, hit rate
@@ -157,6 +158,8 @@ def _record(p: PlannedRequest, status: str, **fields: Any) -> dict[str, Any]:
         "correct": None,
         "routing_reason": None,
         "oracle_cached": None,
+        "text": None,
+        "route_attempts": None,
         "error": None,
     }
     base.update(fields)
@@ -316,6 +319,7 @@ def _answered(
     if choices:
         text = str(choices[0].get("text", ""))
     routing = info.get("routing") or {}
+    tried = routing.get("attempts") if isinstance(routing, dict) else None
     return _record(
         p,
         "ok",
@@ -328,6 +332,10 @@ def _answered(
         ttft_s=round(ttft, 5) if ttft is not None else None,
         correct=text.strip()[:1] == p.answer,
         routing_reason=routing.get("reason") if isinstance(routing, dict) else None,
+        text=text,
+        route_attempts=[[a.get("target"), a.get("outcome")] for a in tried]
+        if isinstance(tried, list)
+        else None,
     )
 
 

@@ -7,7 +7,8 @@ Contract:
   started through ``testnet/node.py`` with ``--wan-spec``/``--region`` so its libp2p
   connections carry the spec's delays, the
   spec's ``[node]`` settings, ``--backend`` from the compute mode and ``--routing`` or
-  ``--no-routing`` by arm. It waits for every ``runtime.json`` and for the overlay to form
+  ``--no-routing`` by arm, and ``--adversary KIND --adversary-rate R`` for a node the spec's
+  ``[[adversary]]`` names. It waits for every ``runtime.json`` and for the overlay to form
   (every serving node sees every other one up in ``GET /status``, and for the routing arm
   holds a cache view of each), all bounded by ``start_timeout_s`` (``LaunchError`` with the
   tail of the failing node's log otherwise). Leaving the block (also on Ctrl-C or an error)
@@ -409,6 +410,13 @@ def _serving_node(
         "--region", region,
         "--log-level", log_level,
     ]  # fmt: skip
+    liar = spec.adversary_of(i)
+    if liar is not None:  # testnet/node.py wires it into the node's own service
+        args += ["--adversary", liar.kind]
+        if liar.rate is not None:
+            args += ["--adversary-rate", repr(liar.rate)]
+        if liar.forge_digest:
+            args += ["--adversary-forge"]
     env = node_env(s.torch_threads)
     return NodeProc(f"node{i}", region, ip, home, args, env, list(node_cmd))
 

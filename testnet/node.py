@@ -5,6 +5,11 @@ userspace WAN emulation of ``SPEC`` for region ``R`` (``testnet/wan.py``), raise
 overlay's timeouts to what the spec's worst link from ``R`` needs unless the arguments set
 them, and then runs the ``p2pnode`` command line with the remaining arguments. The product's
 own node assembly knows nothing of emulated WANs; only trials start nodes through here.
+
+``--adversary KIND [--adversary-rate R] [--adversary-forge]`` (a spec's ``[[adversary]]``) makes the node lie to
+the peers it serves, as ``testnet/adversary.py`` says, through the node's own service
+(``bootstrap.node.SERVICE_HOOKS``): its forward server, its digests, its trust and audits are
+the product's.
 """
 
 from __future__ import annotations
@@ -15,7 +20,45 @@ from collections.abc import Sequence
 
 from p2pnode.testnet import wan
 
-__all__ = ["main", "split_wan_args"]
+__all__ = ["main", "split_adversary_args", "split_wan_args"]
+
+
+def split_adversary_args(argv: Sequence[str]) -> tuple[str | None, float, bool, list[str]]:
+    """(kind or None, rate, forge, the other arguments); ``SystemExit`` for a bad value."""
+    rest: list[str] = []
+    kind: str | None = None
+    rate = 0.05
+    forge = False
+    args = list(argv)
+    i = 0
+    while i < len(args):
+        if args[i] == "--adversary-forge":
+            forge = True
+            i += 1
+            continue
+        if args[i] in ("--adversary", "--adversary-rate"):
+            if i + 1 >= len(args):
+                raise SystemExit(f"{args[i]} needs a value")
+            if args[i] == "--adversary":
+                kind = args[i + 1]
+            else:
+                try:
+                    rate = float(args[i + 1])
+                except ValueError:
+                    raise SystemExit(f"--adversary-rate: {args[i + 1]!r} is not a number") from None
+            i += 2
+            continue
+        rest.append(args[i])
+        i += 1
+    from p2pnode.testnet.adversary import KINDS
+
+    if kind is not None and kind not in KINDS:
+        raise SystemExit(f"--adversary {kind!r}: use one of {', '.join(KINDS)}")
+    if not 0 < rate <= 1:
+        raise SystemExit(f"--adversary-rate must be in (0, 1], got {rate}")
+    if forge and kind is None:
+        raise SystemExit("--adversary-forge needs --adversary KIND")
+    return kind, rate, forge, rest
 
 
 def split_wan_args(argv: Sequence[str]) -> tuple[str, str, list[str]]:
@@ -54,6 +97,7 @@ def _log_wan_to_stderr() -> None:
 
 def main(argv: Sequence[str] | None = None) -> None:
     spec, region, rest = split_wan_args(sys.argv[1:] if argv is None else argv)
+    kind, rate, forge, rest = split_adversary_args(rest)
     _log_wan_to_stderr()
     try:
         wan.install(spec, region)
@@ -63,9 +107,27 @@ def main(argv: Sequence[str] | None = None) -> None:
     for flag, key in (("--ping-timeout", "ping_timeout"), ("--connect-timeout", "connect_timeout")):
         if flag not in rest:
             rest += [flag, str(suggested[key])]
+    if kind is not None:
+        _become_adversary(kind, rate, forge)
     from p2pnode.bootstrap.cli import main as cli_main
 
     cli_main(rest)
+
+
+def _become_adversary(kind: str, rate: float, forge: bool) -> None:
+    from p2pnode.bootstrap.node import SERVICE_HOOKS
+    from p2pnode.testnet import adversary
+
+    def hook(service, nursery) -> None:
+        adversary.install(service, nursery, kind, rate=rate, forge=forge)
+        logging.getLogger("p2pnode.testnet.adversary").warning(
+            "ADVERSARY: this node serves its peers as %r%s%s",
+            kind,
+            f" (rate {rate:g})" if kind == "wrong-output" else "",
+            ", with a forged digest" if forge else "",
+        )
+
+    SERVICE_HOOKS.append(hook)
 
 
 if __name__ == "__main__":

@@ -147,6 +147,7 @@ def markdown(results: dict[str, Any]) -> str:
             lines.append(
                 f"| {arm} | {by_turn} | {_fmt(c['history_cached_share'], True)} | {copies} |"
             )
+    lines += _adversary_lines(arms)
     paper = PAPER.get(name)
     if paper:
         lines += ["", f"Paper ({name}): {json.dumps(paper)}"]
@@ -156,6 +157,42 @@ def markdown(results: dict[str, Any]) -> str:
         for p in a.get("consistency", []):
             lines.append(f"- INCONSISTENT ({arm}): {p}")
     return "\n".join(lines) + "\n"
+
+
+def _adversary_lines(arms: dict[str, Any]) -> list[str]:
+    """The ``[[adversary]]`` table: per arm and liar, what it did and who caught it."""
+    lines: list[str] = []
+    for arm, a in arms.items():
+        adv = a.get("adversaries")
+        if not adv:
+            continue
+        lines += [
+            "",
+            f"Adversaries ({arm}): wrong answers kept **{adv['wrong_answers']}**, after "
+            f"detection **{adv['wrong_answers_after_detection']}**; liars demoted "
+            f"**{adv['liars_demoted']}/{len(adv['liars'])}**",
+            "",
+            "| node | kind | routed to it | kept | wrong kept | audits failed | first caught s "
+            "| attempts until caught | demoted by / routed by |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for node, liar in adv["liars"].items():
+            kind = liar["kind"] + (f" ({liar['rate']:g})" if liar.get("rate") else "")
+            kind += ", forged digest" if liar.get("forge_digest") else ""
+            lines.append(
+                f"| {node} | {kind} | {sum(liar['routed'].values())} | {liar['kept']} | "
+                f"{liar['wrong_kept']} | {liar['audit_failed']} | "
+                f"{_fmt(liar['first_detected_s'])} | "
+                f"{json.dumps(liar['attempts_until_detection'])} | "
+                f"{liar['demoted_by']} / {liar['routed_by']} |"
+            )
+    if lines:
+        lines.append(
+            "\nwrong: the answer differs from the honest one (recomputed from the emulated "
+            "model); after detection: kept by an origin from a liar that origin had caught "
+            "(testnet/liars.py)."
+        )
+    return lines
 
 
 def _plt():

@@ -3,7 +3,7 @@
 Contract:
 - SPEC is a spec file or the name of a shipped one (``paper-lan``, ``paper-lan-zipf``,
   ``paper-wan-200[-zipf]``, ``paper-wan-1000[-zipf]``, ``paper-lan-zipf-real``, ``scale-64``,
-  ``smoke``). Each arm runs on fresh processes (cold caches, new identities):
+  ``smoke``, ``adversarial-liar``). Each arm runs on fresh processes (cold caches, new identities):
   launch (``launch.launch_trial``), drive the seeded workload through the nodes' HTTP API
   (``driver.drive``; the same request sequence for every arm), apply ``[[churn]]`` events at
   their times, snapshot each node's ``/status`` and ``/metrics``, stop.
@@ -15,6 +15,8 @@ Contract:
   with the spec's model tokenizer as the nodes do), so the summary carries the workload's hit
   rate ceiling; left out, with a warning, when the tokenizer cannot load or its counts differ
   from the nodes' ``prompt_tokens``.
+- Adversaries: a spec with ``[[adversary]]`` adds ``adversaries`` to the arm's result
+  (``liars.adversary_summary``: wrong answers kept, also after detection, liars demoted).
 - Churn: a spec with ``[[churn]]`` runs its events during the workload
   (``churn.run_churn``), drives through ``churn.drive_with_retries`` (a request whose node left
   is retried on a live one) and adds ``churn`` (lost, duplicates, retries, latency near/away
@@ -42,7 +44,7 @@ from typing import Any
 import httpx
 import trio
 
-from p2pnode.testnet import chat, churn, driver
+from p2pnode.testnet import chat, churn, driver, liars
 from p2pnode.testnet.capacity import check_memory
 from p2pnode.testnet.launch import NODE_CMD, LaunchError, RunningTrial, launch_trial
 from p2pnode.testnet.report import check_consistency, write_report
@@ -262,6 +264,31 @@ def _attach_oracle(records: list[dict[str, Any]], ids: list[list[int]] | None) -
     return None
 
 
+def _adversaries(
+    spec: TrialSpec,
+    arm: str,
+    out_dir: Path,
+    records: list[dict[str, Any]],
+    ids: list[list[int]] | None,
+    result: dict[str, Any],
+) -> dict[str, Any]:
+    """The ``[[adversary]]`` figures of one arm (``liars.adversary_summary``)."""
+    honest = liars.honest_texts(spec, ids)
+    if honest is None:
+        result["warnings"].append(
+            "no wrong-answer count: honest answers are recomputed for greedy emulated compute only"
+        )
+    homes = [out_dir / "nodes" / arm / f"node{k}" for k in range(len(result["peer_ids"]))]
+    adv = liars.adversary_summary(spec, records, result["peer_ids"], homes, honest)
+    print(
+        f"[{arm}] adversaries: wrong answers {adv['wrong_answers']} "
+        f"({adv['wrong_answers_after_detection']} after detection), liars demoted "
+        f"{adv['liars_demoted']}/{len(spec.adversaries)}",
+        file=sys.stderr,
+    )
+    return adv
+
+
 def run_arm(
     spec: TrialSpec,
     arm: str,
@@ -296,15 +323,19 @@ def run_arm(
         result["error"] = str(exc)[:4000]
         return result
     result["logs"] = str(out_dir / "nodes" / arm / "logs")
+    ids = None
     if is_chat:
         warning = _attach_chat_oracle(records)
         for r in records:
             r.pop("prompt_ids", None)
             r.pop("sent_order", None)
     else:
-        warning = _attach_oracle(records, prompt_token_ids(spec, requests))
+        ids = prompt_token_ids(spec, requests)
+        warning = _attach_oracle(records, ids)
     if warning:
         result["warnings"].append(warning)
+    if spec.adversaries:
+        result["adversaries"] = _adversaries(spec, arm, out_dir, records, ids, result)
     driver.write_jsonl(arm_dir / "requests.jsonl", records)
     summary = driver.summarize(records, churn.max_nodes(spec))  # churn: joiners serve too
     result["summary"] = summary

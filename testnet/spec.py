@@ -55,6 +55,17 @@ Contract:
     action = "leave"            # "leave" (SIGTERM, clean stop) | "kill" (SIGKILL) | "join"
     node = 2                    # join: a departed node (same identity) or the next new index
     region = "eu"               # join of a NEW node only; default: the bootstrap region
+
+    [[adversary]]               # optional: node index lies to the peers it serves
+    node = 2
+    kind = "wrong-output"       # "wrong-output" | "random-text" | "other-model" | "fake-cache"
+    rate = 0.2                  # wrong-output only (default 0.05): share of tokens replaced
+    forge_digest = true         # answer liars: also forge a tempting digest (as fake-cache)
+- Adversaries (``testnet/adversary.py`` says what each kind does; trial nodes wire it in
+  through ``testnet/node.py``): one entry per node, an initial node, at least one node left
+  honest; ``rate`` is refused for the kinds it means nothing to (they lie on every answer,
+  or, fake-cache, on every digest). The trial report counts ``wrong_answers`` and
+  ``liars_demoted`` (``testnet/liars.py``).
 - Churn (testnet/churn.py runs it): events apply in time order; a leave/kill needs a running
   node and must leave at least one running; a join restarts a departed node (same home, same
   peer id) or starts a new one, numbered ``count``, ``count + 1``, ... in join order.
@@ -78,6 +89,7 @@ POPULARITY = ("uniform", "zipf")
 ARRIVALS = ("poisson", "closed")
 WORKLOAD_KINDS = ("mmlu", "chat")
 CHURN_ACTIONS = ("leave", "kill", "join")  # churn: "kill" = SIGKILL
+ADVERSARY_KINDS = ("wrong-output", "random-text", "other-model", "fake-cache")
 MAX_NODES = 256
 MAX_REGIONS = 200  # each region gets its own 127.x.0.0/16 (see wan.py)
 
@@ -160,6 +172,14 @@ class ChurnEvent:
 
 
 @dataclass(frozen=True)
+class AdversarySpec:
+    node: int
+    kind: str
+    rate: float | None = None  # wrong-output only: share of the served tokens replaced
+    forge_digest: bool = False  # an answer liar that also advertises prefixes it lacks
+
+
+@dataclass(frozen=True)
 class TrialSpec:
     name: str
     path: Path | None
@@ -174,6 +194,10 @@ class TrialSpec:
     node: NodeSettingsSpec
     workload: Workload
     churn: tuple[ChurnEvent, ...] = field(default=())
+    adversaries: tuple[AdversarySpec, ...] = field(default=())
+
+    def adversary_of(self, node: int) -> AdversarySpec | None:
+        return next((a for a in self.adversaries if a.node == node), None)
 
     def churn_new_nodes(self) -> list[tuple[int, str]]:
         """Churn: (index, region) of every node a join event adds past the initial count."""
@@ -476,6 +500,34 @@ def _churn(
     return tuple(event for event, _ in parsed)
 
 
+def _adversaries(raw: Any, source: str, count: int) -> tuple[AdversarySpec, ...]:
+    if not isinstance(raw, list):
+        raise SpecError(f"{source}: adversary must be an array of tables ([[adversary]])")
+    out: list[AdversarySpec] = []
+    for i, item in enumerate(raw):
+        t = _Table(item, f"adversary[{i}]", source)
+        node = t.int_("node", None, 0, count - 1)
+        kind = t.str_("kind", None, ADVERSARY_KINDS)
+        if t.has("rate") and kind != "wrong-output":
+            raise t.fail("rate", f"only kind = 'wrong-output' takes a rate ({kind} lies always)")
+        rate = t.float_("rate", 0.05, 1e-6, 1.0) if kind == "wrong-output" else None
+        forge = t.raw("forge_digest", False)
+        if not isinstance(forge, bool):
+            raise t.fail("forge_digest", f"must be true or false, got {forge!r}")
+        if forge and kind == "fake-cache":
+            raise t.fail("forge_digest", "fake-cache forges its digest anyway: leave it out")
+        t.finish()
+        if any(a.node == node for a in out):
+            raise t.fail("node", f"node {node} is already an adversary: one kind per node")
+        out.append(AdversarySpec(node, kind, rate, forge))
+    if out and len(out) >= count:
+        raise SpecError(
+            f"{source}: every node is an adversary: leave at least one honest node (its "
+            "answers are the ones the report compares against)"
+        )
+    return tuple(out)
+
+
 def parse_spec(data: Mapping[str, Any], *, source: str = "<spec>", path: Path | None = None):
     """Validate an already-parsed TOML document into a `TrialSpec` (`SpecError` when bad)."""
     top = _Table(data, "", source)
@@ -498,6 +550,7 @@ def parse_spec(data: Mapping[str, Any], *, source: str = "<spec>", path: Path | 
     node = _node_settings(_Table(top.raw("node", {}), "node", source))
     workload = _workload(_Table(top.raw("workload", {}), "workload", source))
     churn = _churn(top.raw("churn", []), source, len(placement), network.regions)
+    adversaries = _adversaries(top.raw("adversary", []), source, len(placement))
     top.finish()
     if compute == "real" and len(placement) > 8:
         raise SpecError(
@@ -518,6 +571,7 @@ def parse_spec(data: Mapping[str, Any], *, source: str = "<spec>", path: Path | 
         node=node,
         workload=workload,
         churn=churn,
+        adversaries=adversaries,
     )
 
 

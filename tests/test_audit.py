@@ -345,3 +345,38 @@ async def test_a_node_keeps_its_trust_across_a_restart(tmp_path) -> None:
         assert load_trust(again, tmp_path / "trust.json") == 2
         assert not again.usable("liar") and again.demotions("liar") == 1
         assert again.audited_ok("honest") == 8
+
+
+# --------------------------------------------------------------------------- emulated reference
+
+
+async def test_the_emulated_model_answers_as_a_function_of_the_input_alone() -> None:
+    """Cache hits, batching and order change nothing: a trial can recompute every honest
+    answer (inference.scoring.emulated_answer) to count wrong ones."""
+    from p2pnode.inference.models import ShapeOnlyModel
+    from p2pnode.inference.scoring import emulated_answer
+
+    shape = ShapeOnlyModel(model_id="emu", eos_token_ids=(2, 7))
+    rng = random.Random(3)
+    base = [rng.randrange(shape.vocab_size) for _ in range(40)]
+    prompts = [base + [rng.randrange(shape.vocab_size) for _ in range(k)] for k in (1, 5, 9)]
+    prompts.append(list(prompts[0]))  # the same prompt again, in the same batch
+    async with open_engine(
+        shape, backend="emulated", calibrate_cost=False, torch_threads=None, max_batch=4
+    ) as engine:
+        engine.cost.prefill_s_per_token = engine.cost.decode_s_per_token = 0.0
+        engine.cost.overhead_s = 0.0
+        params = SamplingParams(max_tokens=12)
+        alone = (await engine.generate(prompts[0], params)).tokens  # cold cache
+        batched: dict[int, list[int]] = {}
+
+        async def one(i: int) -> None:
+            batched[i] = (await engine.generate(prompts[i], params)).tokens
+
+        async with trio.open_nursery() as nursery:  # warm cache, one batch
+            for i in range(len(prompts)):
+                nursery.start_soon(one, i)
+    assert alone == batched[0] == batched[3]
+    for i, p in enumerate(prompts):
+        assert batched[i] == emulated_answer(p, 12, shape.vocab_size, shape.eos_token_ids)
+    assert len({tuple(t) for t in batched.values()}) >= 3  # not one constant answer

@@ -107,6 +107,35 @@ def test_zipf_variant_differs_only_in_popularity(point):
         (spec_of(arms=["routing", "oracle"]), "arms: must be a non-empty subset"),
         (spec_of(churn=[{"at_s": 1, "action": "leave", "node": 5}]), "churn[0].node"),
         ({"nodes": {"count": 1}}, "missing [network] table"),
+        (spec_of(adversary=[{"node": 1, "kind": "liar"}]), "adversary[0].kind: 'liar'"),
+        (
+            spec_of(adversary=[{"node": 1, "kind": "fake-cache", "forge_digest": True}]),
+            "fake-cache forges its digest anyway",
+        ),
+        (spec_of(adversary=[{"node": 2, "kind": "fake-cache"}]), "adversary[0].node"),
+        (
+            spec_of(adversary=[{"node": 1, "kind": "other-model", "rate": 0.2}]),
+            "only kind = 'wrong-output' takes a rate",
+        ),
+        (
+            spec_of(adversary=[{"node": 1, "kind": "wrong-output", "rate": 0}]),
+            "adversary[0].rate: must be between",
+        ),
+        (
+            spec_of(
+                adversary=[
+                    {"node": 1, "kind": "wrong-output"},
+                    {"node": 1, "kind": "random-text"},
+                ]
+            ),
+            "node 1 is already an adversary",
+        ),
+        (
+            spec_of(
+                adversary=[{"node": 0, "kind": "random-text"}, {"node": 1, "kind": "fake-cache"}]
+            ),
+            "leave at least one honest node",
+        ),
     ],
 )
 def test_spec_errors_name_the_key(data, expected):
@@ -114,6 +143,28 @@ def test_spec_errors_name_the_key(data, expected):
         parse_spec(data, source="t.toml")
     assert expected in str(info.value)
     assert str(info.value).startswith("t.toml")
+
+
+def test_adversaries_reach_the_node_command_line(tmp_path):
+    from p2pnode.testnet.launch import plan_nodes
+    from p2pnode.testnet.node import split_adversary_args
+
+    spec = load_spec(builtin_spec_path("adversarial-liar"))
+    kinds = {a.node: (a.kind, a.rate, a.forge_digest) for a in spec.adversaries}
+    assert kinds == {
+        2: ("wrong-output", 0.2, True),
+        3: ("other-model", None, True),
+        4: ("fake-cache", None, False),
+    }
+    _, nodes = plan_nodes(spec, "routing", tmp_path)
+    for k, node in enumerate(nodes):
+        kind, rate, forge, rest = split_adversary_args(node.args)
+        assert (kind, forge) == ((kinds[k][0], kinds[k][2]) if k in kinds else (None, False))
+        assert rate == (kinds[k][1] or 0.05 if k in kinds else 0.05)
+        assert not any(a.startswith("--adversary") for a in rest)
+        assert rest[:2] == ["join", "--home"]
+    with pytest.raises(SystemExit, match="use one of"):
+        split_adversary_args(["--adversary", "liar"])
 
 
 def test_spec_file_errors(tmp_path):
@@ -205,6 +256,67 @@ def test_summary_and_consistency_checks():
     assert check_consistency(recs[:3], driver.summarize(recs[:3], 2), 5)  # missing records
     recs[0]["cached_tokens"] = 101
     assert any("cached of" in p for p in check_consistency(recs, summary, 5))
+
+
+def test_adversary_summary_counts_wrong_answers_detection_and_demotions(tmp_path):
+    """Liar 2 is caught by origin 0 (held audit failed, re-served), then a wrong answer of it
+    kept by origin 0 afterwards counts as after detection; origin 1 kept one before it could
+    know. Liar 3 (fake-cache) served right answers and was demoted by its claims."""
+    from p2pnode.testnet.liars import adversary_summary
+
+    spec = parse_spec(
+        spec_of(
+            nodes={"count": 4},
+            adversary=[
+                {"node": 2, "kind": "wrong-output", "rate": 0.5},
+                {"node": 3, "kind": "fake-cache"},
+            ],
+        )
+    )
+    ids = ["P0", "P1", "P2", "P3"]
+
+    def rec(i, origin, server, sent, text, attempts):
+        r = driver._record(
+            driver.PlannedRequest(i, "s", 0, "p", "A", origin, None),
+            "ok",
+            served_by=ids[server],
+            served_node=server,
+            latency_s=1.0,
+            text=text,
+            route_attempts=attempts,
+        )
+        r["sent_s"] = sent
+        return r
+
+    records = [
+        rec(0, 0, 1, 0.0, "h0", [["P2", "audit_failed"], ["P1", "ok"]]),  # caught at 1.0 s
+        rec(1, 1, 2, 0.5, "LIE", [["P2", "ok"]]),  # origin 1 had not caught it
+        rec(2, 0, 2, 3.0, "LIE", [["P2", "ok"]]),  # origin 0 had: after detection
+        rec(3, 1, 3, 4.0, "h3", [["P3", "ok"]]),
+        rec(4, 2, 2, 5.0, "h4", [["local", "ok"]]),  # a liar's own arrivals are honest
+    ]
+    honest = ["h0", "h1", "h2", "h3", "h4"]
+    homes = [tmp_path / f"node{k}" for k in range(4)]
+    for home in homes:
+        home.mkdir()
+    for k in (0, 1):
+        peers = {"P2": {"demotions": 1}, "P3": {"demotions": 1 if k == 1 else 0}}
+        (homes[k] / "trust.json").write_text(json.dumps({"format": 1, "peers": peers}))
+    out = adversary_summary(spec, records, ids, homes, honest)
+    assert out["wrong_answers"] == 2 and out["wrong_by_node"] == [0, 0, 2, 0]
+    assert out["wrong_answers_after_detection"] == 1
+    liar = out["liars"]["2"]
+    assert liar["first_detected_s"] == 1.0 and liar["audit_failed"] == 1
+    assert liar["attempts_until_detection"] == {"0": 1}
+    assert liar["routed_by"] == [0, 1] and liar["demoted_by"] == [0, 1]
+    fake = out["liars"]["3"]
+    assert fake["routed_by"] == [1] and fake["demoted_by"] == [1] and fake["wrong_kept"] == 0
+    assert out["liars_demoted"] == 2 and out["undemoted"] == []
+    (homes[1] / "trust.json").write_text(json.dumps({"format": 1, "peers": {}}))
+    again = adversary_summary(spec, records, ids, homes, honest)
+    # origin 1 routed to both and demoted neither
+    assert again["liars_demoted"] == 0 and again["undemoted"] == [2, 3]
+    assert adversary_summary(spec, records, ids, homes, None)["wrong_answers"] is None
 
 
 # --------------------------------------------------------------------------- WAN emulation
@@ -364,6 +476,56 @@ def test_smoke_trial_end_to_end(tmp_path):
     assert (tmp_path / "out" / "report.md").is_file()
     assert (tmp_path / "out" / "latency_cdf.png").stat().st_size > 1000
     assert elapsed < 240, elapsed
+
+
+@pytest.mark.slow
+def test_adversarial_trial_catches_every_liar_and_no_wrong_answer_is_kept_after(tmp_path):
+    """``p2pnode testnet adversarial-liar``: among 5 emulated node processes, one alters 1
+    token in 5 of what it serves, one answers from another model (both with a tempting forged
+    digest), one only forges its digest. Every request is answered, the answer liars fail
+    audits (they really lied, through their nodes' forward servers) and are demoted by every
+    origin that tried them, and no origin keeps a wrong answer from a liar it had caught.
+    Which liars get tried, and whether the cache-only liar is demoted (it caches what it is
+    sent, so many of its claims come true), depend on measured RTTs: reported, not
+    asserted."""
+    import signal
+    import sys
+
+    spec = load_spec(builtin_spec_path("adversarial-liar"))
+    out = tmp_path / "out"
+    cli = Path(sys.executable).with_name("p2pnode")
+    proc = subprocess.Popen(
+        [str(cli), "testnet", "adversarial-liar", "--out", str(out)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        log, _ = proc.communicate(timeout=900)
+    finally:
+        if proc.poll() is None:  # Ctrl-C: the launcher stops every node it started
+            proc.send_signal(signal.SIGINT)
+            proc.communicate(timeout=60)
+    results = json.loads((out / "results.json").read_text())
+    arm = results["arms"]["routing"]
+    assert "error" not in arm, arm.get("error")
+    assert arm["summary"]["answered"] == spec.workload.requests, log[-3000:]
+    assert arm["consistency"] == []
+    adv, liars = arm["adversaries"], arm["adversaries"]["liars"]
+    assert adv["wrong_answers"] is not None  # honest answers were recomputed
+    assert adv["wrong_answers_after_detection"] == 0, adv
+    tried = [liars[n] for n in ("2", "3") if liars[n]["routed_by"]]
+    # The forged digests drew forwards to an answer liar (which ones depends on the measured
+    # RTTs: the lowest estimate is tried first, the next liar once the first is demoted).
+    assert tried, liars
+    for liar in tried:
+        assert liar["audit_failed"] >= 1, liar  # it really lied, through its forward server
+        # probation holds every answer of a new peer: each origin that tried it caught it
+        assert set(liar["routed_by"]) <= set(liar["demoted_by"]), liar
+    assert liars["4"]["wrong_kept"] == 0  # fake-cache serves right answers
+    assert adv["liars_demoted"] >= len(tried), adv
+    assert "Adversaries (routing)" in (out / "report.md").read_text()
+    assert proc.returncode == 0, log[-3000:]
 
 
 @pytest.mark.slow
