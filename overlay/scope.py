@@ -1,8 +1,9 @@
 """Scoped views: keep full cache views only of the peers that could win a request.
 
 Rule (derived from the router's choice rule, ``overlay/router.py``): a peer is chosen only when
-``total_peer + max(margin, rtt_margin * rtt) < total_local``, and a forward costs at least
-``forward_round_trips * rtt`` more than serving here. What a peer can save us is at most the
+it beats local by the margin (before forwards are measured, one round trip: ``rtt_margin``), and
+a forward costs ``forward_round_trips * rtt`` more than serving here (the network-cost prior of
+``overlay/netcost.py``, 3 round trips). What a peer can save us is at most the
 prefill of the longest prompt we expect, ``max_prompt_tokens * prefill_s_per_token`` (plus the
 difference in queues, which push-back bounds). So a peer whose RTT exceeds
 

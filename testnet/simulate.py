@@ -14,7 +14,8 @@ at uniformly random nodes.
 What is simulated (stated so figures are read right):
 - Network: nodes placed around 4 region centres; one-way delay = great-circle distance at fiber
   speed (200,000 km/s) + an access delay per end + exponential jitter per message. A forward
-  costs ``forward_round_trips`` RTTs plus the request's bytes at ``bandwidth_Bps``.
+  costs what the entry router's network-cost model says (``overlay/netcost.py``: its prior
+  of 3 RTTs plus the request's bytes at 10 Mbit/s, as nothing is measured in the simulation).
 - Compute: one request at a time per node (no batching), taking the cost model's time; the
   advertised load is the exact backlog. Digests travel as gossip reaching every subscriber
   after the mean one-way delay (no per-receiver ordering; a receiver's own view of a peer
@@ -51,7 +52,14 @@ from p2pnode.identity import NodeKey
 from p2pnode.inference.blockhash import block_hashes, model_salt
 from p2pnode.inference.radix import RadixCache
 from p2pnode.overlay.digest import DigestBuilder, LoadInfo, open_digest, seal_digest
-from p2pnode.overlay.router import LOCAL, LocalState, PushBack, Router, RouterConfig
+from p2pnode.overlay.router import (
+    LOCAL,
+    LocalState,
+    PushBack,
+    Router,
+    RouterConfig,
+    request_bytes,
+)
 from p2pnode.overlay.scope import ScopedViews, ScopePolicy, prefix_key
 from p2pnode.overlay.views import ApplyResult, PeerViews
 
@@ -330,13 +338,14 @@ class Simulation:
                 chosen = decision.estimate_for(decision.chosen)
                 estimate = chosen.cached_tokens if chosen else 0
         server = self.nodes[target]
-        rc = RouterConfig()
         service_guess = cfg.overhead_s + len(ids) * cfg.prefill_s_per_token
         if target != entry:
             self.routers[entry].note_sent(server.pid, service_guess)
             rtt = self.net.rtt(entry, target)
-            transfer = (256 + 3 * len(ids)) / rc.bandwidth_Bps
-            yield self.env.timeout(rc.forward_round_trips * rtt + transfer)
+            router = self.routers[entry]
+            yield self.env.timeout(
+                router.netcost.estimate(server.pid, rtt, request_bytes(len(ids)))
+            )
         cached, service = yield from self._serve(server, ids)
         if target != entry:
             self.routers[entry].note_done(server.pid, service_guess)
