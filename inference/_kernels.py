@@ -18,6 +18,7 @@ Contract:
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import hashlib
 import logging
@@ -120,6 +121,12 @@ class StreamLinear(nn.Module):
         self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight, False)
         self.out_features, self.in_features = weight.shape
         self._fn = lib.gemv_f32 if weight.dtype == torch.float32 else lib.gemv_bf16
+        self._lib = lib
+
+    def __deepcopy__(self, memo: dict) -> StreamLinear:
+        # The kernel handle is shared, never copied (ctypes pointers cannot be); the weight is
+        # copied through ``memo``, so a tied lm_head stays tied to the copied embedding.
+        return StreamLinear(copy.deepcopy(self.weight, memo), self._lib)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight

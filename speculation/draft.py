@@ -298,7 +298,8 @@ def ensure_default_draft(
     marker = folder / _MARKER
     if not marker.is_file() or not json.loads(marker.read_text()).get("model_id_binds_weights"):
         folder.parent.mkdir(parents=True, exist_ok=True)
-        build_draft(load_model(None), folder, group_size, method=method)
+        # The plain model: GPTQ copies it, and the streaming kernels hold ctypes handles.
+        build_draft(load_model(None, accelerate=False), folder, group_size, method=method)
     return folder
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -34,6 +36,19 @@ def test_stream_linear_matches_f_linear_and_rows_are_independent(dtype) -> None:
     ref = F.linear(long, w.float())
     tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16 inputs there: an 8-bit mantissa
     assert (lin(long) - ref).abs().max() <= tol * ref.abs().max()
+
+
+@needs_lib
+def test_a_model_with_stream_linears_deep_copies_with_its_ties() -> None:
+    # GPTQ and the audit tests copy a loaded (accelerated) model: the kernel handle is shared,
+    # the weights copied, and a tied head stays tied to the copy's embedding.
+    emb = torch.nn.Embedding(64, 96)
+    model = torch.nn.ModuleDict({"emb": emb, "head": _kernels.StreamLinear(emb.weight, lib)})
+    twin = copy.deepcopy(model)
+    assert twin["head"].weight is twin["emb"].weight
+    assert twin["head"].weight is not emb.weight
+    x = torch.randn(1, 2, 96)
+    assert torch.equal(twin["head"](x), model["head"](x))
 
 
 @needs_lib
