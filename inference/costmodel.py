@@ -20,6 +20,7 @@ Contract:
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from dataclasses import dataclass
@@ -29,6 +30,8 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from p2pnode.inference.engine import Engine
+
+log = logging.getLogger("p2pnode.inference.costmodel")
 
 
 @dataclass
@@ -175,11 +178,19 @@ def save_calibration(model_id: str, cost: CostModel) -> Path | None:
     path = calibration_path(model_id)
     if path.exists():
         return None
+    # Written once and read by every later emulated trial on this machine: figures measured
+    # while other work held the cores would slow every one of them (a busy 2-core machine
+    # measured 60x the idle prefill time). A busy machine writes nothing; a later run will.
+    load = os.getloadavg()[0]
+    if load > (os.cpu_count() or 1):
+        log.info("calibration not saved: load average %.1f over %s cores", load, os.cpu_count())
+        return None
     record = {
         **{k: getattr(cost, k) for k in CALIBRATION_FIELDS},
         "model_id": model_id,
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "cpus": os.cpu_count(),
+        "loadavg": round(load, 2),
     }
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
