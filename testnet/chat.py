@@ -34,7 +34,7 @@ import trio
 
 from p2pnode.inference import chatdata
 from p2pnode.inference.blockhash import BLOCK_SIZE
-from p2pnode.testnet.driver import DriverError, node_ids, popularity_weights
+from p2pnode.testnet.driver import DriverError, blank_record, node_ids, popularity_weights
 from p2pnode.testnet.spec import Workload
 
 
@@ -83,25 +83,9 @@ def _record(
         "subject": f"system-{session.system_prompt}",
         "question": turn,
         "arrival_node": session.arrival_node,
-        "status": status,
-        "served_by": None,
-        "served_node": None,
-        "forwarded": None,
-        "prompt_tokens": None,
-        "cached_tokens": None,
-        "latency_s": None,
-        "ttft_s": None,
-        "scheduled_s": None,
-        "sent_s": None,
-        "client_wait_s": None,
-        "correct": None,
-        "routing_reason": None,
-        "oracle_cached": None,
         "history_cached": None,
-        "error": None,
     }
-    base.update(fields)
-    return base
+    return {**base, **blank_record(status), **fields}
 
 
 async def drive_chat(

@@ -138,32 +138,32 @@ async def model_names(apis: Sequence[str], client: httpx.AsyncClient) -> list[st
     return names
 
 
+RECORD_FIELDS = (
+    "served_by",
+    "served_node",
+    "forwarded",
+    "prompt_tokens",
+    "cached_tokens",
+    "latency_s",
+    "ttft_s",
+    "scheduled_s",
+    "sent_s",
+    "client_wait_s",
+    "correct",
+    "routing_reason",
+    "oracle_cached",
+    "error",
+)
+
+
+def blank_record(status: str, **fields: Any) -> dict[str, Any]:
+    """A request record with every field a summary reads (None when unknown)."""
+    return {"status": status, **dict.fromkeys(RECORD_FIELDS), **fields}
+
+
 def _record(p: PlannedRequest, status: str, **fields: Any) -> dict[str, Any]:
-    base = {
-        "i": p.i,
-        "subject": p.subject,
-        "question": p.question,
-        "arrival_node": p.arrival_node,
-        "status": status,
-        "served_by": None,
-        "served_node": None,
-        "forwarded": None,
-        "prompt_tokens": None,
-        "cached_tokens": None,
-        "latency_s": None,
-        "ttft_s": None,
-        "scheduled_s": p.at_s,
-        "sent_s": None,
-        "client_wait_s": None,
-        "correct": None,
-        "routing_reason": None,
-        "oracle_cached": None,
-        "text": None,
-        "route_attempts": None,
-        "error": None,
-    }
-    base.update(fields)
-    return base
+    base = {"i": p.i, "subject": p.subject, "question": p.question, "arrival_node": p.arrival_node}
+    return {**base, **blank_record(status, scheduled_s=p.at_s), **fields}
 
 
 async def _send_plain(client: httpx.AsyncClient, url: str, body: dict) -> tuple[dict, None]:
