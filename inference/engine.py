@@ -203,7 +203,6 @@ class Engine(EngineFront):
         self._wakeup = trio.Event()
         self._closed = False
         self.steps = 0
-        self.busy_s = 0.0  # seconds the worker thread spent computing: utilization for routers
         self.totals = {"prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0, "requests": 0}
 
     # ---- cache views -----------------------------------------------------------------------
@@ -405,7 +404,6 @@ class Engine(EngineFront):
             if prefilling:
                 self._rr = (self._rr + 1) % len(prefilling)
                 prefill = prefilling[self._rr]
-            t0 = time.perf_counter()
             try:
                 await trio.to_thread.run_sync(self._step, admit, prefill, decode)
             except Exception as exc:  # a failed forward fails its batch, not the engine
@@ -414,7 +412,6 @@ class Engine(EngineFront):
                         self._active.remove(req)
                     self._finish(req, exc)
             self.steps += 1
-            self.busy_s += time.perf_counter() - t0
             self._deliver()
             await trio.lowlevel.checkpoint()
 

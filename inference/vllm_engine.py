@@ -180,9 +180,6 @@ class VllmEngine(EngineFront):
         self.max_batch = max_batch
         self.cost = CostModel()
         self.lengths = OutputLengths()
-        # vLLM schedules on its own thread: its compute time is not seen here, so the load this
-        # node advertises is the instantaneous queue estimate alone.
-        self.busy_s = 0.0
         self.loaded = None
         self.kv_endpoint, self.replay_endpoint = kv_endpoint, replay_endpoint
         self.translator = VllmEventTranslator(self.model_id, on_unknown_parent="skip")

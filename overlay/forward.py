@@ -45,7 +45,6 @@ from p2pnode.overlay.antientropy import AntiEntropy, AntiEntropyConfig
 from p2pnode.overlay.audit import AuditConfig, Auditor, AuditPlan, HeldAnswer
 from p2pnode.overlay.digest import MAX_MODEL_ID_LEN, DigestBuilder, LoadInfo
 from p2pnode.overlay.limits import LimitExceeded, PeerLimiter, remote_peer
-from p2pnode.overlay.loadsignal import LoadSignal
 from p2pnode.overlay.peers import PeerState
 from p2pnode.overlay.privacy import AdvertiseGate
 from p2pnode.overlay.router import (
@@ -502,7 +501,6 @@ class RoutedService:
         # on a routing-only node, one kept here from the answers it relayed.
         self.lengths: OutputLengths = engine.lengths if engine is not None else OutputLengths()
         self.forward_config = forward_config or ForwardConfig()
-        self.load_signal = LoadSignal()
         self.metrics = _Metrics(registry) if registry is not None else None
         builders = {}
         self.builder: DigestBuilder | None = None
@@ -553,14 +551,11 @@ class RoutedService:
     # -- local state --------------------------------------------------------------------------
 
     def local_load(self) -> LoadInfo:
-        """What the digest says of this node's load: the larger of the queue's wait right now
-        and the mean wait of the recent load (``overlay/loadsignal.py``)."""
         e = self.engine
         depth = e.queue_depth
-        self.load_signal.sample(time.monotonic(), e.busy_s, e.totals["requests"])
         return LoadInfo(
             queue_depth=depth,
-            est_wait_s=max(e.estimated_wait_s(), self.load_signal.expected_wait_s()),
+            est_wait_s=e.estimated_wait_s(),
             push_back=self.pushback.update(depth),
             prefill_s_per_token=e.cost.prefill_s_per_token,
             decode_s_per_token=e.cost.decode_s_per_token,

@@ -41,7 +41,6 @@ from p2pnode.overlay.digest import (
     seal_digest,
 )
 from p2pnode.overlay.forward import ForwardConfig, RoutedService
-from p2pnode.overlay.loadsignal import LoadSignal
 from p2pnode.overlay.netcost import ForwardCost
 from p2pnode.overlay.node import OverlayConfig, open_overlay_node
 from p2pnode.overlay.router import LOCAL, LocalState, PushBack, Router, RouterConfig
@@ -883,19 +882,3 @@ async def test_forward_with_the_real_model_matches_local_generation(loaded_model
         reference = await a.engine.generate(request, {"max_tokens": 4})  # greedy, on A itself
         assert res.tokens == reference.tokens
         nursery.cancel_scope.cancel()
-
-
-def test_load_signal_advertises_the_mean_wait_of_recent_load() -> None:
-    signal = LoadSignal(window_s=10.0)
-    assert signal.expected_wait_s() == 0.0  # nothing measured yet
-    # Busy 6 s of the last 10 s, 12 requests finished: rho 0.6, 0.5 s each -> 0.75 s.
-    signal.sample(0.0, busy_s=100.0, finished=50)
-    signal.sample(10.0, busy_s=106.0, finished=62)
-    assert signal.expected_wait_s() == pytest.approx(0.6 / 0.4 * 0.5)
-    # Old samples leave the window: the last 10 s were idle.
-    signal.sample(20.0, busy_s=106.0, finished=62)
-    signal.sample(30.0, busy_s=106.0, finished=62)
-    assert signal.expected_wait_s() == 0.0
-    # Saturated: long but finite.
-    signal.sample(40.0, busy_s=116.0, finished=63)
-    assert 0 < signal.expected_wait_s() < 1e3
