@@ -363,7 +363,8 @@ def testnet(args: tuple[str, ...]) -> None:
     """Run a testnet trial: `p2pnode testnet SPEC [--arms routing,baseline] [--out DIR]`.
 
     SPEC is a trial TOML file or a built-in name (paper-lan, paper-wan-200, paper-wan-1000, each
-    also -zipf; scale-64, smoke, adversarial-liar); `p2pnode testnet --help` lists every option.
+    also -zipf; paper-lan-zipf-real; chat-lan, chat-wan, chat-lan-real; mixed-6; scale-64,
+    scale-128; smoke; adversarial-liar); `p2pnode testnet --help` lists every option.
     """
     from p2pnode.testnet.run_trial import main as run_trial_main
 

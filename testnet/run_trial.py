@@ -2,8 +2,9 @@
 
 Contract:
 - SPEC is a spec file or the name of a shipped one (``paper-lan``, ``paper-lan-zipf``,
-  ``paper-wan-200[-zipf]``, ``paper-wan-1000[-zipf]``, ``paper-lan-zipf-real``, ``scale-64``,
-  ``smoke``, ``adversarial-liar``). Each arm runs on fresh processes (cold caches, new identities):
+  ``paper-wan-200[-zipf]``, ``paper-wan-1000[-zipf]``, ``paper-lan-zipf-real``, ``chat-lan``,
+  ``chat-wan``, ``chat-lan-real``, ``mixed-6``, ``scale-64``, ``scale-128``, ``smoke``,
+  ``adversarial-liar``). Each arm runs on fresh processes (cold caches, new identities):
   launch (``launch.launch_trial``), drive the seeded workload through the nodes' HTTP API
   (``driver.drive``; the same request sequence for every arm), apply ``[[churn]]`` events at
   their times, snapshot each node's ``/status`` and ``/metrics``, stop.
