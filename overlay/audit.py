@@ -368,12 +368,25 @@ class Auditor:
         self.counts: dict[str, int] = {"passed": 0, "failed": 0, "skipped": 0}
         self.reserved = 0
         self.seconds = 0.0
+        self._queued_s = 0.0  # expected seconds of the audits queued or running
 
     def plan(self, peer: str, params: SamplingParams) -> AuditPlan:
-        probation = self.trust.audited_ok(peer) < self.config.probation_answers
-        if probation:
+        if self.on_probation(peer):
             return AuditPlan(audit=True, hold=True, probation=True)
         return AuditPlan(self._rng.random() < self.config.trusted_rate, False, False)
+
+    def on_probation(self, peer: str) -> bool:
+        return self.trust.audited_ok(peer) < self.config.probation_answers
+
+    def hold_s(self, peer: str, tokens: int) -> float:
+        """Seconds an answer of ``tokens`` (prompt + answer) from ``peer`` waits for its held
+        audit before the client sees it: for a peer on probation the audits already queued plus
+        its own scoring pass (bounded by ``max_hold_s``), 0 for a trusted one. The router adds
+        it to the peer's estimate."""
+        if not self.on_probation(peer):
+            return 0.0
+        # Audits run one at a time: a new one waits for those already queued.
+        return min(self.config.max_hold_s, self._queued_s + self.scorer.cost_s(tokens))
 
     async def check(
         self,
@@ -437,6 +450,16 @@ class Auditor:
                 await self._audit(peer, prompt, answer, params, "background")
 
     async def _audit(
+        self, peer: str, prompt: list[int], answer: list[int], params: SamplingParams, mode: str
+    ) -> AuditVerdict:
+        expected = self.scorer.cost_s(len(prompt) + len(answer))
+        self._queued_s += expected
+        try:
+            return await self._audit_locked(peer, prompt, answer, params, mode)
+        finally:
+            self._queued_s = max(0.0, self._queued_s - expected)
+
+    async def _audit_locked(
         self, peer: str, prompt: list[int], answer: list[int], params: SamplingParams, mode: str
     ) -> AuditVerdict:
         async with self._lock:

@@ -43,6 +43,7 @@ from p2pnode.inference.scoring import scorer_for
 from p2pnode.overlay import wire
 from p2pnode.overlay.antientropy import AntiEntropy, AntiEntropyConfig
 from p2pnode.overlay.audit import AuditConfig, Auditor, AuditPlan, HeldAnswer
+from p2pnode.overlay.challenge import ChallengeConfig, Challenger, ChallengeUnanswered
 from p2pnode.overlay.digest import MAX_MODEL_ID_LEN, DigestBuilder, LoadInfo
 from p2pnode.overlay.limits import LimitExceeded, PeerLimiter, remote_peer
 from p2pnode.overlay.peers import PeerState
@@ -58,7 +59,7 @@ from p2pnode.overlay.router import (
     rtt_from_peer_table,
 )
 from p2pnode.overlay.trust import TrustBook
-from p2pnode.overlay.views import PeerViews
+from p2pnode.overlay.views import PeerViews, prefix_tokens
 
 log = logging.getLogger("p2pnode.overlay.forward")
 
@@ -472,6 +473,7 @@ class RoutedService:
         limiter: PeerLimiter | None = None,
         audit: bool = True,
         audit_config: AuditConfig | None = None,
+        challenge_config: ChallengeConfig | None = None,
         advertise_min_uses: int = 1,
     ) -> None:
         if engine is None and model_id is None:
@@ -527,6 +529,25 @@ class RoutedService:
                 self.trust,
                 audit_config,
                 busy=lambda: engine.queue_depth > 0,
+                registry=registry,
+            )
+            # A probation answer waits for its audit: the router counts that wait.
+            self.router.hold_s = self.auditor.hold_s
+        # Known-answer challenges take new peers through probation without client traffic.
+        self.challenger: Challenger | None = None
+        challenge_config = challenge_config or ChallengeConfig()
+        forwards = self.router.config.max_remote_attempts > 0 or engine is None
+        if self.auditor is not None and challenge_config.enabled and forwards:
+            auditor = self.auditor
+            self.challenger = Challenger(
+                send=self._send_challenge,
+                peers=self._probation_peers,
+                held=self._held_by,
+                trust=self.trust,
+                mismatch=lambda peer, prompt, answer: auditor.later(
+                    peer, prompt, answer, SamplingParams(max_tokens=len(answer))
+                ),
+                config=challenge_config,
                 registry=registry,
             )
         self.antientropy = AntiEntropy(
@@ -588,6 +609,8 @@ class RoutedService:
             await nursery.start(self.antientropy.run)
             if self.auditor is not None:
                 await nursery.start(self.auditor.run)
+            if self.challenger is not None:
+                await nursery.start(self.challenger.run)
             task_status.started()
 
     # -- requests -----------------------------------------------------------------------------
@@ -619,10 +642,13 @@ class RoutedService:
             remaining = params.max_tokens - len(delivered)
             cont_params = _with_max_tokens(params, remaining)
             if target == LOCAL:
+                known = not private and not delivered  # the whole answer computed here
                 result = await self._run_local(
                     prompt + delivered, cont_params, emit, on_logprob, private
                 )
                 attempts.append(Attempt(LOCAL, "ok", len(result.tokens), time.perf_counter() - t0))
+                if known:
+                    self._know(prompt, params, result.tokens)
                 return self._result(
                     delivered,
                     result.finish_reason,
@@ -809,6 +835,70 @@ class RoutedService:
     def _note_use(self, prompt: list[int]) -> None:
         if self.gate is not None:
             self.gate.note_request(block_hashes(prompt, self.salt))
+
+    # -- probation challenges (overlay/challenge.py) ----------------------------------------
+
+    def _know(self, prompt: list[int], params: SamplingParams, tokens: list[int]) -> None:
+        if params.temperature == 0 and tokens and self.challenger is not None:
+            self.challenger.known.add(prompt, tokens, block_hashes(prompt, self.salt))
+
+    def _probation_peers(self) -> list[str]:
+        """Peers a challenge may go to now: serving the model, up, usable, on probation, and
+        idle both by their digest and by what this node already sent them."""
+        auditor = self.auditor
+        if auditor is None:
+            return []
+        out = []
+        for view in self.views.live(self.model_id):
+            p = view.peer_id
+            if (
+                auditor.on_probation(p)
+                and self.trust.usable(p)
+                and not view.load.push_back
+                and view.load.queue_depth == 0
+                and self.router.inflight(p) == 0
+                and self.router.is_up(p)
+            ):
+                out.append(p)
+        return out
+
+    def _held_by(self, peer: str, blocks: Sequence[int]) -> int:
+        view = self.views.get(peer, self.model_id)
+        if view is None:
+            return 0
+        shift = 64 - view.fp_bits
+        return prefix_tokens(view, [h >> shift for h in blocks])
+
+    async def _send_challenge(self, peer: str, prompt: list[int], max_tokens: int) -> list[int]:
+        cfg = self.forward_config
+        rtt = self.router.rtt_s(peer)
+        rtt = self.router.config.default_rtt_s if rtt is None else rtt
+        request = ForwardRequest(
+            model_id=self.model_id,
+            prompt=prompt,
+            max_tokens=max_tokens,
+            deadline_s=cfg.default_deadline_s,
+            request_id=uuid.uuid4().hex[:16],
+        )
+        self.router.note_sent(peer, 0.0)  # the peer is busy with it: no second challenge
+        try:
+            outcome = await forward_request(
+                self.node,
+                peer,
+                request,
+                accept_timeout_s=2 * rtt + cfg.accept_slack_s,
+                first_token_timeout_s=cfg.first_token_slack_s + 2 * rtt + 10.0,
+                idle_timeout_s=cfg.idle_min_s,
+            )
+        except ForwardFailed as exc:
+            raise ChallengeUnanswered(str(exc)) from exc
+        finally:
+            self.router.note_done(peer, 0.0)
+        if outcome.first_token_s is not None:  # a forward like any other: learn its cost
+            self.router.observe_forward(
+                peer, len(prompt), outcome.first_token_s, outcome.done.ttft_s
+            )
+        return outcome.tokens
 
     async def _run_local(
         self,

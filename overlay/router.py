@@ -2,7 +2,8 @@
 
 Contract:
 - For every candidate the router estimates the completion time of the request there:
-  ``total = network + queue wait + overhead + prefill(prompt - cached) + decode(expected tokens)``
+  ``total = network + queue wait + overhead + prefill(prompt - cached) + decode(expected tokens)
+  + hold``
   with, for a peer: the forward's network cost learned from earlier forwards (``overlay/netcost.py``:
   ``round_trips * rtt + bytes / bandwidth`` plus a per-peer bias, fitted online; the smoothed RTT
   of the peer table, ``default_rtt_s`` while none is measured), the wait and the per-token speeds
@@ -14,7 +15,11 @@ Contract:
   cached there too (``note_forwarded``): a chat's history is used once, so it is never advertised,
   yet its next turn should follow it. For the local node: no network, the engine's exact
   cached prefix, wait and calibrated speeds. ``expected_tokens`` is the predicted output length
-  (``inference/lengths.py``), never more than ``max_tokens``.
+  (``inference/lengths.py``), never more than ``max_tokens``. ``hold`` is how long the answer
+  would wait here for its audit before release (``hold_s``; a peer on probation,
+  ``overlay/audit.py``: the origin's scoring pass over prompt and answer); it is what makes a
+  forward to a fresh identity a loss on a fast link, and it ends once the peer has passed its
+  probation (``overlay/challenge.py`` gets it there without client traffic).
 - A peer is chosen only when ``total_peer + margin < total_local`` where
   ``margin = max(abs_margin_s, rel_margin * (wait_local + prefill_local), margin_sigmas * spread)``:
   the relative part applies to what differs between candidates (queue and prefill), not to a
@@ -102,6 +107,7 @@ class CandidateEstimate:  # read-only by convention: not frozen, a frozen init c
     info_age_s: float | None = None
     confidence: float = 1.0
     skipped: str | None = None  # why it cannot be chosen (push_back, down, ...)
+    hold_s: float = 0.0  # the answer's wait for its probation audit at this node
 
 
 @dataclass(frozen=True)
@@ -268,6 +274,7 @@ class Router:
         trust: Any = None,
         self_id: str | None = None,
         netcost: ForwardCost | None = None,
+        hold_s: Callable[[str, int], float] | None = None,
     ) -> None:
         self.views = views
         # This node's peer id: it takes part in the rendezvous ranking under its real name, so
@@ -279,6 +286,9 @@ class Router:
         # skipped as "untrusted", so their (lying) digests no longer drive decisions.
         self.trust = trust
         self.is_up = is_up or (lambda _peer: True)
+        # hold_s(peer, tokens): how long a forwarded answer of that many prompt + answer tokens
+        # is held here before release (a peer on probation: overlay/audit.py).
+        self.hold_s = hold_s
         self.config = config or RouterConfig()
         self.metrics = RouterMetrics(registry) if registry is not None else None
         self._stats: dict[str, _PeerStats] = {}
@@ -305,6 +315,11 @@ class Router:
         stats = self._stats.setdefault(peer_id, _PeerStats())
         stats.inflight += 1
         stats.inflight_s += service_s
+
+    def inflight(self, peer_id: str) -> int:
+        """Requests this router sent to ``peer_id`` that have not finished."""
+        stats = self._stats.get(peer_id)
+        return 0 if stats is None else stats.inflight
 
     def note_done(self, peer_id: str, service_s: float) -> None:
         stats = self._stats.get(peer_id)
@@ -534,7 +549,10 @@ class Router:
         decode = expected_tokens * decode_rate
         network = self.netcost.estimate(peer, rtt, nbytes)
         transfer = nbytes / self.netcost.bandwidth_Bps
-        total = network + wait + local.overhead_s + prefill + decode
+        hold = 0.0
+        if self.hold_s is not None:
+            hold = self.hold_s(peer, prompt_tokens + math.ceil(expected_tokens))
+        total = network + wait + local.overhead_s + prefill + decode + hold
         skipped = None
         if load.push_back:
             skipped = "push_back"
@@ -559,6 +577,7 @@ class Router:
             info_age_s=max(0.0, now_wall - view.issued_at),
             confidence=conf,
             skipped=skipped,
+            hold_s=hold,
         )
 
     def _record(self, decision: RoutingDecision) -> None:

@@ -29,6 +29,7 @@ from p2pnode.inference.sampling import SamplingParams
 from p2pnode.inference.scoring import ModelScorer
 from p2pnode.overlay.antientropy import AntiEntropyConfig
 from p2pnode.overlay.audit import AuditConfig, Auditor, check_greedy, check_sampled
+from p2pnode.overlay.challenge import ChallengeConfig
 from p2pnode.overlay.forward import ForwardConfig, RoutedService
 from p2pnode.overlay.trust import TrustBook
 from p2pnode.overlay.trust_store import load_trust, save_trust
@@ -259,6 +260,9 @@ async def liar_cluster(loaded: Any, overlay_network: Any) -> AsyncIterator[dict[
                     engine,
                     antientropy_config=AE_CONFIG,
                     forward_config=FORWARD_CONFIG,
+                    # The held path alone: known-answer challenges would catch some liars
+                    # before a client request reaches them (tests/test_challenge.py).
+                    challenge_config=ChallengeConfig(enabled=False),
                     registry=registry,
                 )
                 if role == "origin":

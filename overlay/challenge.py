@@ -1,0 +1,183 @@
+"""Probation by known answers: a new peer earns trust on prompts this node already answered.
+
+Why: a peer on probation has every answer it serves for us held until the origin re-scored it
+(``overlay/audit.py``), a teacher-forced pass over the whole prompt that costs the origin about
+what serving the request itself would. Forwards to such a peer cannot save time, so without
+another way out of probation a fresh swarm (every identity new) never profits from routing,
+and counting the hold honestly in the router (``Auditor.hold_s``) would keep peers there for ever.
+
+Contract:
+- ``KnownAnswers`` keeps the newest ``known`` greedy answers this node computed itself
+  (``RoutedService`` adds every non-private, temperature-0 request it served locally from the
+  start; private requests never leave the node, so they never become challenges).
+- ``Challenger.run`` (a background task of the service) sends, every ``interval_s`` and at most
+  one at a time to each peer, a known prompt to every peer that still needs passed audits
+  (``peers()``: up, serving the model, usable, on probation, idle by its digest and by what we
+  already sent it), as an ordinary forward with ``max_tokens`` = up to ``max_tokens`` of the
+  known answer. Among the known answers the one whose prefix the peer's view holds longest is
+  sent first (cheap for the peer, and it adds little to its cache), answers not yet sent to that
+  peer before those already sent.
+- Verdict: the peer's tokens equal the known ones -> a passed audit (``TrustBook.observe_audit``:
+  counts towards leaving probation). They differ -> the answer goes to ``mismatch`` (the
+  auditor's background audit): another numeric path may pick a different token at a near-tie,
+  so only the scored check (``check_greedy``'s margin) may demote. A forward that fails
+  (timeout, refused) proves nothing and counts nothing.
+- Cost: nothing on this node's engine (the answers are already known); one forward on the peer,
+  only while it advertises an empty queue.
+- Metrics (registry given): ``p2pnode_challenges_total{verdict}`` with verdict
+  passed / mismatch / failed.
+
+Limits: a challenge is a prompt some client already sent here, so a peer cannot tell it from
+real traffic by its text; a peer that tells challenges apart some other way (it rarely sees a
+prompt it does not hold) can pass probation honestly and lie afterwards, where only the
+sampled audits of trusted peers (``trusted_rate``) catch it, as they would any peer that turns
+after its probation.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import trio
+from prometheus_client import CollectorRegistry, Counter
+
+from p2pnode.overlay.trust import TrustBook
+
+log = logging.getLogger("p2pnode.overlay.challenge")
+
+
+class ChallengeUnanswered(Exception):
+    """The challenge's forward failed (timeout, refused, stream closed): no verdict."""
+
+
+# send(peer, prompt, max_tokens) -> the peer's answer tokens; raises ChallengeUnanswered.
+SendFn = Callable[[str, list[int], int], Awaitable[list[int]]]
+
+
+@dataclass(frozen=True)
+class ChallengeConfig:
+    enabled: bool = True
+    known: int = 32  # known answers kept, newest
+    interval_s: float = 0.25  # at least this long between two challenges
+    max_tokens: int = 4  # answer tokens a challenge asks for and compares
+
+    def __post_init__(self) -> None:
+        if self.known < 1 or self.interval_s <= 0 or self.max_tokens < 1:
+            raise ValueError("need known >= 1, interval_s > 0 and max_tokens >= 1")
+
+
+@dataclass(frozen=True, slots=True)
+class KnownAnswer:
+    serial: int
+    prompt: tuple[int, ...]
+    answer: tuple[int, ...]
+    blocks: tuple[int, ...]  # the prompt's block hashes: what a peer's view is matched on
+
+
+class KnownAnswers:
+    """The newest greedy answers this node computed itself (see the module contract)."""
+
+    def __init__(self, capacity: int) -> None:
+        self._items: deque[KnownAnswer] = deque(maxlen=capacity)
+        self._serial = 0
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def add(self, prompt: Sequence[int], answer: Sequence[int], blocks: Sequence[int]) -> None:
+        if not prompt or not answer:
+            return
+        self._serial += 1
+        self._items.append(KnownAnswer(self._serial, tuple(prompt), tuple(answer), tuple(blocks)))
+
+    def pick(self, held: Callable[[Sequence[int]], int], used: set[int]) -> KnownAnswer | None:
+        """Unused before used, then the longest prefix ``held(blocks)`` says the peer has,
+        then the newest."""
+        if not self._items:
+            return None
+        return max(self._items, key=lambda k: (k.serial not in used, held(k.blocks), k.serial))
+
+
+class _Metrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.challenges = Counter(
+            "p2pnode_challenges",
+            "Known-answer challenges sent to peers on probation, by verdict",
+            ["verdict"],
+            registry=registry,
+        )
+
+
+class Challenger:
+    """Sends known-answer challenges to peers on probation (see the module contract)."""
+
+    def __init__(
+        self,
+        *,
+        send: SendFn,
+        peers: Callable[[], Sequence[str]],
+        held: Callable[[str, Sequence[int]], int],  # (peer, block hashes) -> tokens it holds
+        trust: TrustBook,
+        mismatch: Callable[[str, list[int], list[int]], None],
+        config: ChallengeConfig | None = None,
+        registry: CollectorRegistry | None = None,
+    ) -> None:
+        self.config = config or ChallengeConfig()
+        self.known = KnownAnswers(self.config.known)
+        self._send = send
+        self._peers = peers
+        self._held = held
+        self._trust = trust
+        self._mismatch = mismatch
+        self._used: dict[str, set[int]] = {}
+        self._busy: set[str] = set()  # peers with a challenge in flight (one each)
+        self._metrics = _Metrics(registry) if registry is not None else None
+        self.counts: dict[str, int] = {"passed": 0, "mismatch": 0, "failed": 0}
+
+    async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as nursery:
+            task_status.started()
+            while True:  # a service task: it ends when the node's nursery is cancelled
+                await trio.sleep(self.config.interval_s)
+                if not len(self.known):
+                    continue
+                for peer in self._peers():
+                    if peer not in self._busy:
+                        self._busy.add(peer)
+                        nursery.start_soon(self._challenge_one, peer)
+
+    async def _challenge_one(self, peer: str) -> None:
+        try:
+            await self.challenge(peer)
+        finally:
+            self._busy.discard(peer)
+
+    async def challenge(self, peer: str) -> str | None:
+        """One challenge to ``peer`` now; returns its verdict (None: no known answer yet)."""
+        used = self._used.setdefault(peer, set())
+        known = self.known.pick(lambda blocks: self._held(peer, blocks), used)
+        if known is None:
+            return None
+        used.add(known.serial)
+        expected = list(known.answer[: self.config.max_tokens])
+        try:
+            got = await self._send(peer, list(known.prompt), len(expected))
+        except ChallengeUnanswered as exc:  # a failed forward proves nothing
+            log.info("challenge to %s not answered: %s", peer, exc)
+            return self._count("failed")
+        if got == expected:
+            self._trust.observe_audit(peer, True)
+            return self._count("passed")
+        log.info("challenge to %s: answer differs from the known one; auditing it", peer)
+        self._mismatch(peer, list(known.prompt), got)
+        return self._count("mismatch")
+
+    def _count(self, verdict: str) -> str:
+        self.counts[verdict] += 1
+        if self._metrics is not None:
+            self._metrics.challenges.labels(verdict).inc()
+        return verdict

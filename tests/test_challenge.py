@@ -1,0 +1,223 @@
+"""Probation by known answers (overlay/challenge.py) and the probation hold in the router.
+
+Unit tests drive ``KnownAnswers`` and ``Challenger`` with an in-memory ``send`` (the forward
+itself is tested in test_routing_cluster.py); the cluster test runs real libp2p hosts on
+127.0.0.1 with emulated engines (deterministic answers, no torch): an honest peer leaves
+probation without one client request forwarded to it, and a liar is demoted the same way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
+
+import pytest
+import trio
+from prometheus_client import CollectorRegistry, generate_latest
+
+from p2pnode.inference.blockhash import block_hashes, model_salt
+from p2pnode.inference.engine import open_engine
+from p2pnode.inference.models import ShapeOnlyModel
+from p2pnode.inference.vllm_events import BlockStored
+from p2pnode.overlay.antientropy import AntiEntropyConfig
+from p2pnode.overlay.audit import AuditConfig, Auditor
+from p2pnode.overlay.challenge import (
+    ChallengeConfig,
+    Challenger,
+    ChallengeUnanswered,
+    KnownAnswers,
+)
+from p2pnode.overlay.digest import DigestBuilder, LoadInfo
+from p2pnode.overlay.forward import ForwardConfig, RoutedService
+from p2pnode.overlay.router import LOCAL, LocalState, Router
+from p2pnode.overlay.trust import TrustBook
+from p2pnode.overlay.views import PeerViews
+from p2pnode.testnet.adversary import make_adversary
+
+logging.getLogger("libp2p").setLevel(logging.ERROR)
+
+
+# --------------------------------------------------------------------------- known answers
+
+
+def test_known_answers_are_bounded_and_picked_unused_then_by_held_prefix() -> None:
+    known = KnownAnswers(3)
+    for i in range(5):  # the two oldest fall out
+        known.add([i] * 40, [i + 100], blocks=[i, i + 1])
+    assert len(known) == 3
+    held = {2: 0, 3: 32, 4: 16}  # tokens the peer's view holds, by the prompt's first block
+    first = known.pick(lambda blocks: held[blocks[0]], used=set())
+    assert first is not None and first.prompt[0] == 3  # the longest held prefix first
+    second = known.pick(lambda blocks: held[blocks[0]], used={first.serial})
+    assert second is not None and second.prompt[0] == 4  # unused before used
+    assert KnownAnswers(2).pick(lambda _b: 0, set()) is None
+    known.add([], [1], blocks=[])  # nothing to challenge with: not kept
+    assert len(known) == 3
+
+
+class _Send:
+    """In-memory ``send``: answers from a table, or raises ChallengeUnanswered."""
+
+    def __init__(self, answer: Callable[[list[int], int], list[int] | None]) -> None:
+        self.answer = answer
+        self.sent: list[tuple[str, int]] = []
+
+    async def __call__(self, peer: str, prompt: list[int], max_tokens: int) -> list[int]:
+        self.sent.append((peer, max_tokens))
+        out = self.answer(prompt, max_tokens)
+        if out is None:
+            raise ChallengeUnanswered("stream reset")
+        return out
+
+
+async def test_a_right_answer_counts_as_a_passed_audit_and_a_wrong_one_goes_to_the_auditor():
+    trust = TrustBook()
+    audited: list[tuple[str, list[int]]] = []
+    answers = {1: [7, 8], 2: [7, 9], 3: None}
+    send = _Send(lambda prompt, n: None if answers[prompt[0]] is None else answers[prompt[0]][:n])
+    ch = Challenger(
+        send=send,
+        peers=lambda: ["p"],
+        held=lambda _peer, _blocks: 0,
+        trust=trust,
+        mismatch=lambda peer, _prompt, answer: audited.append((peer, answer)),
+        config=ChallengeConfig(max_tokens=2),
+        registry=(registry := CollectorRegistry()),
+    )
+    assert await ch.challenge("p") is None  # nothing known yet
+    ch.known.add([1] * 20, [7, 8, 5], blocks=[1])  # only the first max_tokens are compared
+    assert await ch.challenge("p") == "passed" and trust.audited_ok("p") == 1
+    ch.known.add([2] * 20, [7, 8], blocks=[2])  # the peer answers 7, 9
+    assert await ch.challenge("p") == "mismatch"
+    assert audited == [("p", [7, 9])] and trust.audited_ok("p") == 1  # the audit decides
+    ch.known.add([3] * 20, [4], blocks=[3])
+    assert await ch.challenge("p") == "failed" and trust.usable("p")  # proves nothing
+    assert send.sent == [("p", 2), ("p", 2), ("p", 1)]
+    text = generate_latest(registry).decode()
+    assert 'p2pnode_challenges_total{verdict="passed"} 1.0' in text
+    assert 'p2pnode_challenges_total{verdict="mismatch"} 1.0' in text
+
+
+# --------------------------------------------------------------------------- router hold
+
+
+class _Scorer:
+    def logits(self, prompt: Sequence[int], answer: Sequence[int]) -> Any:
+        raise AssertionError("not scored in this test")
+
+    def cost_s(self, tokens: int) -> float:
+        return 0.01 + tokens * 0.005
+
+
+def test_the_router_counts_the_probation_hold_and_forwards_once_the_peer_passed() -> None:
+    model, peer = "hold-model", "peer-b"
+    tokens = [(7 * i) % 40000 + 1 for i in range(512)]
+    hashes = block_hashes(tokens, model_salt(model))
+    views = PeerViews()
+    speeds = LoadInfo(
+        queue_depth=0, est_wait_s=0.0, push_back=False,
+        prefill_s_per_token=0.005, decode_s_per_token=0.05,
+    )  # fmt: skip
+    holder = DigestBuilder(peer, model, load_fn=lambda: speeds)
+    holder.on_event(BlockStored(tuple(hashes[:30]), None))  # 480 of the 512 tokens
+    views.apply(holder.full())
+    trust = TrustBook()
+    auditor = Auditor(_Scorer(), trust, AuditConfig(probation_answers=2))
+    router = Router(views, rtt_s=lambda _p: 0.002, trust=trust, hold_s=auditor.hold_s)
+    local = LocalState(
+        cached_tokens=0, wait_s=0.0, prefill_s_per_token=0.005, decode_s_per_token=0.05
+    )
+
+    def decide() -> Any:
+        return router.decide(
+            model_id=model, prompt_block_hashes=hashes, prompt_tokens=512, max_tokens=1,
+            local=local,
+        )  # fmt: skip
+
+    # The peer saves 480 tokens of prefill, but on probation its answer waits for the origin's
+    # scoring pass over all 513 tokens: a loss.
+    held = decide()
+    est = held.estimate_for(peer)
+    assert held.chosen == LOCAL and est is not None
+    assert est.hold_s == pytest.approx(0.01 + 513 * 0.005)
+    for _ in range(2):
+        trust.observe_audit(peer, True)
+    free = decide()
+    assert free.chosen == peer and free.estimate_for(peer).hold_s == 0.0
+
+
+# --------------------------------------------------------------------------- real nodes
+
+SHAPE = ShapeOnlyModel(model_id="emu-challenge", eos_token_ids=(2,))
+PROBATION = 3
+CALM = {"ping_interval": 0.5}
+
+
+@contextlib.asynccontextmanager
+async def _emulated() -> AsyncIterator[Any]:
+    async with open_engine(
+        SHAPE, backend="emulated", calibrate_cost=False, torch_threads=None
+    ) as engine:
+        cost = engine.cost  # pinned: 100 prompt tokens take 0.1 s
+        cost.prefill_s_per_token, cost.decode_s_per_token = 0.001, 0.01
+        cost.overhead_s, cost.alpha = 0.005, 0.0
+        yield engine
+
+
+async def _wait_until(predicate: Callable[[], bool], limit_s: float, what: str) -> None:
+    try:
+        with trio.fail_after(limit_s):
+            while not predicate():  # noqa: ASYNC110
+                await trio.sleep(0.05)
+    except trio.TooSlowError:
+        raise AssertionError(f"not within {limit_s} s: {what}") from None
+
+
+async def test_peers_pass_or_fail_probation_on_known_answers_without_client_forwards(
+    overlay_network: Any,
+) -> None:
+    async with (
+        overlay_network(3, **CALM) as nodes,
+        _emulated() as e0,
+        _emulated() as e1,
+        _emulated() as e2,
+        trio.open_nursery() as nursery,
+    ):
+        services = []
+        for node, engine in zip(nodes, (e0, e1, e2), strict=True):
+            svc = RoutedService(
+                node,
+                node.config.key,
+                engine,
+                antientropy_config=AntiEntropyConfig(interval_s=0.2, pull_min_interval_s=0.3),
+                forward_config=ForwardConfig(accept_slack_s=20, first_token_slack_s=30),
+                audit_config=AuditConfig(probation_answers=PROBATION),
+                challenge_config=ChallengeConfig(interval_s=0.05),
+                registry=CollectorRegistry(),
+            )
+            await nursery.start(svc.run)
+            services.append(svc)
+        origin, honest, liar = services
+        make_adversary(liar, "wrong-output", rate=1.0)
+        ids = [s.node.peer_id for s in services]
+        await _wait_until(
+            lambda: all(origin.views.get(p, origin.model_id) for p in ids[1:]), 30, "views"
+        )
+        rng_prompts = [[(17 * i + 31 * j) % 4000 + 10 for j in range(60)] for i in range(4)]
+        for prompt in rng_prompts:  # served here: the peers are on probation
+            res = await origin.generate(prompt, {"max_tokens": 3})
+            assert res.served_locally
+        await _wait_until(
+            lambda: (
+                origin.trust.audited_ok(ids[1]) >= PROBATION and not origin.trust.usable(ids[2])
+            ),
+            60,
+            "the honest peer out of probation and the liar demoted",
+        )
+        assert origin.challenger is not None
+        assert origin.challenger.counts["passed"] >= PROBATION
+        assert origin.challenger.counts["mismatch"] >= 1  # the liar, audited and failed
+        assert origin.auditor is not None and origin.auditor.counts["failed"] >= 1
+        nursery.cancel_scope.cancel()
