@@ -14,9 +14,9 @@ Contract:
   one at a time to each peer, a known prompt to every peer that still needs passed audits
   (``peers()``: up, serving the model, usable, on probation, idle by its digest and by what we
   already sent it), as an ordinary forward with ``max_tokens`` = up to ``max_tokens`` of the
-  known answer. Among the known answers the one whose prefix the peer's view holds longest is
-  sent first (cheap for the peer, and it adds little to its cache), answers not yet sent to that
-  peer before those already sent.
+  known answer. Known answers whose prefix the peer's view holds for half the prompt or more
+  go first (cheap for the peer, and they add little to its cache), then those not yet sent to
+  that peer before those already sent, then the longest held prefix.
 - Verdict: the peer's tokens equal the known ones -> a passed audit (``TrustBook.observe_audit``:
   counts towards leaving probation). They differ -> the answer goes to ``mismatch`` (the
   auditor's background audit): another numeric path may pick a different token at a near-tie,
@@ -95,11 +95,17 @@ class KnownAnswers:
         self._items.append(KnownAnswer(self._serial, tuple(prompt), tuple(answer), tuple(blocks)))
 
     def pick(self, held: Callable[[Sequence[int]], int], used: set[int]) -> KnownAnswer | None:
-        """Unused before used, then the longest prefix ``held(blocks)`` says the peer has,
-        then the newest."""
+        """Cheap for the peer first (``held(blocks)``, the prefix its view holds, covers half
+        the prompt or more), then unused before used, then the longest held prefix, then the
+        newest."""
         if not self._items:
             return None
-        return max(self._items, key=lambda k: (k.serial not in used, held(k.blocks), k.serial))
+
+        def rank(k: KnownAnswer) -> tuple[bool, bool, int, int]:
+            h = held(k.blocks)
+            return (2 * h >= len(k.prompt), k.serial not in used, h, k.serial)
+
+        return max(self._items, key=rank)
 
 
 class _Metrics:

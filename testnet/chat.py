@@ -173,6 +173,7 @@ async def drive_chat(
                 served_node=index_of.get(served_by) if isinstance(served_by, str) else None,
                 forwarded=(served_by != ids[s.arrival_node]) if served_by else None,
                 prompt_tokens=usage.get("prompt_tokens"),
+                completion_tokens=usage.get("completion_tokens"),
                 cached_tokens=cached,
                 latency_s=round(latency, 5),
                 sent_s=round(sent - start, 4),

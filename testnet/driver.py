@@ -26,6 +26,7 @@ Contract:
   with any earlier prompt, at most ``len - 1`` (the last token is always computed). No node
   placement or eviction can reuse more, so its sum bounds the token hit rate of any routing:
   each question's own text after its subject's shared few-shot prefix is a miss the first time.
+  ``oracle_cached(prompts, answers)`` also caches each prompt's answer after it (chat turns).
 - ``write_jsonl(path, records)``; ``on_record`` is called after each record (progress bars).
 """
 
@@ -152,6 +153,7 @@ RECORD_FIELDS = (
     "correct",
     "routing_reason",
     "oracle_cached",
+    "completion_tokens",
     "error",
 )
 
@@ -352,11 +354,15 @@ def percentile(values: Sequence[float], q: float) -> float | None:
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
-def oracle_cached(prompts: Sequence[Sequence[int]]) -> list[int]:
-    """Cached tokens of one unbounded cache that served every earlier prompt (module doc)."""
+def oracle_cached(
+    prompts: Sequence[Sequence[int]], answers: Sequence[Sequence[int]] | None = None
+) -> list[int]:
+    """Cached tokens of one unbounded cache that served every earlier prompt (module doc);
+    with ``answers`` (per prompt, the tokens generated after it) it also holds each answer
+    once its prompt was served, as an engine's cache does: a chat's next turn reuses it."""
     trie: dict[int, dict] = {}
     out = []
-    for ids in prompts:
+    for k, ids in enumerate(prompts):
         node, depth = trie, 0
         for tok in ids:
             child = node.get(tok)
@@ -364,7 +370,8 @@ def oracle_cached(prompts: Sequence[Sequence[int]]) -> list[int]:
                 break
             node, depth = child, depth + 1
         out.append(max(0, min(depth, len(ids) - 1)))
-        for tok in ids[depth:]:
+        served = list(ids) + (list(answers[k]) if answers is not None else [])
+        for tok in served[depth:]:
             node = node.setdefault(tok, {})
     return out
 

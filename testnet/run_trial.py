@@ -247,7 +247,20 @@ def _attach_chat_oracle(records: list[dict[str, Any]]) -> str | None:
     off = [r["i"] for r in sent if r["prompt_tokens"] != len(r["prompt_ids"])]
     if off:
         return f"no hit rate ceiling: prompt token counts differ from the nodes' for {off[:5]}"
-    for r, o in zip(sent, driver.oracle_cached([r["prompt_ids"] for r in sent]), strict=True):
+    # What the engine cached after each turn: its prompt and the answer it generated, which
+    # are the first tokens of the session's next prompt after this one.
+    by_turn = {(r["session"], r["turn"]): r for r in sent}
+    answers: list[list[int]] = []
+    for r in sent:
+        ids, after = r["prompt_ids"], by_turn.get((r["session"], r["turn"] + 1))
+        generated = r.get("completion_tokens") or 0
+        nxt = after["prompt_ids"] if after is not None else None
+        if nxt is not None and nxt[: len(ids)] == ids:
+            answers.append(nxt[len(ids) : len(ids) + generated])
+        else:
+            answers.append([])
+    prompts = [r["prompt_ids"] for r in sent]
+    for r, o in zip(sent, driver.oracle_cached(prompts, answers), strict=True):
         r["oracle_cached"] = o
     return None
 

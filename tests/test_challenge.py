@@ -42,19 +42,21 @@ logging.getLogger("libp2p").setLevel(logging.ERROR)
 # --------------------------------------------------------------------------- known answers
 
 
-def test_known_answers_are_bounded_and_picked_unused_then_by_held_prefix() -> None:
-    known = KnownAnswers(3)
-    for i in range(5):  # the two oldest fall out
+def test_known_answers_are_bounded_and_picked_cheap_then_unused_then_by_held_prefix() -> None:
+    known = KnownAnswers(4)
+    for i in range(6):  # the two oldest fall out
         known.add([i] * 40, [i + 100], blocks=[i, i + 1])
-    assert len(known) == 3
-    held = {2: 0, 3: 32, 4: 16}  # tokens the peer's view holds, by the prompt's first block
+    assert len(known) == 4
+    held = {2: 0, 3: 32, 4: 16, 5: 24}  # tokens the peer's view holds, by the first block
     first = known.pick(lambda blocks: held[blocks[0]], used=set())
-    assert first is not None and first.prompt[0] == 3  # the longest held prefix first
+    assert first is not None and first.prompt[0] == 3  # cheap (32 of 40 held), longest
     second = known.pick(lambda blocks: held[blocks[0]], used={first.serial})
-    assert second is not None and second.prompt[0] == 4  # unused before used
+    assert second is not None and second.prompt[0] == 5  # cheap and unused
+    third = known.pick(lambda blocks: held[blocks[0]], used={first.serial, second.serial})
+    assert third is not None and third.prompt[0] == 3  # a cheap one again, before dear ones
     assert KnownAnswers(2).pick(lambda _b: 0, set()) is None
     known.add([], [1], blocks=[])  # nothing to challenge with: not kept
-    assert len(known) == 3
+    assert len(known) == 4
 
 
 class _Send:

@@ -220,6 +220,10 @@ def test_oracle_cached_is_longest_prefix_of_an_earlier_prompt():
     # a repeat reuses all but its last token; unrelated prompts reuse nothing
     assert driver.oracle_cached(prompts) == [0, 3, 3, 0, 2]
     assert driver.oracle_cached([]) == []
+    # A chat: turn 2's prompt is turn 1's prompt, its answer (8, 9) and a new question (6).
+    chat = [[1, 2, 3], [1, 2, 3, 8, 9, 6]]
+    assert driver.oracle_cached(chat) == [0, 3]  # prompts alone: the answer is never cached
+    assert driver.oracle_cached(chat, [[8, 9], [4]]) == [0, 5]
 
 
 def test_summary_and_consistency_checks():
