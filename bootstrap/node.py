@@ -124,6 +124,22 @@ def _routing_status(service) -> dict[str, Any]:
         # What the router learned online: the network cost of forwards and each peer's
         # cache-claim confidence; and the completion lengths its estimates expect.
         "learned": {**service.router.learned(), "lengths": service.lengths.as_dict()},
+        "probation": _probation_status(service),
+    }
+
+
+def _probation_status(service: Any) -> dict[str, Any] | None:
+    """Which peers still have their answers held for audit, and the known-answer challenges
+    sent to get them out (overlay/challenge.py)."""
+    auditor, challenger = service.auditor, service.challenger
+    if auditor is None:
+        return None
+    peers = sorted({v.peer_id for v in service.views.views()})
+    return {
+        "answers_needed": auditor.config.probation_answers,
+        "on_probation": [p for p in peers if auditor.on_probation(p)],
+        "challenges": dict(challenger.counts) if challenger is not None else None,
+        "audits": dict(auditor.counts),
     }
 
 

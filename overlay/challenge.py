@@ -16,19 +16,23 @@ Contract:
   already sent it), as an ordinary forward with ``max_tokens`` = up to ``max_tokens`` of the
   known answer. Known answers whose prefix the peer's view holds for half the prompt or more
   go first (cheap for the peer, and they add little to its cache), then those not yet sent to
-  that peer before those already sent, then the longest held prefix.
+  that peer before those already sent, then the longest held prefix. A *dear* challenge (the
+  view holds under half the prompt: the peer must prefill most of it, a request's worth of
+  compute) goes to one peer at most every ``dear_interval_s``, so challenges never crowd out
+  real work on a cold swarm where nobody holds anything yet.
 - Verdict: the peer's tokens equal the known ones -> a passed audit (``TrustBook.observe_audit``:
   counts towards leaving probation). They differ -> the answer goes to ``mismatch`` (the
   auditor's background audit): another numeric path may pick a different token at a near-tie,
   so only the scored check (``check_greedy``'s margin) may demote. A forward that fails
   (timeout, refused) proves nothing and counts nothing.
 - Cost: nothing on this node's engine (the answers are already known); one forward on the peer,
-  only while it advertises an empty queue.
+  only while it advertises an empty queue, mostly on a prefix it holds: the same kind of
+  request real forwards are.
 - Metrics (registry given): ``p2pnode_challenges_total{verdict}`` with verdict
   passed / mismatch / failed.
 
-Limits: a challenge is a prompt some client already sent here, so a peer cannot tell it from
-real traffic by its text; a peer that tells challenges apart some other way (it rarely sees a
+Limits: a challenge is a prompt some client already sent here, mostly on a prefix the peer
+holds, so a peer cannot tell it from real traffic by its text; a peer that tells challenges apart some other way (it rarely sees a
 prompt it does not hold) can pass probation honestly and lie afterwards, where only the
 sampled audits of trusted peers (``trusted_rate``) catch it, as they would any peer that turns
 after its probation.
@@ -37,6 +41,7 @@ after its probation.
 from __future__ import annotations
 
 import logging
+import math
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -64,10 +69,15 @@ class ChallengeConfig:
     known: int = 32  # known answers kept, newest
     interval_s: float = 0.25  # at least this long between two challenges
     max_tokens: int = 4  # answer tokens a challenge asks for and compares
+    # A challenge the peer must mostly prefill (its view holds under half the prompt) goes to
+    # one peer at most this often: it costs the peer a request's worth of compute.
+    dear_interval_s: float = 10.0
 
     def __post_init__(self) -> None:
         if self.known < 1 or self.interval_s <= 0 or self.max_tokens < 1:
             raise ValueError("need known >= 1, interval_s > 0 and max_tokens >= 1")
+        if self.dear_interval_s < 0:
+            raise ValueError("need dear_interval_s >= 0")
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,6 +151,7 @@ class Challenger:
         self._mismatch = mismatch
         self._used: dict[str, set[int]] = {}
         self._busy: set[str] = set()  # peers with a challenge in flight (one each)
+        self._last_dear: dict[str, float] = {}  # peer -> when it last got a dear challenge
         self._metrics = _Metrics(registry) if registry is not None else None
         self.counts: dict[str, int] = {"passed": 0, "mismatch": 0, "failed": 0}
 
@@ -168,6 +179,11 @@ class Challenger:
         known = self.known.pick(lambda blocks: self._held(peer, blocks), used)
         if known is None:
             return None
+        if 2 * self._held(peer, known.blocks) < len(known.prompt):
+            now = trio.current_time()
+            if now - self._last_dear.get(peer, -math.inf) < self.config.dear_interval_s:
+                return None  # only dear ones known for this peer: later
+            self._last_dear[peer] = now
         used.add(known.serial)
         expected = list(known.answer[: self.config.max_tokens])
         try:

@@ -1,13 +1,22 @@
-"""Shared fixtures. `overlay_network(n, ...)` starts n real overlay nodes on 127.0.0.1.
+"""Shared fixtures.
 
-The fixture returns an async context manager factory (not the nodes themselves): trio nurseries
-must be entered and exited in the same task, which a pytest-trio fixture task is not.
+- ``overlay_network(n, ...)`` starts n real overlay nodes on 127.0.0.1. The fixture returns an
+  async context manager factory (not the nodes themselves): trio nurseries must be entered and
+  exited in the same task, which a pytest-trio fixture task is not.
+- ``node_processes``: real ``p2pnode`` CLI processes (``NodeProcesses``), every one of them
+  stopped when the test ends, also when it fails.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Callable
+import json
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -36,3 +45,61 @@ async def _overlay_network(
 @pytest.fixture
 def overlay_network() -> Callable[..., contextlib.AbstractAsyncContextManager[list[OverlayNode]]]:
     return _overlay_network
+
+
+P2PNODE = [sys.executable, "-m", "p2pnode.bootstrap.cli"]
+
+
+class NodeProcesses:
+    """``p2pnode`` CLI processes of one test, each logging to ``<home>/node.log``."""
+
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen] = []
+
+    def spawn(
+        self, args: list[str], home: Path, *, listen: str = "/ip4/127.0.0.1/tcp/0"
+    ) -> subprocess.Popen:
+        """``p2pnode ARGS --home HOME --api-port 0 --listen LISTEN``, started now."""
+        home.mkdir(parents=True, exist_ok=True)
+        log = open(home / "node.log", "wb")  # noqa: SIM115 - the process holds it until it exits
+        cmd = [*P2PNODE, *args, "--home", str(home), "--api-port", "0", "--listen", listen]
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        log.close()  # the child has its own copy
+        self.procs.append(proc)
+        return proc
+
+    @staticmethod
+    def runtime(home: Path, proc: subprocess.Popen, timeout: float = 60.0) -> dict[str, Any]:
+        """The node's ``runtime.json`` once it wrote it; fails with its log if it exits or
+        takes longer than ``timeout``."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise AssertionError(f"node exited early:\n{(home / 'node.log').read_text()}")
+            try:
+                return json.loads((home / "runtime.json").read_text())
+            except (FileNotFoundError, json.JSONDecodeError):
+                time.sleep(0.1)
+        raise AssertionError(f"node not up within {timeout} s:\n{(home / 'node.log').read_text()}")
+
+    def stop(self) -> None:
+        """SIGTERM (after SIGCONT, for a stopped one) to every process, SIGKILL after 15 s."""
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGCONT)
+                proc.terminate()
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=5)
+
+
+@pytest.fixture
+def node_processes() -> Iterator[NodeProcesses]:
+    procs = NodeProcesses()
+    try:
+        yield procs
+    finally:
+        procs.stop()

@@ -85,7 +85,7 @@ async def test_a_right_answer_counts_as_a_passed_audit_and_a_wrong_one_goes_to_t
         held=lambda _peer, _blocks: 0,
         trust=trust,
         mismatch=lambda peer, _prompt, answer: audited.append((peer, answer)),
-        config=ChallengeConfig(max_tokens=2),
+        config=ChallengeConfig(max_tokens=2, dear_interval_s=0.0),  # all dear: held is 0
         registry=(registry := CollectorRegistry()),
     )
     assert await ch.challenge("p") is None  # nothing known yet
@@ -100,6 +100,26 @@ async def test_a_right_answer_counts_as_a_passed_audit_and_a_wrong_one_goes_to_t
     text = generate_latest(registry).decode()
     assert 'p2pnode_challenges_total{verdict="passed"} 1.0' in text
     assert 'p2pnode_challenges_total{verdict="mismatch"} 1.0' in text
+
+
+async def test_dear_challenges_are_spaced_and_cheap_ones_are_not(autojump_clock) -> None:
+    held_tokens = {"p": 0}
+    send = _Send(lambda _prompt, n: [5] * n)
+    ch = Challenger(
+        send=send,
+        peers=lambda: ["p"],
+        held=lambda peer, _blocks: held_tokens[peer],
+        trust=TrustBook(),
+        mismatch=lambda *_: None,
+        config=ChallengeConfig(dear_interval_s=10.0),
+    )
+    ch.known.add([1] * 40, [5], blocks=[1])
+    assert await ch.challenge("p") == "passed"  # dear: the peer holds nothing of it
+    assert await ch.challenge("p") is None  # a second dear one waits
+    await trio.sleep(10.0)
+    assert await ch.challenge("p") == "passed"
+    held_tokens["p"] = 32  # now it holds 32 of the 40 tokens: cheap, no spacing
+    assert [await ch.challenge("p") for _ in range(3)] == ["passed"] * 3
 
 
 # --------------------------------------------------------------------------- router hold
@@ -196,7 +216,8 @@ async def test_peers_pass_or_fail_probation_on_known_answers_without_client_forw
                 antientropy_config=AntiEntropyConfig(interval_s=0.2, pull_min_interval_s=0.3),
                 forward_config=ForwardConfig(accept_slack_s=20, first_token_slack_s=30),
                 audit_config=AuditConfig(probation_answers=PROBATION),
-                challenge_config=ChallengeConfig(interval_s=0.05),
+                # The peers hold none of the known prompts: every challenge is dear.
+                challenge_config=ChallengeConfig(interval_s=0.05, dear_interval_s=0.3),
                 registry=CollectorRegistry(),
             )
             await nursery.start(svc.run)

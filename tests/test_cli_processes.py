@@ -24,39 +24,6 @@ P2PNODE = [sys.executable, "-m", "p2pnode.bootstrap.cli"]
 DETECTION_LIMIT_S = 5.0
 
 
-def _spawn(args: list[str], home: Path) -> subprocess.Popen:
-    home.mkdir(parents=True, exist_ok=True)
-    log = open(home / "node.log", "wb")  # noqa: SIM115 - closed with the process in _stop
-    return subprocess.Popen(
-        [
-            *P2PNODE,
-            *args,
-            "--home",
-            str(home),
-            "--api-port",
-            "0",
-            "--listen",
-            "/ip4/127.0.0.1/tcp/0",
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-
-
-def _runtime(home: Path, proc: subprocess.Popen, timeout: float = 30.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"node exited early:\n{(home / 'node.log').read_text()}")
-        try:
-            return json.loads((home / "runtime.json").read_text())
-        except (FileNotFoundError, json.JSONDecodeError):
-            time.sleep(0.1)
-    raise AssertionError(
-        f"node did not start within {timeout} s:\n{(home / 'node.log').read_text()}"
-    )
-
-
 def _peer_states(api: str) -> dict[str, str]:
     return {p["peer_id"]: p["state"] for p in httpx.get(api + "/peers", timeout=2.0).json()}
 
@@ -70,33 +37,19 @@ def _wait_until(predicate, timeout: float, what: str) -> float:
     raise AssertionError(f"{what}: not within {timeout} s")
 
 
-def _stop(procs: list[subprocess.Popen]) -> None:
-    for proc in procs:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGCONT)
-            proc.terminate()
-    for proc in procs:
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=5)
-
-
 @pytest.mark.slow
-def test_join_discover_and_detect_kill_and_hang(tmp_path: Path) -> None:
-    procs: list[subprocess.Popen] = []
+def test_join_discover_and_detect_kill_and_hang(tmp_path: Path, node_processes) -> None:
     try:
-        boot = _spawn(["bootstrap"], tmp_path / "boot")
-        procs.append(boot)
-        boot_info = _runtime(tmp_path / "boot", boot)
+        boot = node_processes.spawn(["bootstrap"], tmp_path / "boot")
+        boot_info = node_processes.runtime(tmp_path / "boot", boot)
         joiners = []
         for i in range(3):
             home = tmp_path / f"n{i}"
-            proc = _spawn(["join", "--model", "none", "--bootstrap", boot_info["addrs"][0]], home)
-            procs.append(proc)
+            proc = node_processes.spawn(
+                ["join", "--model", "none", "--bootstrap", boot_info["addrs"][0]], home
+            )
             joiners.append((proc, home))
-        infos = [_runtime(home, proc) for proc, home in joiners]
+        infos = [node_processes.runtime(home, proc) for proc, home in joiners]
         ids = [info["peer_id"] for info in infos]
 
         def everyone_sees_everyone() -> bool:
@@ -123,8 +76,8 @@ def test_join_discover_and_detect_kill_and_hang(tmp_path: Path) -> None:
         print(f"killed + hung peers marked down after {seconds:.2f} s")
         assert _peer_states(boot_info["api"]).get(ids[2]) == "up", "the survivor must stay up"
     finally:
-        _stop(procs)
-        for proc in procs:
+        node_processes.stop()
+        for proc in node_processes.procs:
             if proc.returncode not in (0, -signal.SIGKILL, -signal.SIGTERM):
                 print(f"pid {proc.pid} exited with {proc.returncode}")
     assert os.path.exists(tmp_path / "n2" / "node_key")
@@ -147,60 +100,46 @@ def test_id_with_the_default_listen_address_prints_dialable_addresses(tmp_path: 
     assert "none of these addresses is public" in out.stdout  # CI machines have no public IP
 
 
-def test_second_node_on_one_home_or_port_exits_at_once_naming_the_flag(tmp_path: Path) -> None:
-    procs: list[subprocess.Popen] = []
-    try:
-        home = tmp_path / "first"
-        home.mkdir()
-        with socket.socket() as probe:  # a free port for the first node to take
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
-        listen = f"/ip4/127.0.0.1/tcp/{port}"
-        log = open(home / "node.log", "wb")  # noqa: SIM115 - closed with the process in _stop
-        first = subprocess.Popen(
-            [*P2PNODE, "bootstrap", "--home", str(home), "--api-port", "0", "--listen", listen],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-        procs.append(first)
-        info = _runtime(home, first)
-        api_port = int(info["api"].rsplit(":", 1)[1])
-        cases = [
-            (["--home", str(home), "--api-port", "0", "--listen", "/ip4/127.0.0.1/tcp/0"], "--home"),
-            (["--home", str(tmp_path / "b"), "--api-port", "0", "--listen", listen], "--listen"),
-            (
-                ["--home", str(tmp_path / "c"), "--api-port", str(api_port), "--listen",
-                 "/ip4/127.0.0.1/tcp/0"],
-                "--api-port",
-            ),
-        ]  # fmt: skip
-        for args, flag in cases:
-            started = time.monotonic()
-            out = _cli(["bootstrap", *args], timeout=60)
-            assert out.returncode != 0, (args, out.stdout, out.stderr)
-            assert flag in out.stderr and "Traceback" not in out.stderr, out.stderr
-            assert time.monotonic() - started < 30, "must exit at once, not after a timeout"
-        assert first.poll() is None, "the first node keeps running"
-        assert not (tmp_path / "b" / "runtime.json").exists()
-    finally:
-        _stop(procs)
+def test_second_node_on_one_home_or_port_exits_at_once_naming_the_flag(
+    tmp_path: Path, node_processes
+) -> None:
+    home = tmp_path / "first"
+    with socket.socket() as probe:  # a free port for the first node to take
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    listen = f"/ip4/127.0.0.1/tcp/{port}"
+    first = node_processes.spawn(["bootstrap"], home, listen=listen)
+    info = node_processes.runtime(home, first)
+    api_port = int(info["api"].rsplit(":", 1)[1])
+    cases = [
+        (["--home", str(home), "--api-port", "0", "--listen", "/ip4/127.0.0.1/tcp/0"], "--home"),
+        (["--home", str(tmp_path / "b"), "--api-port", "0", "--listen", listen], "--listen"),
+        (
+            ["--home", str(tmp_path / "c"), "--api-port", str(api_port), "--listen",
+             "/ip4/127.0.0.1/tcp/0"],
+            "--api-port",
+        ),
+    ]  # fmt: skip
+    for args, flag in cases:
+        started = time.monotonic()
+        out = _cli(["bootstrap", *args], timeout=60)
+        assert out.returncode != 0, (args, out.stdout, out.stderr)
+        assert flag in out.stderr and "Traceback" not in out.stderr, out.stderr
+        assert time.monotonic() - started < 30, "must exit at once, not after a timeout"
+    assert first.poll() is None, "the first node keeps running"
+    assert not (tmp_path / "b" / "runtime.json").exists()
 
 
-def test_join_with_an_invite_of_another_network_says_which(tmp_path: Path) -> None:
-    procs: list[subprocess.Popen] = []
-    try:
-        boot = _spawn(["bootstrap", "--network", "lab"], tmp_path / "boot")
-        procs.append(boot)
-        _runtime(tmp_path / "boot", boot)
-        invite = _cli(["invite", "--home", str(tmp_path / "boot")])
-        assert invite.returncode == 0 and invite.stdout.startswith("p2pnode-invite-1."), invite
-        args = ["--model", "none", "--api-port", "0", "--listen", "/ip4/127.0.0.1/tcp/0"]
-        wrong = _cli(["join", "--invite", invite.stdout.strip(), "--network", "main", *args,
-                      "--home", str(tmp_path / "x")])  # fmt: skip
-        assert wrong.returncode != 0 and "contradicts the invite" in wrong.stderr, wrong.stderr
-        bootstrap = json.loads((tmp_path / "boot" / "runtime.json").read_text())["addrs"][0]
-        other = _cli(["join", "--bootstrap", bootstrap, *args, "--home", str(tmp_path / "y")])
-        assert other.returncode != 0, other.stdout
-        assert "belongs to network 'lab', this node to 'main'" in other.stderr, other.stderr
-    finally:
-        _stop(procs)
+def test_join_with_an_invite_of_another_network_says_which(tmp_path: Path, node_processes) -> None:
+    boot = node_processes.spawn(["bootstrap", "--network", "lab"], tmp_path / "boot")
+    node_processes.runtime(tmp_path / "boot", boot)
+    invite = _cli(["invite", "--home", str(tmp_path / "boot")])
+    assert invite.returncode == 0 and invite.stdout.startswith("p2pnode-invite-1."), invite
+    args = ["--model", "none", "--api-port", "0", "--listen", "/ip4/127.0.0.1/tcp/0"]
+    wrong = _cli(["join", "--invite", invite.stdout.strip(), "--network", "main", *args,
+                  "--home", str(tmp_path / "x")])  # fmt: skip
+    assert wrong.returncode != 0 and "contradicts the invite" in wrong.stderr, wrong.stderr
+    bootstrap = json.loads((tmp_path / "boot" / "runtime.json").read_text())["addrs"][0]
+    other = _cli(["join", "--bootstrap", bootstrap, *args, "--home", str(tmp_path / "y")])
+    assert other.returncode != 0, other.stdout
+    assert "belongs to network 'lab', this node to 'main'" in other.stderr, other.stderr

@@ -10,12 +10,9 @@ path they replace, and the light tokenizer against transformers on the converted
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import random
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -32,29 +29,7 @@ from p2pnode.inference.costmodel import (
 from p2pnode.inference.emulated import EmulatedLogits, EmulatedRows
 from p2pnode.inference.sampling import SamplingParams
 
-P2PNODE = [sys.executable, "-m", "p2pnode.bootstrap.cli"]
 RSS_LIMIT_BYTES = 150 * 1024 * 1024
-
-
-def _spawn(args: list[str], home: Path) -> subprocess.Popen:
-    home.mkdir(parents=True, exist_ok=True)
-    log = open(home / "node.log", "wb")  # noqa: SIM115 - closed with the process
-    cmd = [*P2PNODE, *args, "--home", str(home), "--api-port", "0"]
-    return subprocess.Popen(
-        [*cmd, "--listen", "/ip4/127.0.0.1/tcp/0"], stdout=log, stderr=subprocess.STDOUT
-    )
-
-
-def _runtime(home: Path, proc: subprocess.Popen, timeout: float = 60.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"node exited early:\n{(home / 'node.log').read_text()}")
-        try:
-            return json.loads((home / "runtime.json").read_text())
-        except (FileNotFoundError, json.JSONDecodeError):
-            time.sleep(0.1)
-    raise AssertionError(f"node not up within {timeout} s:\n{(home / 'node.log').read_text()}")
 
 
 def _serving(api: str, timeout: float = 60.0) -> None:
@@ -76,55 +51,42 @@ def _rss_bytes(pid: int) -> int:
     raise AssertionError(f"no VmRSS for pid {pid}")
 
 
-def _stop(procs: list[subprocess.Popen]) -> None:
-    for proc in procs:
-        if proc.poll() is None:
-            proc.terminate()
-    for proc in procs:
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=5)
-
-
 @pytest.mark.slow
-def test_emulated_node_process_imports_no_torch_and_stays_small(tmp_path: Path) -> None:
-    procs: list[subprocess.Popen] = []
-    try:
-        boot = _spawn(["bootstrap"], tmp_path / "boot")
-        procs.append(boot)
-        addr = _runtime(tmp_path / "boot", boot)["addrs"][0]
-        home = tmp_path / "node"
-        node = _spawn(
-            ["join", "--model", "default", "--backend", "emulated", "--bootstrap", addr], home
-        )
-        procs.append(node)
-        api = _runtime(home, node)["api"]
-        _serving(api)
-        chat = httpx.post(
-            api + "/v1/chat/completions",
-            json={"messages": [{"role": "user", "content": "Name a prime."}], "max_tokens": 4},
-            timeout=30.0,
-        )
-        assert chat.status_code == 200, chat.text
-        assert chat.json()["usage"]["completion_tokens"] == 4
-        sampled = httpx.post(
-            api + "/v1/completions",
-            json={"prompt": "The sky is", "max_tokens": 3, "temperature": 0.8, "logprobs": 2},
-            timeout=30.0,
-        )
-        assert sampled.status_code == 200, sampled.text
-        assert len(sampled.json()["choices"][0]["logprobs"]["tokens"]) == 3
+def test_emulated_node_process_imports_no_torch_and_stays_small(
+    tmp_path: Path, node_processes
+) -> None:
+    boot = node_processes.spawn(["bootstrap"], tmp_path / "boot")
+    addr = node_processes.runtime(tmp_path / "boot", boot)["addrs"][0]
+    home = tmp_path / "node"
+    node = node_processes.spawn(
+        ["join", "--model", "default", "--backend", "emulated", "--bootstrap", addr], home
+    )
+    api = node_processes.runtime(home, node)["api"]
+    _serving(api)
+    chat = httpx.post(
+        api + "/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "Name a prime."}], "max_tokens": 4},
+        timeout=30.0,
+    )
+    assert chat.status_code == 200, chat.text
+    assert chat.json()["usage"]["completion_tokens"] == 4
+    sampled = httpx.post(
+        api + "/v1/completions",
+        json={"prompt": "The sky is", "max_tokens": 3, "temperature": 0.8, "logprobs": 2},
+        timeout=30.0,
+    )
+    assert sampled.status_code == 200, sampled.text
+    assert len(sampled.json()["choices"][0]["logprobs"]["tokens"]) == 3
 
-        status = httpx.get(api + "/status", timeout=5.0).json()
-        assert status["process"]["heavy_modules"] == []
-        maps = Path(f"/proc/{node.pid}/maps").read_text()
-        assert "libtorch" not in maps and "torch/lib" not in maps
-        rss = _rss_bytes(node.pid)
-        assert rss < RSS_LIMIT_BYTES, f"emulated node RSS {rss / 2**20:.0f} MB"
-    finally:
-        _stop(procs)
+    status = httpx.get(api + "/status", timeout=5.0).json()
+    assert status["process"]["heavy_modules"] == []
+    probation = status["routing"]["probation"]  # no peer serves the model: none to challenge
+    assert probation["answers_needed"] == 8 and probation["on_probation"] == []
+    assert probation["challenges"] == {"passed": 0, "mismatch": 0, "failed": 0}
+    maps = Path(f"/proc/{node.pid}/maps").read_text()
+    assert "libtorch" not in maps and "torch/lib" not in maps
+    rss = _rss_bytes(node.pid)
+    assert rss < RSS_LIMIT_BYTES, f"emulated node RSS {rss / 2**20:.0f} MB"
 
 
 def test_light_model_tokenizes_as_transformers_and_has_the_same_id() -> None:
