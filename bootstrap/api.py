@@ -234,6 +234,8 @@ class _Job:
     include_usage: bool
     prompt_param: str  # "prompt" or "messages", for error answers
     private: bool = False  # "p2pnode": {"private": true}: never leaves this node
+    turn: int | None = None  # chat: earlier assistant answers in the messages (the router's
+    # look-ahead for sessions, overlay/sessions.py)
 
 
 @dataclass
@@ -449,6 +451,7 @@ class _Api:
             include_usage,
             prompt_param,
             _parse_private(body),
+            _chat_turn(body) if chat else None,
         )
 
     def _stop_token_ids(self, stops: Sequence[str]) -> tuple[int, ...]:
@@ -606,6 +609,7 @@ class _Api:
                 on_token=on_token,
                 on_logprob=on_logprob,
                 private=job.private,
+                turn=job.turn,
             )
             out.routed = result
             out.finish_reason = result.finish_reason
@@ -731,6 +735,11 @@ def _message_text(content: Any, i: int) -> str:
         f"messages[{i}].content",
         "invalid_messages",
     )
+
+
+def _chat_turn(body: dict[str, Any]) -> int:
+    """Earlier assistant answers in a (validated) chat body: 0 for a session's first turn."""
+    return sum(1 for m in body["messages"] if m.get("role") == "assistant")
 
 
 def _parse_private(body: dict[str, Any]) -> bool:

@@ -123,7 +123,11 @@ def _routing_status(service) -> dict[str, Any]:
         "cached_tokens": service.engine.tree.num_tokens if service.engine is not None else None,
         # What the router learned online: the network cost of forwards and each peer's
         # cache-claim confidence; and the completion lengths its estimates expect.
-        "learned": {**service.router.learned(), "lengths": service.lengths.as_dict()},
+        "learned": {
+            **service.router.learned(),
+            "lengths": service.lengths.as_dict(),
+            "sessions": service.sessions.as_dict(),
+        },
         "probation": _probation_status(service),
     }
 

@@ -58,6 +58,7 @@ from p2pnode.overlay.router import (
     RoutingDecision,
     rtt_from_peer_table,
 )
+from p2pnode.overlay.sessions import SessionTurns
 from p2pnode.overlay.trust import TrustBook
 from p2pnode.overlay.views import PeerViews, prefix_tokens
 
@@ -451,7 +452,9 @@ class RoutedService:
     ``audit`` (default on, when the engine's model can score answers): forwarded answers are
     audited against the local model as ``overlay/audit.py`` says (``audit_config``); a peer on
     probation has its answer held until the audit passes, and re-served by the next attempt
-    when it fails. ``generate(..., private=True)`` never leaves this node.
+    when it fails. ``generate(..., private=True)`` never leaves this node; ``generate(...,
+    turn=t)`` marks a chat request with t earlier answers, so the router weighs where the
+    session's later turns will run (``overlay/sessions.py``).
     """
 
     def __init__(
@@ -502,6 +505,8 @@ class RoutedService:
         # Completion lengths: the engine's own record (it also feeds its queue estimate), or,
         # on a routing-only node, one kept here from the answers it relayed.
         self.lengths: OutputLengths = engine.lengths if engine is not None else OutputLengths()
+        # Chat sessions' turn counts: how many more turns follow one (overlay/sessions.py).
+        self.sessions = SessionTurns()
         self.forward_config = forward_config or ForwardConfig()
         self.metrics = _Metrics(registry) if registry is not None else None
         builders = {}
@@ -623,12 +628,17 @@ class RoutedService:
         on_token: Callable[[int], None] | None = None,
         on_logprob: Callable[[TokenLogprob], None] | None = None,
         private: bool = False,
+        turn: int | None = None,
     ) -> RoutedResult:
         started = time.perf_counter()
         prompt, params = self._check(prompt_ids, params)
         if private and self.engine is None:
             raise NoRouteError("a private request never leaves the node: this one runs no engine")
-        decision = self._decide(prompt, params, record=True, private=private)
+        future = 0.0
+        if turn is not None:  # a chat turn: where it runs, its session's next turns follow
+            self.sessions.observe(turn)
+            future = self.sessions.future_turns(turn)
+        decision = self._decide(prompt, params, record=True, private=private, future_turns=future)
         delivered: list[int] = []
         attempts: list[Attempt] = []
 
@@ -781,7 +791,13 @@ class RoutedService:
         return list(prompt_ids), params
 
     def _decide(
-        self, prompt: list[int], params: SamplingParams, *, record: bool, private: bool = False
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        *,
+        record: bool,
+        private: bool = False,
+        future_turns: float = 0.0,
     ) -> RoutingDecision:
         if private:  # not even estimated against peers: it stays here whatever they hold
             return RoutingDecision(
@@ -803,6 +819,7 @@ class RoutedService:
             local=self._local_state(prompt),
             record=record,
             expected_tokens=self.lengths.predict(params.max_tokens),
+            future_turns=future_turns,
         )
 
     async def _audited(

@@ -3,7 +3,7 @@
 Contract:
 - For every candidate the router estimates the completion time of the request there:
   ``total = network + queue wait + overhead + prefill(prompt - cached) + decode(expected tokens)
-  + hold``
+  + hold + lookahead``
   with, for a peer: the forward's network cost learned from earlier forwards (``overlay/netcost.py``:
   ``round_trips * rtt + bytes / bandwidth`` plus a per-peer bias, fitted online; the smoothed RTT
   of the peer table, ``default_rtt_s`` while none is measured), the wait and the per-token speeds
@@ -19,7 +19,10 @@ Contract:
   would wait here for its audit before release (``hold_s``; a peer on probation,
   ``overlay/audit.py``: the origin's scoring pass over prompt and answer); it is what makes a
   forward to a fresh identity a loss on a fast link, and it ends once the peer has passed its
-  probation (``overlay/challenge.py`` gets it there without client traffic).
+  probation (``overlay/challenge.py`` gets it there without client traffic). ``lookahead`` is
+  ``future_turns * network`` for a chat turn: the session's history stays where this turn
+  runs, so its later turns (``overlay/sessions.py`` predicts how many) pay that forward's
+  network cost again; serving here pays it never.
 - A peer is chosen only when ``total_peer + margin < total_local`` where
   ``margin = max(abs_margin_s, rel_margin * (wait_local + prefill_local), margin_sigmas * spread)``:
   the relative part applies to what differs between candidates (queue and prefill), not to a
@@ -108,6 +111,7 @@ class CandidateEstimate:  # read-only by convention: not frozen, a frozen init c
     confidence: float = 1.0
     skipped: str | None = None  # why it cannot be chosen (push_back, down, ...)
     hold_s: float = 0.0  # the answer's wait for its probation audit at this node
+    lookahead_s: float = 0.0  # network cost the session's later turns pay there (chat)
 
 
 @dataclass(frozen=True)
@@ -381,6 +385,7 @@ class Router:
         exclude: frozenset[str] = frozenset(),
         record: bool = True,
         expected_tokens: float | None = None,
+        future_turns: float = 0.0,
     ) -> RoutingDecision:
         cfg = self.config
         expected = max_tokens if expected_tokens is None else min(expected_tokens, max_tokens)
@@ -402,7 +407,15 @@ class Router:
                 fps = fps_by_bits[view.fp_bits] = [h >> shift for h in prompt_block_hashes]
             candidates.append(
                 self._peer_estimate(
-                    view, fps, prompt_block_hashes, prompt_tokens, expected, local, nbytes, now_wall
+                    view,
+                    fps,
+                    prompt_block_hashes,
+                    prompt_tokens,
+                    expected,
+                    local,
+                    nbytes,
+                    now_wall,
+                    future_turns,
                 )
             )
         eligible = sorted(
@@ -527,6 +540,7 @@ class Router:
         local: LocalState,
         nbytes: int,
         now_wall: float,
+        future_turns: float = 0.0,
     ) -> CandidateEstimate:
         cfg = self.config
         peer = view.peer_id
@@ -552,7 +566,8 @@ class Router:
         hold = 0.0
         if self.hold_s is not None:
             hold = self.hold_s(peer, prompt_tokens + math.ceil(expected_tokens))
-        total = network + wait + local.overhead_s + prefill + decode + hold
+        lookahead = future_turns * network
+        total = network + wait + local.overhead_s + prefill + decode + hold + lookahead
         skipped = None
         if load.push_back:
             skipped = "push_back"
@@ -578,6 +593,7 @@ class Router:
             confidence=conf,
             skipped=skipped,
             hold_s=hold,
+            lookahead_s=lookahead,
         )
 
     def _record(self, decision: RoutingDecision) -> None:
