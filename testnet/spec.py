@@ -83,6 +83,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from p2pnode.bootstrap.config import NodeSettings
+
 COMPUTE_MODES = ("real", "emulated")
 ARMS = ("routing", "baseline")
 POPULARITY = ("uniform", "zipf")
@@ -125,14 +127,18 @@ class Network:
         return self.link(a, b).delay_ms
 
 
+# A trial node's settings default to what `p2pnode join` would use: one source of defaults.
+_JOIN = NodeSettings()
+
+
 @dataclass(frozen=True)
 class NodeSettingsSpec:
-    pushback_threshold: int = 8
-    gossip_interval: float = 1.0
-    cache_budget_tokens: int = 32768
-    max_batch: int = 4
-    torch_threads: int = 1
-    ping_interval: float = 1.0
+    pushback_threshold: int = _JOIN.pushback_threshold
+    gossip_interval: float = _JOIN.gossip_interval
+    cache_budget_tokens: int = _JOIN.cache_budget_tokens
+    max_batch: int = _JOIN.max_batch
+    torch_threads: int = _JOIN.torch_threads
+    ping_interval: float = _JOIN.ping_interval
 
 
 @dataclass(frozen=True)
