@@ -12,8 +12,9 @@ Contract:
   start; private requests never leave the node, so they never become challenges).
 - ``Challenger.run`` (a background task of the service) sends, every ``interval_s`` and at most
   one at a time to each peer, a known prompt to every peer that still needs passed audits
-  (``peers()``: up, serving the model, usable, on probation, idle by its digest and by what we
-  already sent it), as an ordinary forward with ``max_tokens`` = up to ``max_tokens`` of the
+  (``peers()``; ``RoutedService`` gives those a request of the last minute would have been
+  sent to but for the wait for their audit, and that are up, serving the model, usable, on
+  probation, and idle by their digest and by what we already sent them), as an ordinary forward with ``max_tokens`` = up to ``max_tokens`` of the
   known answer. Known answers whose prefix the peer's view holds for half the prompt or more
   go first (cheap for the peer, and they add little to its cache), then those not yet sent to
   that peer before those already sent, then the longest held prefix. A *dear* challenge (the

@@ -439,6 +439,10 @@ class _Metrics:
         )
 
 
+# A probation peer stays worth challenging this long after a request would have gone there.
+WANTED_FOR_S = 60.0
+
+
 class RoutedService:
     """Engine + digests + views + router + forwarding for one model on one overlay node.
 
@@ -540,6 +544,7 @@ class RoutedService:
             self.router.hold_s = self.auditor.hold_s
         # Known-answer challenges take new peers through probation without client traffic.
         self.challenger: Challenger | None = None
+        self._wanted: dict[str, float] = {}  # probation peer -> when a request last wanted it
         challenge_config = challenge_config or ChallengeConfig()
         forwards = self.router.config.max_remote_attempts > 0 or engine is None
         if self.auditor is not None and challenge_config.enabled and forwards:
@@ -639,6 +644,7 @@ class RoutedService:
             self.sessions.observe(turn)
             future = self.sessions.future_turns(turn)
         decision = self._decide(prompt, params, record=True, private=private, future_turns=future)
+        self._note_wanted(decision)
         delivered: list[int] = []
         attempts: list[Attempt] = []
 
@@ -859,17 +865,34 @@ class RoutedService:
         if params.temperature == 0 and tokens and self.challenger is not None:
             self.challenger.known.add(prompt, tokens, block_hashes(prompt, self.salt))
 
+    def _note_wanted(self, decision: RoutingDecision) -> None:
+        """Remember the probation peers that would have won this request but for the wait for
+        their audit: only they are worth challenging (a peer this node would not use anyway
+        costs its compute for nothing)."""
+        if self.challenger is None or decision.local_total_s is None:
+            return
+        now, local = time.monotonic(), decision.local_total_s
+        for c in decision.candidates:
+            unheld = c.total_s - c.hold_s
+            if c.hold_s > 0 and c.skipped is None and unheld + decision.margin_s < local:
+                self._wanted[c.peer_id] = now
+
     def _probation_peers(self) -> list[str]:
-        """Peers a challenge may go to now: serving the model, up, usable, on probation, and
-        idle both by their digest and by what this node already sent them."""
+        """Peers a challenge may go to now: wanted by a recent request, serving the model, up,
+        usable, on probation, and idle both by their digest and by what this node already sent
+        them."""
         auditor = self.auditor
         if auditor is None:
             return []
+        horizon = time.monotonic() - WANTED_FOR_S
+        for p in [p for p, at in self._wanted.items() if at < horizon]:
+            del self._wanted[p]
         out = []
         for view in self.views.live(self.model_id):
             p = view.peer_id
             if (
-                auditor.on_probation(p)
+                p in self._wanted
+                and auditor.on_probation(p)
                 and self.trust.usable(p)
                 and not view.load.push_back
                 and view.load.queue_depth == 0

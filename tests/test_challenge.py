@@ -178,12 +178,12 @@ CALM = {"ping_interval": 0.5}
 
 
 @contextlib.asynccontextmanager
-async def _emulated() -> AsyncIterator[Any]:
+async def _emulated(prefill_s: float = 0.001) -> AsyncIterator[Any]:
     async with open_engine(
         SHAPE, backend="emulated", calibrate_cost=False, torch_threads=None
     ) as engine:
-        cost = engine.cost  # pinned: 100 prompt tokens take 0.1 s
-        cost.prefill_s_per_token, cost.decode_s_per_token = 0.001, 0.01
+        cost = engine.cost  # pinned: 100 prompt tokens take 0.1 s by default
+        cost.prefill_s_per_token, cost.decode_s_per_token = prefill_s, 0.01
         cost.overhead_s, cost.alpha = 0.005, 0.0
         yield engine
 
@@ -202,7 +202,9 @@ async def test_peers_pass_or_fail_probation_on_known_answers_without_client_forw
 ) -> None:
     async with (
         overlay_network(3, **CALM) as nodes,
-        _emulated() as e0,
+        # The origin prefills 10x slower than its peers: they would win its requests but for
+        # the wait for their audit (a scoring pass at the origin's speed), so it wants them.
+        _emulated(prefill_s=0.01) as e0,
         _emulated() as e1,
         _emulated() as e2,
         trio.open_nursery() as nursery,
@@ -229,9 +231,12 @@ async def test_peers_pass_or_fail_probation_on_known_answers_without_client_forw
             lambda: all(origin.views.get(p, origin.model_id) for p in ids[1:]), 30, "views"
         )
         rng_prompts = [[(17 * i + 31 * j) % 4000 + 10 for j in range(60)] for i in range(4)]
+        assert origin._probation_peers() == []  # no request wanted them yet: none challenged
         for prompt in rng_prompts:  # served here: the peers are on probation
             res = await origin.generate(prompt, {"max_tokens": 3})
             assert res.served_locally
+            assert any(c.hold_s > 0 for c in res.decision.candidates)
+        assert set(origin._wanted) == set(ids[1:])
         await _wait_until(
             lambda: (
                 origin.trust.audited_ok(ids[1]) >= PROBATION and not origin.trust.usable(ids[2])
