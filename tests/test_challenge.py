@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from p2pnode.inference.blockhash import block_hashes, model_salt
 from p2pnode.inference.engine import open_engine
 from p2pnode.inference.models import ShapeOnlyModel
+from p2pnode.inference.scoring import emulated_answer
 from p2pnode.inference.vllm_events import BlockStored
 from p2pnode.overlay.antientropy import AntiEntropyConfig
 from p2pnode.overlay.audit import AuditConfig, Auditor
@@ -31,7 +32,7 @@ from p2pnode.overlay.challenge import (
 )
 from p2pnode.overlay.digest import DigestBuilder, LoadInfo
 from p2pnode.overlay.forward import ForwardConfig, RoutedService
-from p2pnode.overlay.router import LOCAL, LocalState, Router
+from p2pnode.overlay.router import LOCAL, LocalState, Router, RouterConfig
 from p2pnode.overlay.trust import TrustBook
 from p2pnode.overlay.views import PeerViews
 from p2pnode.testnet.adversary import make_adversary
@@ -220,6 +221,9 @@ async def test_peers_pass_or_fail_probation_on_known_answers_without_client_forw
                 audit_config=AuditConfig(probation_answers=PROBATION),
                 # The peers hold none of the known prompts: every challenge is dear.
                 challenge_config=ChallengeConfig(interval_s=0.05, dear_interval_s=0.3),
+                # Misses stay where they arrive (no rendezvous home): every request the origin
+                # serves is one it knows the answer to.
+                router_config=RouterConfig(placement=False),
                 registry=CollectorRegistry(),
             )
             await nursery.start(svc.run)
@@ -228,15 +232,27 @@ async def test_peers_pass_or_fail_probation_on_known_answers_without_client_forw
         make_adversary(liar, "wrong-output", rate=1.0)
         ids = [s.node.peer_id for s in services]
         await _wait_until(
-            lambda: all(origin.views.get(p, origin.model_id) for p in ids[1:]), 30, "views"
+            lambda: all(
+                origin.views.get(p, origin.model_id) and origin.router.rtt_s(p) for p in ids[1:]
+            ),
+            30,
+            "views of both peers and their RTTs",
         )
         rng_prompts = [[(17 * i + 31 * j) % 4000 + 10 for j in range(60)] for i in range(4)]
         assert origin._probation_peers() == []  # no request wanted them yet: none challenged
-        for prompt in rng_prompts:  # served here: the peers are on probation
+
+        async def ask(prompt: list[int]) -> Any:
             res = await origin.generate(prompt, {"max_tokens": 3})
-            assert res.served_locally
-            assert any(c.hold_s > 0 for c in res.decision.candidates)
-        assert set(origin._wanted) == set(ids[1:])
+            assert res.tokens == emulated_answer(prompt, 3, SHAPE.vocab_size, SHAPE.eos_token_ids)
+            return res
+
+        first = await ask(rng_prompts[0])  # both peers on probation: served here
+        assert first.served_locally and all(
+            c.hold_s > 0 for c in first.decision.candidates if not c.is_local
+        )
+        assert set(origin._wanted) == set(ids[1:])  # both would have won but for the hold
+        for prompt in rng_prompts[1:]:  # known answers to challenge with
+            await ask(prompt)
         await _wait_until(
             lambda: (
                 origin.trust.audited_ok(ids[1]) >= PROBATION and not origin.trust.usable(ids[2])
@@ -248,4 +264,6 @@ async def test_peers_pass_or_fail_probation_on_known_answers_without_client_forw
         assert origin.challenger.counts["passed"] >= PROBATION
         assert origin.challenger.counts["mismatch"] >= 1  # the liar, audited and failed
         assert origin.auditor is not None and origin.auditor.counts["failed"] >= 1
+        after = await ask([(13 * j) % 3000 + 7 for j in range(60)])  # a new prompt
+        assert after.served_by == ids[1]  # the honest peer, out of probation, is faster
         nursery.cancel_scope.cancel()
