@@ -186,6 +186,16 @@ async def test_completion_and_chat_equal_the_engine_output(loaded) -> None:
         # The second request reused the prompt that the reference run cached.
         assert chat.model_extra["p2pnode"]["cached_tokens"] >= BLOCK_SIZE
 
+        # Chat turns are counted for the router's session look-ahead (overlay/sessions.py):
+        # the first turn above, then its second; completions are not chat turns.
+        follow_up = [*CHAT, {"role": "assistant", "content": chat_expected},
+                     {"role": "user", "content": "And one more?"}]  # fmt: skip
+        await a.client.chat.completions.create(
+            model=a.engine.model_id, messages=follow_up, max_tokens=2, temperature=0
+        )
+        assert a.service.sessions.future_turns(0) == pytest.approx(1.0, rel=0.02)
+        assert a.service.sessions.future_turns(1) == 0.0
+
 
 async def test_streaming_chunks_concatenate_to_the_answer(loaded) -> None:
     async with api_nodes(loaded) as (a,):
