@@ -1050,6 +1050,9 @@ async def _ignore_text(text: str, logprobs: list[Any]) -> None:
     return None
 
 
+KEEP_ALIVE_S = 75.0  # idle seconds before the server closes a keep-alive connection
+
+
 async def serve_api(
     app: Starlette, host: str, port: int, *, task_status=trio.TASK_STATUS_IGNORED
 ) -> None:
@@ -1079,6 +1082,11 @@ async def serve_api(
     config.accesslog = None
     config.errorlog = None
     config.graceful_timeout = SHUTDOWN_GRACE_S
+    # Longer than any client's idle keep-alive (httpx, the OpenAI SDK's transport: 5 s, which
+    # is also hypercorn's default): the client always drops an idle connection first, so a
+    # request is never written into one the server is closing at that instant ("server
+    # disconnected without sending a response", seen once in a trial).
+    config.keep_alive_timeout = KEEP_ALIVE_S
     shutdown = trio.Event()
     # Shielded: hypercorn must see the shutdown trigger, not the caller's cancellation; the
     # deadline set at shutdown bounds the wait if a connection never finishes.
