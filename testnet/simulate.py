@@ -269,6 +269,8 @@ class Simulation:
             rtt_s=lambda p, a=i: self.net.base_rtt(a, int(p)),
             is_up=lambda p: self._seen_up(int(p)),
             config=config,
+            # Its own name in the rendezvous ranking of placement on misses, as a node has.
+            self_id=str(i),
         )
 
     def _seen_up(self, j: int) -> bool:
