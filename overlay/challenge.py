@@ -71,11 +71,8 @@ class ChallengeConfig:
     interval_s: float = 0.25  # at least this long between two challenges
     max_tokens: int = 4  # answer tokens a challenge asks for and compares
     # A challenge the peer must mostly prefill (its view holds under half the prompt) goes to
-    # one peer at most this often: it costs the peer a request's worth of compute, and the
-    # prompt takes room in its cache that its own prefixes had (on a 4,096-token cache one
-    # such prompt is a tenth of it). A peer worth forwarding to usually holds a prefix this
-    # node was asked about, so a cheap challenge exists for it.
-    dear_interval_s: float = 120.0
+    # one peer at most this often: it costs the peer a request's worth of compute.
+    dear_interval_s: float = 10.0
 
     def __post_init__(self) -> None:
         if self.known < 1 or self.interval_s <= 0 or self.max_tokens < 1:
