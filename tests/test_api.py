@@ -26,6 +26,7 @@ from p2pnode.inference.blockhash import BLOCK_SIZE, block_hashes
 from p2pnode.inference.engine import Engine, open_engine
 from p2pnode.inference.sampling import SamplingParams
 from p2pnode.overlay.antientropy import AntiEntropyConfig
+from p2pnode.overlay.audit import AuditConfig
 from p2pnode.overlay.forward import RoutedService
 from p2pnode.overlay.node import OverlayConfig, OverlayNode, open_overlay_node
 
@@ -74,7 +75,14 @@ async def api_nodes(loaded, n: int = 1) -> AsyncIterator[list[ApiNode]]:
             )
             node = await stack.enter_async_context(open_overlay_node(config))
             registry = CollectorRegistry()
-            service = RoutedService(node, key, engine, registry=registry, antientropy_config=ae)
+            service = RoutedService(
+                node,
+                key,
+                engine,
+                registry=registry,
+                antientropy_config=ae,
+                audit_config=AuditConfig(probation_answers=0),  # the API here, not probation
+            )
             await nursery.start(service.run)
             app = build_app(node.status, service=service, registry=registry)
             url = await nursery.start(serve_api, app, "127.0.0.1", 0)

@@ -24,6 +24,7 @@ from p2pnode.identity import NodeKey
 from p2pnode.inference.blockhash import BLOCK_SIZE, BlockRemoved, BlockStored, block_hashes
 from p2pnode.inference.engine import open_engine
 from p2pnode.overlay.antientropy import AntiEntropyConfig
+from p2pnode.overlay.audit import AuditConfig
 from p2pnode.overlay.digest import DigestBuilder, fingerprint
 from p2pnode.overlay.forward import RoutedService
 from p2pnode.overlay.node import OverlayConfig, open_overlay_node
@@ -142,7 +143,13 @@ async def two_nodes(loaded: Any) -> AsyncIterator[list[tuple[Any, RoutedService,
             node = await stack.enter_async_context(open_overlay_node(config))
             registry = CollectorRegistry()
             svc = RoutedService(
-                node, key, engine, registry=registry, antientropy_config=ae, advertise_min_uses=2
+                node,
+                key,
+                engine,
+                registry=registry,
+                antientropy_config=ae,
+                advertise_min_uses=2,
+                audit_config=AuditConfig(probation_answers=0),  # privacy here, not probation
             )
             svc.router.rtt_s = lambda _peer: 0.002
             await nursery.start(svc.run)

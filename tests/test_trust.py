@@ -28,6 +28,7 @@ from p2pnode.identity import NodeKey
 from p2pnode.inference.blockhash import BLOCK_SIZE, block_hashes, model_salt
 from p2pnode.inference.models import ShapeOnlyModel
 from p2pnode.overlay.antientropy import AntiEntropyConfig
+from p2pnode.overlay.audit import AuditConfig
 from p2pnode.overlay.digest import Digest, LoadInfo, fingerprint
 from p2pnode.overlay.forward import ForwardConfig, RoutedService
 from p2pnode.overlay.router import LOCAL, LocalState, Router
@@ -230,6 +231,9 @@ async def emulated_cluster(overlay_network: Any) -> AsyncIterator[list[RoutedSer
             rtt_s=LAN_RTT_S,
             antientropy_config=AE_CONFIG,
             forward_config=FORWARD_CONFIG,
+            # Claims are judged here, not answers: no probation hold (tests/test_audit.py and
+            # tests/test_challenge.py test that).
+            audit_config=AuditConfig(probation_answers=0),
         ) as services:
             yield services
         await trio.sleep(1.0)  # digests in flight land before the nodes stop
