@@ -307,6 +307,7 @@ async def test_join_engine_vllm_serves_openai_and_a_cpu_node_routes_to_it(
     from p2pnode.inference._vllm_compat import detect
     from p2pnode.inference.engine import open_engine
     from p2pnode.overlay.antientropy import AntiEntropyConfig
+    from p2pnode.overlay.audit import AuditConfig
     from p2pnode.overlay.forward import RoutedService
     from p2pnode.overlay.node import OverlayConfig, open_overlay_node
     from p2pnode.overlay.router import LOCAL
@@ -325,6 +326,8 @@ async def test_join_engine_vllm_serves_openai_and_a_cpu_node_routes_to_it(
             cpu,
             antientropy_config=AntiEntropyConfig(interval_s=0.2, pull_min_interval_s=0.3),
             registry=CollectorRegistry(),
+            # The vLLM node is judged here, not probation: no wait for an audit of its answers.
+            audit_config=AuditConfig(probation_answers=0),
         )
         nursery = await stack.enter_async_context(trio.open_nursery())
         stack.callback(nursery.cancel_scope.cancel)
