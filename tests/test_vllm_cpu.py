@@ -310,7 +310,7 @@ async def test_join_engine_vllm_serves_openai_and_a_cpu_node_routes_to_it(
     from p2pnode.overlay.audit import AuditConfig
     from p2pnode.overlay.forward import RoutedService
     from p2pnode.overlay.node import OverlayConfig, open_overlay_node
-    from p2pnode.overlay.router import LOCAL
+    from p2pnode.overlay.router import LOCAL, RouterConfig
 
     async with contextlib.AsyncExitStack() as stack:
         key = NodeKey.generate()
@@ -328,6 +328,9 @@ async def test_join_engine_vllm_serves_openai_and_a_cpu_node_routes_to_it(
             registry=CollectorRegistry(),
             # The vLLM node is judged here, not probation: no wait for an audit of its answers.
             audit_config=AuditConfig(probation_answers=0),
+            # Cost routing alone: a prompt nobody holds would go to its rendezvous home, which
+            # is either node by the hash of their random ids.
+            router_config=RouterConfig(placement=False),
         )
         nursery = await stack.enter_async_context(trio.open_nursery())
         stack.callback(nursery.cancel_scope.cancel)
