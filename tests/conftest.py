@@ -3,6 +3,8 @@
 - ``overlay_network(n, ...)`` starts n real overlay nodes on 127.0.0.1. The fixture returns an
   async context manager factory (not the nodes themselves): trio nurseries must be entered and
   exited in the same task, which a pytest-trio fixture task is not.
+- ``wait_until``: ``await wait_until(predicate, limit_s, what)`` polls a condition owned by other
+  tasks (no event to wait on), failing with ``what`` after ``limit_s``.
 - ``node_processes``: real ``p2pnode`` CLI processes (``NodeProcesses``), every one of them
   stopped when the test ends, also when it fails.
 """
@@ -103,3 +105,19 @@ def node_processes() -> Iterator[NodeProcesses]:
         yield procs
     finally:
         procs.stop()
+
+
+async def _wait_until(predicate: Callable[[], bool], limit_s: float, what: str) -> None:
+    import trio
+
+    try:
+        with trio.fail_after(limit_s):
+            while not predicate():  # noqa: ASYNC110 - state owned by other tasks has no event
+                await trio.sleep(0.05)
+    except trio.TooSlowError:
+        raise AssertionError(f"not within {limit_s} s: {what}") from None
+
+
+@pytest.fixture
+def wait_until() -> Callable[[Callable[[], bool], float, str], Any]:
+    return _wait_until

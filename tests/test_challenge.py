@@ -189,17 +189,8 @@ async def _emulated(prefill_s: float = 0.001) -> AsyncIterator[Any]:
         yield engine
 
 
-async def _wait_until(predicate: Callable[[], bool], limit_s: float, what: str) -> None:
-    try:
-        with trio.fail_after(limit_s):
-            while not predicate():  # noqa: ASYNC110
-                await trio.sleep(0.05)
-    except trio.TooSlowError:
-        raise AssertionError(f"not within {limit_s} s: {what}") from None
-
-
 async def test_peers_pass_or_fail_probation_on_known_answers_without_client_forwards(
-    overlay_network: Any,
+    overlay_network: Any, wait_until: Any
 ) -> None:
     async with (
         overlay_network(3, **CALM) as nodes,
@@ -231,7 +222,7 @@ async def test_peers_pass_or_fail_probation_on_known_answers_without_client_forw
         origin, honest, liar = services
         make_adversary(liar, "wrong-output", rate=1.0)
         ids = [s.node.peer_id for s in services]
-        await _wait_until(
+        await wait_until(
             lambda: all(
                 origin.views.get(p, origin.model_id) and origin.router.rtt_s(p) for p in ids[1:]
             ),
@@ -253,7 +244,7 @@ async def test_peers_pass_or_fail_probation_on_known_answers_without_client_forw
         assert set(origin._wanted) == set(ids[1:])  # both would have won but for the hold
         for prompt in rng_prompts[1:]:  # known answers to challenge with
             await ask(prompt)
-        await _wait_until(
+        await wait_until(
             lambda: (
                 origin.trust.audited_ok(ids[1]) >= PROBATION and not origin.trust.usable(ids[2])
             ),
