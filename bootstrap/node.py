@@ -135,14 +135,14 @@ def _routing_status(service) -> dict[str, Any]:
 def _probation_status(service: Any) -> dict[str, Any] | None:
     """Which peers still have their answers held for audit, and the known-answer challenges
     sent to get them out (overlay/challenge.py)."""
-    auditor, challenger = service.auditor, service.challenger
+    auditor, probation = service.auditor, service.probation
     if auditor is None:
         return None
     peers = sorted({v.peer_id for v in service.views.views()})
     return {
         "answers_needed": auditor.config.probation_answers,
         "on_probation": [p for p in peers if auditor.on_probation(p)],
-        "challenges": dict(challenger.counts) if challenger is not None else None,
+        "challenges": dict(probation.counts) if probation is not None else None,
         "audits": dict(auditor.counts),
     }
 

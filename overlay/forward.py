@@ -1,12 +1,6 @@
-"""Forwarding of inference requests to the peer chosen by the router, with fallback.
+"""Routing one request: the router's choice, the forward to it, fallback, audit and trust.
 
-Protocol ``/p2pnode/forward/1`` (wire frames, one request per stream, the remote is the Noise-
-authenticated peer): the origin sends ``fwd-request`` {model id, prompt ids, sampling params,
-remaining deadline}; the server answers ``fwd-accepted`` {its cached prefix now, queue depth},
-then ``fwd-tokens`` {start index, ids} as the engine produces them, then ``fwd-done`` {finish
-reason, the REAL cached prompt tokens it served from, timings}, or ``fwd-error`` {code, message}
-at any point (codes: ``busy``, ``no_model``, ``bad_request``, ``deadline``, ``internal``,
-``limited``: over a per-peer limit of ``overlay/limits.py``).
+The wire protocol and its server live in ``overlay/forward_protocol.py``.
 
 Fallback (``RoutedService.generate``): the router's ``attempts`` are tried in order (the chosen
 peer, maybe one more peer, then local). A peer that refuses, cannot be reached, or is silent past
@@ -17,20 +11,15 @@ generation from ``prompt + delivered`` for the remaining ``max_tokens``. With gr
 valid sample of the same distribution but uses a fresh RNG stream (a seeded request is then
 not bit-reproducible across a failure; documented trade-off, never duplicated or lost tokens).
 Every gap in the token stream (``start`` not equal to the tokens received) fails the attempt.
-
-Log-probabilities: a request with ``logprobs`` set (top alternatives per token) gets one
-``fwd-logprob`` per token inside each ``fwd-tokens`` frame, computed by the serving engine; a
-frame without them, or for other tokens, fails the attempt like a gap.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import trio
@@ -38,16 +27,26 @@ from prometheus_client import CollectorRegistry, Counter
 
 from p2pnode.inference.blockhash import block_hashes, model_salt
 from p2pnode.inference.lengths import OutputLengths
-from p2pnode.inference.sampling import MAX_TOP_LOGPROBS, SamplingParams, TokenLogprob
+from p2pnode.inference.sampling import SamplingParams, TokenLogprob
 from p2pnode.inference.scoring import scorer_for
-from p2pnode.overlay import wire
 from p2pnode.overlay.antientropy import AntiEntropy, AntiEntropyConfig
 from p2pnode.overlay.audit import AuditConfig, Auditor, AuditPlan, HeldAnswer
-from p2pnode.overlay.challenge import ChallengeConfig, Challenger, ChallengeUnanswered
-from p2pnode.overlay.digest import MAX_MODEL_ID_LEN, DigestBuilder, LoadInfo
-from p2pnode.overlay.limits import LimitExceeded, PeerLimiter, remote_peer
+from p2pnode.overlay.challenge import ChallengeConfig
+from p2pnode.overlay.digest import DigestBuilder, LoadInfo
+from p2pnode.overlay.forward_protocol import (
+    FORWARD_PROTOCOL,
+    ForwardConfig,
+    ForwardFailed,
+    ForwardOutcome,
+    ForwardRequest,
+    ForwardServer,
+    NoRouteError,
+    forward_request,
+)
+from p2pnode.overlay.limits import PeerLimiter
 from p2pnode.overlay.peers import PeerState
 from p2pnode.overlay.privacy import AdvertiseGate
+from p2pnode.overlay.probation import ProbationChallenges
 from p2pnode.overlay.router import (
     LOCAL,
     CandidateEstimate,
@@ -60,345 +59,9 @@ from p2pnode.overlay.router import (
 )
 from p2pnode.overlay.sessions import SessionTurns
 from p2pnode.overlay.trust import TrustBook
-from p2pnode.overlay.views import PeerViews, prefix_tokens
+from p2pnode.overlay.views import PeerViews
 
 log = logging.getLogger("p2pnode.overlay.forward")
-
-FORWARD_PROTOCOL = "/p2pnode/forward/1"
-MAX_PROMPT_TOKENS = 1 << 17
-MAX_GEN_TOKENS = 1 << 15
-
-
-@wire.message("fwd-request")
-@dataclass(frozen=True)
-class ForwardRequest:
-    model_id: str = field(metadata=wire.bounded(min_len=1, max_len=MAX_MODEL_ID_LEN))
-    prompt: list[int] = field(
-        metadata=wire.bounded(min_len=1, max_len=MAX_PROMPT_TOKENS, item_ge=0, item_le=2**31)
-    )
-    max_tokens: int = field(metadata=wire.bounded(ge=1, le=MAX_GEN_TOKENS))
-    temperature: float = field(default=0.0, metadata=wire.bounded(ge=0, le=100))
-    top_p: float = field(default=1.0, metadata=wire.bounded(ge=0, le=1))
-    seed: int | None = field(default=None, metadata=wire.bounded(ge=-(2**63), le=2**64 - 1))
-    stop_token_ids: list[int] = field(
-        default_factory=list, metadata=wire.bounded(max_len=64, item_ge=0, item_le=2**31)
-    )
-    deadline_s: float = field(default=60.0, metadata=wire.bounded(ge=0, le=3600))
-    request_id: str = field(default="", metadata=wire.bounded(max_len=64))
-    logprobs: int | None = field(default=None, metadata=wire.bounded(ge=0, le=MAX_TOP_LOGPROBS))
-
-
-@wire.message("fwd-accepted")
-@dataclass(frozen=True)
-class ForwardAccepted:
-    cached_tokens: int = field(metadata=wire.bounded(ge=0))
-    queue_depth: int = field(metadata=wire.bounded(ge=0))
-
-
-@wire.message("fwd-logprob")
-@dataclass(frozen=True)
-class WireLogprob:
-    """A ``TokenLogprob`` on the wire (inside ``fwd-tokens``)."""
-
-    logprob: float = field(metadata=wire.bounded(ge=-1e4, le=0))
-    top_ids: list[int] = field(
-        default_factory=list,
-        metadata=wire.bounded(max_len=MAX_TOP_LOGPROBS, item_ge=0, item_le=2**31),
-    )
-    top_logprobs: list[float] = field(
-        default_factory=list, metadata=wire.bounded(max_len=MAX_TOP_LOGPROBS)
-    )
-
-    @classmethod
-    def of(cls, lp: TokenLogprob) -> WireLogprob:
-        return cls(lp.logprob, [t for t, _ in lp.top], [v for _, v in lp.top])
-
-    def to_logprob(self, token: int) -> TokenLogprob:
-        if len(self.top_ids) != len(self.top_logprobs):
-            raise wire.SchemaError("fwd-logprob: top_ids and top_logprobs differ in length")
-        return TokenLogprob(
-            token, self.logprob, tuple(zip(self.top_ids, self.top_logprobs, strict=True))
-        )
-
-
-@wire.message("fwd-tokens")
-@dataclass(frozen=True)
-class ForwardTokens:
-    start: int = field(metadata=wire.bounded(ge=0, le=MAX_GEN_TOKENS))
-    ids: list[int] = field(metadata=wire.bounded(min_len=1, max_len=4096, item_ge=0, item_le=2**31))
-    logprobs: list[WireLogprob] | None = field(default=None, metadata=wire.bounded(max_len=4096))
-
-
-@wire.message("fwd-done")
-@dataclass(frozen=True)
-class ForwardDone:
-    n_tokens: int = field(metadata=wire.bounded(ge=0, le=MAX_GEN_TOKENS))
-    finish_reason: str = field(metadata=wire.bounded(max_len=16))
-    cached_tokens: int = field(metadata=wire.bounded(ge=0))
-    prompt_tokens: int = field(metadata=wire.bounded(ge=0))
-    ttft_s: float = field(metadata=wire.bounded(ge=0))
-    total_s: float = field(metadata=wire.bounded(ge=0))
-
-
-@wire.message("fwd-error")
-@dataclass(frozen=True)
-class ForwardError:
-    code: str = field(metadata=wire.bounded(max_len=32))
-    message: str = field(metadata=wire.bounded(max_len=1024))
-
-
-class ForwardFailed(Exception):
-    """A forwarding attempt failed; ``reason`` is a short label, ``tokens`` what arrived first."""
-
-    def __init__(self, reason: str, message: str, tokens: Sequence[int] = ()) -> None:
-        super().__init__(f"{reason}: {message}")
-        self.reason = reason
-        self.tokens = list(tokens)
-
-
-class NoRouteError(Exception):
-    """No node could serve the request (no local engine and every peer failed)."""
-
-
-@dataclass
-class ForwardConfig:
-    """Timeouts of one attempt, scaled from the router's estimate for that peer."""
-
-    accept_slack_s: float = 2.0  # for the accepted frame, on top of 2 RTT
-    first_token_factor: float = (
-        3.0  # first token within factor * estimated (wait + prefill) + slack
-    )
-    first_token_slack_s: float = 3.0
-    idle_factor: float = 10.0  # later tokens within factor * decode s/token, at least idle_min_s
-    idle_min_s: float = 2.0
-    default_deadline_s: float = 120.0
-
-
-# --------------------------------------------------------------------------- server side
-
-
-class ForwardServer:
-    """Serves ``/p2pnode/forward/1`` on one engine."""
-
-    def __init__(
-        self,
-        engine: Any,
-        *,
-        admit: Callable[[], bool] = lambda: True,
-        on_served: Callable[[str, int], None] | None = None,
-        limiter: PeerLimiter | None = None,
-        on_request: Callable[[list[int]], None] | None = None,
-    ) -> None:
-        self.engine = engine
-        self.on_request = on_request  # a valid request arrived (counts block uses)
-        self.admit = admit
-        self.limiter = limiter if limiter is not None else PeerLimiter()
-        self.on_served = on_served
-        self.received = 0  # request streams opened to us, whatever became of them
-        self.served = 0
-        self.refused: dict[str, int] = {}
-
-    async def handle(self, stream: Any) -> None:
-        # Per-peer limits (overlay/limits.py): a stream slot and a rate token per request, its
-        # bytes held until it ends; excess gets a ``limited`` error and never reaches the engine.
-        self.received += 1
-        peer = remote_peer(stream)
-        try:
-            with self.limiter.admit(peer, "forward"), self.limiter.metered(peer, stream) as s:
-                await self._serve(s)
-        except LimitExceeded as exc:
-            await self._refuse(stream, "limited", str(exc))
-        except trio.TooSlowError:  # only the request read is timed here; _run has its own
-            await self._refuse(stream, "deadline", "no complete fwd-request within 10 s")
-
-    async def _serve(self, stream: Any) -> None:
-        limit = wire.limit_for(FORWARD_PROTOCOL)
-        with trio.fail_after(10):
-            obj = await wire.read_frame(stream, limit=limit)
-        try:
-            req = wire.from_wire(obj, ForwardRequest)
-        except wire.WireError as exc:
-            await self._refuse(stream, "bad_request", str(exc))
-            return
-        if req.model_id != self.engine.model_id:
-            await self._refuse(stream, "no_model", f"this node serves {self.engine.model_id}")
-            return
-        if not self.admit():
-            await self._refuse(stream, "busy", "queue over the push-back threshold")
-            return
-        try:
-            params = SamplingParams(
-                max_tokens=req.max_tokens,
-                temperature=req.temperature,
-                top_p=req.top_p,
-                seed=req.seed,
-                stop_token_ids=tuple(req.stop_token_ids),
-                logprobs=req.logprobs,
-            )
-            token_stream = self.engine.stream(req.prompt, params)
-        except (ValueError, TypeError) as exc:  # EngineError subclasses are ValueErrors
-            await self._refuse(stream, "bad_request", str(exc))
-            return
-        if self.on_request is not None:
-            self.on_request(req.prompt)
-        await self._run(stream, req, token_stream, limit)
-
-    async def _run(self, stream: Any, req: ForwardRequest, token_stream: Any, limit: int) -> None:
-        cached_now = self.engine.cached_prefix_len(req.prompt)
-        sent = 0
-        try:
-            await wire.write_frame(
-                stream,
-                wire.to_wire(ForwardAccepted(cached_now, self.engine.queue_depth)),
-                limit=limit,
-            )
-            with trio.fail_after(req.deadline_s):
-                async for token in token_stream:
-                    lps = None
-                    if req.logprobs is not None:
-                        lps = [WireLogprob.of(token_stream.logprobs[sent])]
-                    await wire.write_frame(
-                        stream, wire.to_wire(ForwardTokens(sent, [token], lps)), limit=limit
-                    )
-                    sent += 1
-            result = token_stream.result
-            done = ForwardDone(
-                n_tokens=sent,
-                finish_reason=result.finish_reason,
-                cached_tokens=result.cached_tokens,
-                prompt_tokens=result.prompt_tokens,
-                ttft_s=result.ttft_s,
-                total_s=result.total_s,
-            )
-            await wire.write_frame(stream, wire.to_wire(done), limit=limit)
-            self.served += 1
-            if self.on_served is not None:
-                self.on_served(req.request_id, result.cached_tokens)
-        except trio.TooSlowError:
-            await token_stream.aclose()
-            await self._refuse(stream, "deadline", f"deadline of {req.deadline_s:.1f} s passed")
-        except BaseException:
-            await token_stream.aclose()  # the origin went away: free the engine slot
-            raise
-
-    async def _refuse(self, stream: Any, code: str, message: str) -> None:
-        self.refused[code] = self.refused.get(code, 0) + 1
-        with trio.move_on_after(2):
-            await wire.write_frame(
-                stream,
-                wire.to_wire(ForwardError(code, message[:1024])),
-                limit=wire.limit_for(FORWARD_PROTOCOL),
-            )
-
-
-# --------------------------------------------------------------------------- client side
-
-
-@dataclass
-class ForwardOutcome:
-    tokens: list[int]
-    done: ForwardDone
-    accepted_cached: int
-    # Measured here, from just before the stream opens (trust checks of advertised speeds).
-    first_token_s: float | None = None
-    last_token_s: float | None = None
-
-
-async def forward_request(
-    node: Any,
-    peer_id: str,
-    request: ForwardRequest,
-    *,
-    accept_timeout_s: float,
-    first_token_timeout_s: float,
-    idle_timeout_s: float,
-    on_token: Callable[[int], None] | None = None,
-    on_logprob: Callable[[TokenLogprob], None] | None = None,
-) -> ForwardOutcome:
-    """Run ``request`` on ``peer_id``; raises ``ForwardFailed`` (with the tokens received).
-
-    With ``request.logprobs`` set, ``on_logprob`` gets each token's log-probability just before
-    ``on_token`` gets the token."""
-    limit = wire.limit_for(FORWARD_PROTOCOL)
-    tokens: list[int] = []
-    stream = None
-    finished = False
-    t0 = time.perf_counter()
-    first_s: float | None = None
-    last_s: float | None = None
-    try:
-        with trio.fail_after(accept_timeout_s):
-            stream = await node.open_stream(peer_id, FORWARD_PROTOCOL, timeout=accept_timeout_s)
-            await wire.write_frame(stream, wire.to_wire(request), limit=limit)
-            first = wire.from_wire(
-                await wire.read_frame(stream, limit=limit), ForwardAccepted, ForwardError
-            )
-        if isinstance(first, ForwardError):
-            raise ForwardFailed(first.code, first.message)
-        timeout = first_token_timeout_s
-        while True:
-            with trio.fail_after(timeout):
-                obj = await wire.read_frame(stream, limit=limit)
-            if obj is None:
-                raise ForwardFailed("eof", "the peer closed the stream before finishing", tokens)
-            msg = wire.from_wire(obj, ForwardTokens, ForwardDone, ForwardError)
-            if isinstance(msg, ForwardError):
-                raise ForwardFailed(msg.code, msg.message, tokens)
-            if isinstance(msg, ForwardDone):
-                if msg.n_tokens != len(tokens):
-                    raise ForwardFailed(
-                        "protocol", f"done after {len(tokens)} tokens, says {msg.n_tokens}", tokens
-                    )
-                finished = True
-                return ForwardOutcome(tokens, msg, first.cached_tokens, first_s, last_s)
-            if msg.start != len(tokens):
-                raise ForwardFailed(
-                    "protocol", f"tokens from {msg.start}, expected {len(tokens)}", tokens
-                )
-            if len(tokens) + len(msg.ids) > request.max_tokens:
-                raise ForwardFailed("protocol", "more tokens than max_tokens", tokens)
-            lps = _logprobs_of(msg, request, tokens)
-            last_s = time.perf_counter() - t0
-            first_s = last_s if first_s is None else first_s
-            for i, t in enumerate(msg.ids):
-                tokens.append(t)
-                if on_logprob is not None and lps is not None:
-                    on_logprob(lps[i])
-                if on_token is not None:
-                    on_token(t)
-            timeout = idle_timeout_s
-    except ForwardFailed:
-        raise
-    except trio.TooSlowError:
-        raise ForwardFailed("timeout", f"{peer_id} went silent", tokens) from None
-    except wire.WireError as exc:
-        raise ForwardFailed("protocol", str(exc), tokens) from None
-    except Exception as exc:  # unreachable, stream reset: the peer died or the link broke
-        raise ForwardFailed("unreachable", f"{type(exc).__name__}: {exc}", tokens) from None
-    finally:
-        if stream is not None:
-            # Shielded: when the origin is cancelled (client gone, stop string matched) the
-            # enclosing scope is already cancelled, and an unshielded close never runs, so the
-            # peer would keep generating. A reset tells it to stop; a finished stream closes.
-            with (
-                trio.CancelScope(shield=True),
-                trio.move_on_after(1),
-                contextlib.suppress(Exception),
-            ):
-                await (stream.close() if finished else stream.reset())
-
-
-def _logprobs_of(
-    msg: ForwardTokens, request: ForwardRequest, tokens: list[int]
-) -> list[TokenLogprob] | None:
-    if request.logprobs is None:
-        return None
-    if msg.logprobs is None or len(msg.logprobs) != len(msg.ids):
-        raise ForwardFailed("protocol", "tokens without their requested logprobs", tokens)
-    return [lp.to_logprob(t) for lp, t in zip(msg.logprobs, msg.ids, strict=True)]
-
-
-# --------------------------------------------------------------------------- the service
 
 
 @dataclass
@@ -437,10 +100,6 @@ class _Metrics:
         self.served = Counter(
             "p2pnode_forward_served", "Forwarded requests served for peers", registry=registry
         )
-
-
-# A probation peer stays worth challenging this long after a request would have gone there.
-WANTED_FOR_S = 60.0
 
 
 class RoutedService:
@@ -542,22 +201,22 @@ class RoutedService:
             )
             # A probation answer waits for its audit: the router counts that wait.
             self.router.hold_s = self.auditor.hold_s
-        # Known-answer challenges take new peers through probation without client traffic.
-        self.challenger: Challenger | None = None
-        self._wanted: dict[str, float] = {}  # probation peer -> when a request last wanted it
+        # Known-answer challenges take new peers through probation without client traffic
+        # (none when this node never forwards: it would never use what they earn).
+        self.probation: ProbationChallenges | None = None
         challenge_config = challenge_config or ChallengeConfig()
         forwards = self.router.config.max_remote_attempts > 0 or engine is None
         if self.auditor is not None and challenge_config.enabled and forwards:
-            auditor = self.auditor
-            self.challenger = Challenger(
-                send=self._send_challenge,
-                peers=self._probation_peers,
-                held=self._held_by,
+            self.probation = ProbationChallenges(
+                node=node,
+                model_id=self.model_id,
+                salt=self.salt,
+                views=self.views,
+                router=self.router,
+                auditor=self.auditor,
                 trust=self.trust,
-                mismatch=lambda peer, prompt, answer: auditor.later(
-                    peer, prompt, answer, SamplingParams(max_tokens=len(answer))
-                ),
-                config=challenge_config,
+                forward_config=self.forward_config,
+                challenge_config=challenge_config,
                 registry=registry,
             )
         self.antientropy = AntiEntropy(
@@ -619,8 +278,8 @@ class RoutedService:
             await nursery.start(self.antientropy.run)
             if self.auditor is not None:
                 await nursery.start(self.auditor.run)
-            if self.challenger is not None:
-                await nursery.start(self.challenger.run)
+            if self.probation is not None:
+                await nursery.start(self.probation.run)
             task_status.started()
 
     # -- requests -----------------------------------------------------------------------------
@@ -644,7 +303,8 @@ class RoutedService:
             self.sessions.observe(turn)
             future = self.sessions.future_turns(turn)
         decision = self._decide(prompt, params, record=True, private=private, future_turns=future)
-        self._note_wanted(decision)
+        if self.probation is not None:
+            self.probation.note_wanted(decision)
         delivered: list[int] = []
         attempts: list[Attempt] = []
 
@@ -663,8 +323,8 @@ class RoutedService:
                     prompt + delivered, cont_params, emit, on_logprob, private
                 )
                 attempts.append(Attempt(LOCAL, "ok", len(result.tokens), time.perf_counter() - t0))
-                if known:
-                    self._know(prompt, params, result.tokens)
+                if known and self.probation is not None:
+                    self.probation.know(prompt, params, result.tokens)
                 return self._result(
                     delivered,
                     result.finish_reason,
@@ -858,87 +518,6 @@ class RoutedService:
     def _note_use(self, prompt: list[int]) -> None:
         if self.gate is not None:
             self.gate.note_request(block_hashes(prompt, self.salt))
-
-    # -- probation challenges (overlay/challenge.py) ----------------------------------------
-
-    def _know(self, prompt: list[int], params: SamplingParams, tokens: list[int]) -> None:
-        if params.temperature == 0 and tokens and self.challenger is not None:
-            self.challenger.known.add(prompt, tokens, block_hashes(prompt, self.salt))
-
-    def _note_wanted(self, decision: RoutingDecision) -> None:
-        """Remember the probation peers that would have won this request but for the wait for
-        their audit: only they are worth challenging (a peer this node would not use anyway
-        costs its compute for nothing)."""
-        if self.challenger is None or decision.local_total_s is None:
-            return
-        now, local = time.monotonic(), decision.local_total_s
-        for c in decision.candidates:
-            unheld = c.total_s - c.hold_s
-            if c.hold_s > 0 and c.skipped is None and unheld + decision.margin_s < local:
-                self._wanted[c.peer_id] = now
-
-    def _probation_peers(self) -> list[str]:
-        """Peers a challenge may go to now: wanted by a recent request, serving the model, up,
-        usable, on probation, and idle both by their digest and by what this node already sent
-        them."""
-        auditor = self.auditor
-        if auditor is None:
-            return []
-        horizon = time.monotonic() - WANTED_FOR_S
-        for p in [p for p, at in self._wanted.items() if at < horizon]:
-            del self._wanted[p]
-        out = []
-        for view in self.views.live(self.model_id):
-            p = view.peer_id
-            if (
-                p in self._wanted
-                and auditor.on_probation(p)
-                and self.trust.usable(p)
-                and not view.load.push_back
-                and view.load.queue_depth == 0
-                and self.router.inflight(p) == 0
-                and self.router.is_up(p)
-            ):
-                out.append(p)
-        return out
-
-    def _held_by(self, peer: str, blocks: Sequence[int]) -> int:
-        view = self.views.get(peer, self.model_id)
-        if view is None:
-            return 0
-        shift = 64 - view.fp_bits
-        return prefix_tokens(view, [h >> shift for h in blocks])
-
-    async def _send_challenge(self, peer: str, prompt: list[int], max_tokens: int) -> list[int]:
-        cfg = self.forward_config
-        rtt = self.router.rtt_s(peer)
-        rtt = self.router.config.default_rtt_s if rtt is None else rtt
-        request = ForwardRequest(
-            model_id=self.model_id,
-            prompt=prompt,
-            max_tokens=max_tokens,
-            deadline_s=cfg.default_deadline_s,
-            request_id=uuid.uuid4().hex[:16],
-        )
-        self.router.note_sent(peer, 0.0)  # the peer is busy with it: no second challenge
-        try:
-            outcome = await forward_request(
-                self.node,
-                peer,
-                request,
-                accept_timeout_s=2 * rtt + cfg.accept_slack_s,
-                first_token_timeout_s=cfg.first_token_slack_s + 2 * rtt + 10.0,
-                idle_timeout_s=cfg.idle_min_s,
-            )
-        except ForwardFailed as exc:
-            raise ChallengeUnanswered(str(exc)) from exc
-        finally:
-            self.router.note_done(peer, 0.0)
-        if outcome.first_token_s is not None:  # a forward like any other: learn its cost
-            self.router.observe_forward(
-                peer, len(prompt), outcome.first_token_s, outcome.done.ttft_s
-            )
-        return outcome.tokens
 
     async def _run_local(
         self,

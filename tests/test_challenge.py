@@ -32,6 +32,7 @@ from p2pnode.overlay.challenge import (
 )
 from p2pnode.overlay.digest import DigestBuilder, LoadInfo
 from p2pnode.overlay.forward import ForwardConfig, RoutedService
+from p2pnode.overlay.probation import ProbationChallenges
 from p2pnode.overlay.router import LOCAL, LocalState, Router, RouterConfig
 from p2pnode.overlay.trust import TrustBook
 from p2pnode.overlay.views import PeerViews
@@ -171,6 +172,62 @@ def test_the_router_counts_the_probation_hold_and_forwards_once_the_peer_passed(
     assert free.chosen == peer and free.estimate_for(peer).hold_s == 0.0
 
 
+class _UnreachableNode:
+    """A node whose every stream fails: a challenge sent through it is unanswered."""
+
+    peer_id = "origin"
+
+    async def open_stream(self, peer_id: str, protocol: str, **_kw: Any) -> Any:
+        raise ConnectionError(f"{peer_id} unreachable")
+
+
+async def test_challenges_are_earned_by_requests_that_would_have_gone_to_the_peer() -> None:
+    model, peer = "earn-model", "peer-b"
+    tokens = [(11 * i) % 40000 + 1 for i in range(512)]
+    hashes = block_hashes(tokens, model_salt(model))
+    views = PeerViews()
+    speeds = LoadInfo(
+        queue_depth=0, est_wait_s=0.0, push_back=False,
+        prefill_s_per_token=0.005, decode_s_per_token=0.05,
+    )  # fmt: skip
+    holder = DigestBuilder(peer, model, load_fn=lambda: speeds)
+    holder.on_event(BlockStored(tuple(hashes[:30]), None))  # 480 of the 512 tokens
+    views.apply(holder.full())
+    trust = TrustBook()
+    auditor = Auditor(_Scorer(), trust, AuditConfig(probation_answers=3))
+    router = Router(views, rtt_s=lambda _p: 0.002, trust=trust, hold_s=auditor.hold_s)
+    probation = ProbationChallenges(
+        node=_UnreachableNode(), model_id=model, salt=model_salt(model), views=views,
+        router=router, auditor=auditor, trust=trust, forward_config=ForwardConfig(),
+    )  # fmt: skip
+    slow = LocalState(
+        cached_tokens=0, wait_s=0.0, prefill_s_per_token=0.005, decode_s_per_token=0.05
+    )
+    fast = LocalState(
+        cached_tokens=512, wait_s=0.0, prefill_s_per_token=0.005, decode_s_per_token=0.05
+    )
+
+    def decide(local: LocalState) -> Any:
+        return router.decide(
+            model_id=model, prompt_block_hashes=hashes, prompt_tokens=512, max_tokens=1,
+            local=local,
+        )  # fmt: skip
+
+    probation.note_wanted(decide(fast))  # served better here anyway: earns the peer nothing
+    assert probation.peers() == [] and not probation.earned
+    for _ in range(5):  # held, but it would have won: one challenge each, up to what it needs
+        probation.note_wanted(decide(slow))
+    assert probation.earned[peer].challenges == 3
+    assert probation.peers() == [peer]
+    trust.observe_audit(peer, True)  # passed once (say, a real forward): two left to earn
+    probation.note_wanted(decide(slow))
+    assert probation.earned[peer].challenges == 2
+    probation.challenger.known.add(tokens, [5], hashes)
+    assert await probation.challenger.challenge(peer) == "failed"  # unanswered: spent anyway
+    assert await probation.challenger.challenge(peer) == "failed"
+    assert probation.peers() == [] and peer not in probation.earned
+
+
 # --------------------------------------------------------------------------- real nodes
 
 SHAPE = ShapeOnlyModel(model_id="emu-challenge", eos_token_ids=(2,))
@@ -230,7 +287,9 @@ async def test_peers_pass_or_fail_probation_on_known_answers_without_client_forw
             "views of both peers and their RTTs",
         )
         rng_prompts = [[(17 * i + 31 * j) % 4000 + 10 for j in range(60)] for i in range(4)]
-        assert origin._probation_peers() == []  # no request wanted them yet: none challenged
+        probation = origin.probation
+        assert probation is not None
+        assert probation.peers() == []  # no request wanted them yet: none challenged
 
         async def ask(prompt: list[int]) -> Any:
             res = await origin.generate(prompt, {"max_tokens": 3})
@@ -241,7 +300,8 @@ async def test_peers_pass_or_fail_probation_on_known_answers_without_client_forw
         assert first.served_locally and all(
             c.hold_s > 0 for c in first.decision.candidates if not c.is_local
         )
-        assert set(origin._wanted) == set(ids[1:])  # both would have won but for the hold
+        # Both would have won but for the hold: each earned one challenge.
+        assert {p: e.challenges for p, e in probation.earned.items()} == dict.fromkeys(ids[1:], 1)
         for prompt in rng_prompts[1:]:  # known answers to challenge with
             await ask(prompt)
         await wait_until(
@@ -251,9 +311,11 @@ async def test_peers_pass_or_fail_probation_on_known_answers_without_client_forw
             60,
             "the honest peer out of probation and the liar demoted",
         )
-        assert origin.challenger is not None
-        assert origin.challenger.counts["passed"] >= PROBATION
-        assert origin.challenger.counts["mismatch"] >= 1  # the liar, audited and failed
+        counts = probation.counts
+        assert counts["passed"] >= PROBATION
+        assert counts["mismatch"] >= 1  # the liar, audited and failed
+        # Challenges are earned by requests that wanted the peer, never more.
+        assert sum(counts.values()) <= len(rng_prompts) * 2
         assert origin.auditor is not None and origin.auditor.counts["failed"] >= 1
         after = await ask([(13 * j) % 3000 + 7 for j in range(60)])  # a new prompt
         assert after.served_by == ids[1]  # the honest peer, out of probation, is faster

@@ -1,0 +1,179 @@
+"""Which peers on probation a node challenges, how often, and how a challenge travels.
+
+Why: ``overlay/challenge.py`` knows how to challenge a peer; this module decides *whom* and
+*how much*, from the node's own routing decisions. A challenge costs the peer a forward's
+compute, so a swarm of fresh identities must not spend more on probation than probation can
+earn back.
+
+Contract:
+- ``note_wanted(decision)``: every probation peer that would have won the request but for the
+  wait for its audit earns ``per_want`` challenges (capped at the passed audits it still
+  needs). Challenges are earned, never free: the probation traffic a peer draws is bounded by
+  the traffic that would have gone to it, so where forwarding rarely wins (long WAN delays)
+  peers are rarely challenged, and where it often wins they are challenged at once. Earned
+  challenges lapse ``wanted_for_s`` after the peer was last wanted.
+- ``peers()``: the peers a challenge may go to now: with challenges earned, serving the model,
+  up, usable, on probation, and idle both by their digest and by what this node already sent.
+- ``know(prompt, params, tokens)``: a greedy answer this node computed itself becomes a known
+  answer (the caller never passes private requests).
+- A challenge is an ordinary forward (``forward_request``) with the timeouts real forwards
+  get; its first-token time also feeds the router's learned network cost.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+
+from p2pnode.inference.blockhash import block_hashes
+from p2pnode.inference.sampling import SamplingParams
+from p2pnode.overlay.audit import Auditor
+from p2pnode.overlay.challenge import ChallengeConfig, Challenger, ChallengeUnanswered
+from p2pnode.overlay.forward_protocol import (
+    ForwardConfig,
+    ForwardFailed,
+    ForwardRequest,
+    forward_request,
+)
+from p2pnode.overlay.router import Router, RoutingDecision
+from p2pnode.overlay.trust import TrustBook
+from p2pnode.overlay.views import PeerViews
+
+
+@dataclass(frozen=True)
+class ProbationConfig:
+    per_want: int = 1  # challenges a peer earns each time a request would have gone to it
+    wanted_for_s: float = 60.0  # earned challenges lapse this long after the last want
+
+    def __post_init__(self) -> None:
+        if self.per_want < 1 or self.wanted_for_s <= 0:
+            raise ValueError("need per_want >= 1 and wanted_for_s > 0")
+
+
+@dataclass(slots=True)
+class _Earned:
+    challenges: int
+    at: float  # monotonic time of the last want
+
+
+class ProbationChallenges:
+    """Known-answer challenges for the peers this node's own requests want (module contract)."""
+
+    def __init__(
+        self,
+        *,
+        node: Any,
+        model_id: str,
+        salt: bytes,
+        views: PeerViews,
+        router: Router,
+        auditor: Auditor,
+        trust: TrustBook,
+        forward_config: ForwardConfig,
+        challenge_config: ChallengeConfig | None = None,
+        config: ProbationConfig | None = None,
+        registry: CollectorRegistry | None = None,
+    ) -> None:
+        self.config = config or ProbationConfig()
+        self._node = node
+        self._model_id = model_id
+        self._salt = salt
+        self._views = views
+        self._router = router
+        self._auditor = auditor
+        self._trust = trust
+        self._forward_config = forward_config
+        self.earned: dict[str, _Earned] = {}
+        self.challenger = Challenger(
+            send=self._send,
+            peers=self.peers,
+            held=lambda peer, blocks: views.cached_prefix_tokens(peer, blocks, model_id),
+            trust=trust,
+            mismatch=lambda peer, prompt, answer: auditor.later(
+                peer, prompt, answer, SamplingParams(max_tokens=len(answer))
+            ),
+            config=challenge_config,
+            registry=registry,
+        )
+
+    @property
+    def counts(self) -> dict[str, int]:
+        return self.challenger.counts
+
+    async def run(self, *, task_status: Any) -> None:
+        await self.challenger.run(task_status=task_status)
+
+    def know(self, prompt: list[int], params: SamplingParams, tokens: list[int]) -> None:
+        if params.temperature == 0 and tokens:
+            self.challenger.known.add(prompt, tokens, block_hashes(prompt, self._salt))
+
+    def note_wanted(self, decision: RoutingDecision) -> None:
+        if decision.local_total_s is None:
+            return
+        now, local = time.monotonic(), decision.local_total_s
+        needed = self._auditor.config.probation_answers
+        for c in decision.candidates:
+            unheld = c.total_s - c.hold_s
+            if c.hold_s > 0 and c.skipped is None and unheld + decision.margin_s < local:
+                left = max(0, needed - self._trust.audited_ok(c.peer_id))
+                e = self.earned.setdefault(c.peer_id, _Earned(0, now))
+                e.challenges = min(left, e.challenges + self.config.per_want)
+                e.at = now
+
+    def peers(self) -> list[str]:
+        horizon = time.monotonic() - self.config.wanted_for_s
+        for p in [p for p, e in self.earned.items() if e.at < horizon or e.challenges <= 0]:
+            del self.earned[p]
+        out = []
+        for view in self._views.live(self._model_id):
+            p = view.peer_id
+            if (
+                p in self.earned
+                and self._auditor.on_probation(p)
+                and self._trust.usable(p)
+                and not view.load.push_back
+                and view.load.queue_depth == 0
+                and self._router.inflight(p) == 0
+                and self._router.is_up(p)
+            ):
+                out.append(p)
+        return out
+
+    async def _send(self, peer: str, prompt: Sequence[int], max_tokens: int) -> list[int]:
+        e = self.earned.get(peer)
+        if e is not None:
+            e.challenges -= 1  # spent whatever the verdict: a failing peer earns no retries
+        cfg = self._forward_config
+        rtt = self._router.rtt_s(peer)
+        rtt = self._router.config.default_rtt_s if rtt is None else rtt
+        request = ForwardRequest(
+            model_id=self._model_id,
+            prompt=list(prompt),
+            max_tokens=max_tokens,
+            deadline_s=cfg.default_deadline_s,
+            request_id=uuid.uuid4().hex[:16],
+        )
+        self._router.note_sent(peer, 0.0)  # the peer is busy with it: no second challenge
+        try:
+            outcome = await forward_request(
+                self._node,
+                peer,
+                request,
+                accept_timeout_s=2 * rtt + cfg.accept_slack_s,
+                first_token_timeout_s=cfg.first_token_slack_s + 2 * rtt + 10.0,
+                idle_timeout_s=cfg.idle_min_s,
+            )
+        except ForwardFailed as exc:
+            raise ChallengeUnanswered(str(exc)) from exc
+        finally:
+            self._router.note_done(peer, 0.0)
+        if outcome.first_token_s is not None:  # a forward like any other: learn its cost
+            self._router.observe_forward(
+                peer, len(prompt), outcome.first_token_s, outcome.done.ttft_s
+            )
+        return list(outcome.tokens)
