@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import _testkit
 import pytest
 
 from p2pnode.identity import NodeKey
@@ -107,17 +108,6 @@ def node_processes() -> Iterator[NodeProcesses]:
         procs.stop()
 
 
-async def _wait_until(predicate: Callable[[], bool], limit_s: float, what: str) -> None:
-    import trio
-
-    try:
-        with trio.fail_after(limit_s):
-            while not predicate():  # noqa: ASYNC110 - state owned by other tasks has no event
-                await trio.sleep(0.05)
-    except trio.TooSlowError:
-        raise AssertionError(f"not within {limit_s} s: {what}") from None
-
-
 @pytest.fixture
 def wait_until() -> Callable[[Callable[[], bool], float, str], Any]:
-    return _wait_until
+    return _testkit.wait_until

@@ -16,12 +16,13 @@ import copy
 import json
 import logging
 import random
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 import torch
 import trio
+from _testkit import wait_until
 from prometheus_client import CollectorRegistry, generate_latest
 
 from p2pnode.inference.engine import open_engine
@@ -207,15 +208,6 @@ MAX_TOKENS = 12
 # fastest so the router picks them first (random text, then wrong output, then other model).
 SPEEDS = {"origin": 2.0, "random": 1 / 40, "wrong": 1 / 30, "other": 1 / 20, "honest": 1 / 10}
 ROLES = ("origin", "random", "wrong", "other", "honest")
-
-
-async def wait_until(predicate: Callable[[], bool], limit_s: float, what: str) -> None:
-    try:
-        with trio.fail_after(limit_s):
-            while not predicate():  # noqa: ASYNC110
-                await trio.sleep(0.05)
-    except trio.TooSlowError:
-        raise AssertionError(f"not within {limit_s} s: {what}") from None
 
 
 def noisy_copy(loaded: Any, scale: float) -> Any:

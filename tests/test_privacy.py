@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 import openai
 import pytest
 import trio
+from _testkit import wait_until
 from click.testing import CliRunner
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
@@ -114,15 +115,6 @@ def loaded() -> Any:
     from p2pnode.inference.models import load_model
 
     return load_model(None)
-
-
-async def wait_until(predicate: Callable[[], bool], limit_s: float, what: str) -> None:
-    try:
-        with trio.fail_after(limit_s):
-            while not predicate():  # noqa: ASYNC110 (views have no event to wait on)
-                await trio.sleep(0.05)
-    except trio.TooSlowError:
-        raise AssertionError(f"not within {limit_s} s: {what}") from None
 
 
 @contextlib.asynccontextmanager

@@ -15,11 +15,12 @@ import contextlib
 import dataclasses
 import json
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 import trio
+from _testkit import wait_until
 from prometheus_client import CollectorRegistry
 
 from p2pnode.bootstrap.api import DEFAULT_CHAT_MAX_TOKENS
@@ -123,16 +124,6 @@ class Cluster:
     services: list[RoutedService]
     links: list[EmulatedLinks]
     gates: list[Gate]
-
-
-async def wait_until(predicate: Callable[[], bool], limit_s: float, what: str) -> None:
-    # Polling on purpose: views and peer tables have no event to wait on.
-    try:
-        with trio.fail_after(limit_s):
-            while not predicate():  # noqa: ASYNC110
-                await trio.sleep(0.05)
-    except trio.TooSlowError:
-        raise AssertionError(f"not within {limit_s} s: {what}") from None
 
 
 @pytest.fixture(scope="module")

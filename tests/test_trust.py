@@ -15,13 +15,14 @@ import logging
 import math
 import random
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from functools import partial
 from typing import Any
 
 import pytest
 import torch
 import trio
+from _testkit import wait_until
 from prometheus_client import CollectorRegistry
 
 from p2pnode.identity import NodeKey
@@ -205,16 +206,6 @@ def tenant_prompt(tenant: int, question: int) -> list[int]:
     return [prefix.randrange(3, 49152) for _ in range(PREFIX_TOKENS)] + [
         suffix.randrange(3, 49152) for _ in range(QUESTION_TOKENS)
     ]
-
-
-async def wait_until(predicate: Callable[[], bool], limit_s: float, what: str) -> None:
-    # Polling on purpose: views and peer tables have no event to wait on.
-    try:
-        with trio.fail_after(limit_s):
-            while not predicate():  # noqa: ASYNC110
-                await trio.sleep(0.05)
-    except trio.TooSlowError:
-        raise AssertionError(f"not within {limit_s} s: {what}") from None
 
 
 @contextlib.asynccontextmanager

@@ -21,12 +21,12 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import trio
+from _testkit import wait_until
 
 from p2pnode.inference._errors import EmptyPrompt, InvalidParams, InvalidToken, PromptTooLong
 from p2pnode.inference.blockhash import BLOCK_SIZE, AllBlocksCleared, BlockRemoved, block_hashes
@@ -79,16 +79,6 @@ def loaded() -> Any:
     from p2pnode.inference.models import load_model
 
     return load_model(None)
-
-
-async def wait_until(cond: Callable[[], bool], limit_s: float, what: str) -> None:
-    # KV events arrive asynchronously (engine core -> ZMQ -> subscriber thread -> trio).
-    try:
-        with trio.fail_after(limit_s):
-            while not cond():  # noqa: ASYNC110 - the state lives in another thread's data
-                await trio.sleep(0.05)
-    except trio.TooSlowError:
-        raise AssertionError(f"not within {limit_s} s: {what}") from None
 
 
 def whole(n: int, block: int) -> int:
