@@ -51,9 +51,9 @@ from p2pnode.inference.blockhash import BlockRemoved, BlockStored, block_hashes,
 from p2pnode.inference.models import ShapeOnlyModel
 from p2pnode.overlay.antientropy import AntiEntropyConfig
 from p2pnode.overlay.digest import Digest, DigestBuilder, LoadInfo, fingerprint, seal_digest
-from p2pnode.overlay.forward import RoutedService
 from p2pnode.overlay.node import OverlayConfig, open_overlay_node
 from p2pnode.overlay.router import LocalState, Router, RouterConfig
+from p2pnode.overlay.service import RoutedService
 from p2pnode.overlay.views import PeerViews
 from p2pnode.testnet.localcluster import emulated_routed_services
 

@@ -326,8 +326,8 @@ async def _run_locked(settings: NodeSettings, timeouts: dict[str, float], task_s
         if engine is not None:
             from p2pnode.overlay.antientropy import AntiEntropyConfig
             from p2pnode.overlay.challenge import ChallengeConfig
-            from p2pnode.overlay.forward import RoutedService
             from p2pnode.overlay.router import RouterConfig
+            from p2pnode.overlay.service import RoutedService
 
             trust, audit_config = _trust_and_audit(settings, registry)
             service = RoutedService(

@@ -1,628 +1,367 @@
-"""Routing one request: the router's choice, the forward to it, fallback, audit and trust.
+"""The forward protocol: its messages, the server that answers them, and the client call.
 
-The wire protocol and its server live in ``overlay/forward_protocol.py``.
+Protocol ``/p2pnode/forward/1`` (wire frames, one request per stream, the remote is the Noise-
+authenticated peer): the origin sends ``fwd-request`` {model id, prompt ids, sampling params,
+remaining deadline}; the server answers ``fwd-accepted`` {its cached prefix now, queue depth},
+then ``fwd-tokens`` {start index, ids} as the engine produces them, then ``fwd-done`` {finish
+reason, the REAL cached prompt tokens it served from, timings}, or ``fwd-error`` {code, message}
+at any point (codes: ``busy``, ``no_model``, ``bad_request``, ``deadline``, ``internal``,
+``limited``: over a per-peer limit of ``overlay/limits.py``).
 
-Fallback (``RoutedService.generate``): the router's ``attempts`` are tried in order (the chosen
-peer, maybe one more peer, then local). A peer that refuses, cannot be reached, or is silent past
-its timeout (derived from its own estimate, see ``ForwardConfig``) is abandoned for the next
-target. Tokens already delivered are kept and never repeated: the next target continues the
-generation from ``prompt + delivered`` for the remaining ``max_tokens``. With greedy decoding
-(temperature 0) the answer equals an uninterrupted run; with sampling the continuation is a
-valid sample of the same distribution but uses a fresh RNG stream (a seeded request is then
-not bit-reproducible across a failure; documented trade-off, never duplicated or lost tokens).
 Every gap in the token stream (``start`` not equal to the tokens received) fails the attempt.
+A request with ``logprobs`` set (top alternatives per token) gets one ``fwd-logprob`` per token
+inside each ``fwd-tokens`` frame, computed by the serving engine; a frame without them, or for
+other tokens, fails the attempt like a gap. Choosing the peer and falling back is
+``RoutedService``'s job (``overlay/service.py``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-import uuid
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import trio
-from prometheus_client import CollectorRegistry, Counter
 
-from p2pnode.inference.blockhash import block_hashes, model_salt
-from p2pnode.inference.lengths import OutputLengths
-from p2pnode.inference.sampling import SamplingParams, TokenLogprob
-from p2pnode.inference.scoring import scorer_for
-from p2pnode.overlay.antientropy import AntiEntropy, AntiEntropyConfig
-from p2pnode.overlay.audit import AuditConfig, Auditor, AuditPlan, HeldAnswer
-from p2pnode.overlay.challenge import ChallengeConfig
-from p2pnode.overlay.digest import DigestBuilder, LoadInfo
-from p2pnode.overlay.forward_protocol import (
-    FORWARD_PROTOCOL,
-    ForwardConfig,
-    ForwardFailed,
-    ForwardOutcome,
-    ForwardRequest,
-    ForwardServer,
-    NoRouteError,
-    forward_request,
-)
-from p2pnode.overlay.limits import PeerLimiter
-from p2pnode.overlay.peers import PeerState
-from p2pnode.overlay.privacy import AdvertiseGate
-from p2pnode.overlay.probation import ProbationChallenges
-from p2pnode.overlay.router import (
-    LOCAL,
-    CandidateEstimate,
-    LocalState,
-    PushBack,
-    Router,
-    RouterConfig,
-    RoutingDecision,
-    rtt_from_peer_table,
-)
-from p2pnode.overlay.sessions import SessionTurns
-from p2pnode.overlay.trust import TrustBook
-from p2pnode.overlay.views import PeerViews
+from p2pnode.inference.sampling import MAX_TOP_LOGPROBS, SamplingParams, TokenLogprob
+from p2pnode.overlay import wire
+from p2pnode.overlay.digest import MAX_MODEL_ID_LEN
+from p2pnode.overlay.limits import LimitExceeded, PeerLimiter, remote_peer
 
 log = logging.getLogger("p2pnode.overlay.forward")
 
+FORWARD_PROTOCOL = "/p2pnode/forward/1"
+MAX_PROMPT_TOKENS = 1 << 17
+MAX_GEN_TOKENS = 1 << 15
+
+
+@wire.message("fwd-request")
+@dataclass(frozen=True)
+class ForwardRequest:
+    model_id: str = field(metadata=wire.bounded(min_len=1, max_len=MAX_MODEL_ID_LEN))
+    prompt: list[int] = field(
+        metadata=wire.bounded(min_len=1, max_len=MAX_PROMPT_TOKENS, item_ge=0, item_le=2**31)
+    )
+    max_tokens: int = field(metadata=wire.bounded(ge=1, le=MAX_GEN_TOKENS))
+    temperature: float = field(default=0.0, metadata=wire.bounded(ge=0, le=100))
+    top_p: float = field(default=1.0, metadata=wire.bounded(ge=0, le=1))
+    seed: int | None = field(default=None, metadata=wire.bounded(ge=-(2**63), le=2**64 - 1))
+    stop_token_ids: list[int] = field(
+        default_factory=list, metadata=wire.bounded(max_len=64, item_ge=0, item_le=2**31)
+    )
+    deadline_s: float = field(default=60.0, metadata=wire.bounded(ge=0, le=3600))
+    request_id: str = field(default="", metadata=wire.bounded(max_len=64))
+    logprobs: int | None = field(default=None, metadata=wire.bounded(ge=0, le=MAX_TOP_LOGPROBS))
+
+
+@wire.message("fwd-accepted")
+@dataclass(frozen=True)
+class ForwardAccepted:
+    cached_tokens: int = field(metadata=wire.bounded(ge=0))
+    queue_depth: int = field(metadata=wire.bounded(ge=0))
+
+
+@wire.message("fwd-logprob")
+@dataclass(frozen=True)
+class WireLogprob:
+    """A ``TokenLogprob`` on the wire (inside ``fwd-tokens``)."""
+
+    logprob: float = field(metadata=wire.bounded(ge=-1e4, le=0))
+    top_ids: list[int] = field(
+        default_factory=list,
+        metadata=wire.bounded(max_len=MAX_TOP_LOGPROBS, item_ge=0, item_le=2**31),
+    )
+    top_logprobs: list[float] = field(
+        default_factory=list, metadata=wire.bounded(max_len=MAX_TOP_LOGPROBS)
+    )
+
+    @classmethod
+    def of(cls, lp: TokenLogprob) -> WireLogprob:
+        return cls(lp.logprob, [t for t, _ in lp.top], [v for _, v in lp.top])
+
+    def to_logprob(self, token: int) -> TokenLogprob:
+        if len(self.top_ids) != len(self.top_logprobs):
+            raise wire.SchemaError("fwd-logprob: top_ids and top_logprobs differ in length")
+        return TokenLogprob(
+            token, self.logprob, tuple(zip(self.top_ids, self.top_logprobs, strict=True))
+        )
+
+
+@wire.message("fwd-tokens")
+@dataclass(frozen=True)
+class ForwardTokens:
+    start: int = field(metadata=wire.bounded(ge=0, le=MAX_GEN_TOKENS))
+    ids: list[int] = field(metadata=wire.bounded(min_len=1, max_len=4096, item_ge=0, item_le=2**31))
+    logprobs: list[WireLogprob] | None = field(default=None, metadata=wire.bounded(max_len=4096))
+
+
+@wire.message("fwd-done")
+@dataclass(frozen=True)
+class ForwardDone:
+    n_tokens: int = field(metadata=wire.bounded(ge=0, le=MAX_GEN_TOKENS))
+    finish_reason: str = field(metadata=wire.bounded(max_len=16))
+    cached_tokens: int = field(metadata=wire.bounded(ge=0))
+    prompt_tokens: int = field(metadata=wire.bounded(ge=0))
+    ttft_s: float = field(metadata=wire.bounded(ge=0))
+    total_s: float = field(metadata=wire.bounded(ge=0))
+
+
+@wire.message("fwd-error")
+@dataclass(frozen=True)
+class ForwardError:
+    code: str = field(metadata=wire.bounded(max_len=32))
+    message: str = field(metadata=wire.bounded(max_len=1024))
+
+
+class ForwardFailed(Exception):
+    """A forwarding attempt failed; ``reason`` is a short label, ``tokens`` what arrived first."""
+
+    def __init__(self, reason: str, message: str, tokens: Sequence[int] = ()) -> None:
+        super().__init__(f"{reason}: {message}")
+        self.reason = reason
+        self.tokens = list(tokens)
+
+
+class NoRouteError(Exception):
+    """No node could serve the request (no local engine and every peer failed)."""
+
 
 @dataclass
-class Attempt:
-    target: str  # peer id or LOCAL
-    outcome: str  # "ok" or the failure reason
-    tokens: int
-    seconds: float
+class ForwardConfig:
+    """Timeouts of one attempt, scaled from the router's estimate for that peer."""
+
+    accept_slack_s: float = 2.0  # for the accepted frame, on top of 2 RTT
+    first_token_factor: float = (
+        3.0  # first token within factor * estimated (wait + prefill) + slack
+    )
+    first_token_slack_s: float = 3.0
+    idle_factor: float = 10.0  # later tokens within factor * decode s/token, at least idle_min_s
+    idle_min_s: float = 2.0
+    default_deadline_s: float = 120.0
 
 
-@dataclass
-class RoutedResult:
-    tokens: list[int]
-    finish_reason: str
-    prompt_tokens: int
-    served_by: str  # peer id of the node that produced the last tokens (ours when local)
-    served_locally: bool
-    cached_tokens: int  # real cached prompt tokens reported by the node that served
-    decision: RoutingDecision
-    attempts: list[Attempt]
-    total_s: float
-
-    @property
-    def fell_back(self) -> bool:
-        return len(self.attempts) > 1
+# --------------------------------------------------------------------------- server side
 
 
-class _Metrics:
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self.attempts = Counter(
-            "p2pnode_forward_attempts",
-            "Forwarding attempts by outcome",
-            ["outcome"],
-            registry=registry,
-        )
-        self.served = Counter(
-            "p2pnode_forward_served", "Forwarded requests served for peers", registry=registry
-        )
-
-
-class RoutedService:
-    """Engine + digests + views + router + forwarding for one model on one overlay node.
-
-    ``engine`` may be None on a routing-only node (then it forwards only). Start the background
-    parts (anti-entropy, forward handler) with ``await nursery.start(service.run)``.
-    ``await generate(prompt_ids, params, on_token=None) -> RoutedResult`` routes and runs one
-    request; ``decide(prompt_ids, params) -> RoutingDecision`` is the same choice as a dry run
-    (neither logged nor counted). Bad input raises the engine's ``EngineError`` subclasses
-    before anything leaves the node. ``trust`` (``overlay/trust.py``; a default ``TrustBook``
-    when None) checks every forwarded request's claims; the router skips peers it demotes.
-    ``audit`` (default on, when the engine's model can score answers): forwarded answers are
-    audited against the local model as ``overlay/audit.py`` says (``audit_config``); a peer on
-    probation has its answer held until the audit passes, and re-served by the next attempt
-    when it fails. ``generate(..., private=True)`` never leaves this node; ``generate(...,
-    turn=t)`` marks a chat request with t earlier answers, so the router weighs where the
-    session's later turns will run (``overlay/sessions.py``).
-    """
+class ForwardServer:
+    """Serves ``/p2pnode/forward/1`` on one engine."""
 
     def __init__(
         self,
-        node: Any,
-        key: Any,
-        engine: Any | None,
+        engine: Any,
         *,
-        model_id: str | None = None,
-        views: PeerViews | None = None,
-        router_config: RouterConfig | None = None,
-        antientropy_config: AntiEntropyConfig | None = None,
-        forward_config: ForwardConfig | None = None,
-        pushback_high: int = 8,
-        pushback_low: int | None = None,
-        registry: CollectorRegistry | None = None,
-        drop_filter: Callable[[str, bytes], bool] | None = None,
-        trust: TrustBook | None = None,
+        admit: Callable[[], bool] = lambda: True,
+        on_served: Callable[[str, int], None] | None = None,
         limiter: PeerLimiter | None = None,
-        audit: bool = True,
-        audit_config: AuditConfig | None = None,
-        challenge_config: ChallengeConfig | None = None,
-        advertise_min_uses: int = 1,
+        on_request: Callable[[list[int]], None] | None = None,
     ) -> None:
-        if engine is None and model_id is None:
-            raise ValueError("a routing-only service needs model_id")
-        self.node = node
-        self.key = key
         self.engine = engine
-        self.model_id = model_id or engine.model_id
-        self.salt = model_salt(self.model_id)
-        self.views = views or PeerViews()
-        self.pushback = PushBack(pushback_high, pushback_low)
-        # Trust hook (overlay/trust.py): claims checked after each forward; untrusted peers
-        # are skipped by the router.
-        self.trust = trust if trust is not None else TrustBook(registry=registry)
-        # Per-peer limits (overlay/limits.py), shared by the forward server and anti-entropy.
+        self.on_request = on_request  # a valid request arrived (counts block uses)
+        self.admit = admit
         self.limiter = limiter if limiter is not None else PeerLimiter()
-        self.router = Router(
-            self.views,
-            rtt_s=rtt_from_peer_table(node.peers),
-            is_up=lambda peer: node.peers.state(peer) not in (PeerState.DOWN, PeerState.SUSPECT),
-            config=router_config,
-            registry=registry,
-            trust=self.trust,
-            self_id=node.peer_id,
-        )
-        # Completion lengths: the engine's own record (it also feeds its queue estimate), or,
-        # on a routing-only node, one kept here from the answers it relayed.
-        self.lengths: OutputLengths = engine.lengths if engine is not None else OutputLengths()
-        # Chat sessions' turn counts: how many more turns follow one (overlay/sessions.py).
-        self.sessions = SessionTurns()
-        self.forward_config = forward_config or ForwardConfig()
-        self.metrics = _Metrics(registry) if registry is not None else None
-        builders = {}
-        self.builder: DigestBuilder | None = None
-        self.server: ForwardServer | None = None
-        self.gate: AdvertiseGate | None = None  # overlay/privacy.py: what the digest may show
-        if engine is not None:
-            self.builder = DigestBuilder(node.peer_id, self.model_id, load_fn=self.local_load)
-            self.gate = AdvertiseGate(self.builder, advertise_min_uses)
-            self.gate.sync(engine.cached_block_hashes())
-            engine.add_block_listener(self.gate.on_event)
-            builders[self.model_id] = self.builder
-            self.server = ForwardServer(
-                engine,
-                admit=self._admit,
-                on_served=self._on_served,
-                limiter=self.limiter,
-                on_request=self._note_use,
-            )
-        self.auditor: Auditor | None = None
-        scorer = scorer_for(engine) if engine is not None and audit else None
-        if scorer is not None:
-            self.auditor = Auditor(
-                scorer,
-                self.trust,
-                audit_config,
-                busy=lambda: engine.queue_depth > 0,
-                registry=registry,
-            )
-            # A probation answer waits for its audit: the router counts that wait.
-            self.router.hold_s = self.auditor.hold_s
-        # Known-answer challenges take new peers through probation without client traffic
-        # (none when this node never forwards: it would never use what they earn).
-        self.probation: ProbationChallenges | None = None
-        challenge_config = challenge_config or ChallengeConfig()
-        forwards = self.router.config.max_remote_attempts > 0 or engine is None
-        if self.auditor is not None and challenge_config.enabled and forwards:
-            self.probation = ProbationChallenges(
-                node=node,
-                model_id=self.model_id,
-                salt=self.salt,
-                views=self.views,
-                router=self.router,
-                auditor=self.auditor,
-                trust=self.trust,
-                forward_config=self.forward_config,
-                challenge_config=challenge_config,
-                registry=registry,
-            )
-        self.antientropy = AntiEntropy(
-            node,
-            key,
-            self.views,
-            builders=builders,
-            models=[self.model_id],
-            config=antientropy_config,
-            registry=registry,
-            drop_filter=drop_filter,
-            limiter=self.limiter,
-        )
+        self.on_served = on_served
+        self.received = 0  # request streams opened to us, whatever became of them
+        self.served = 0
+        self.refused: dict[str, int] = {}
 
-    def advertise(self, builder: DigestBuilder) -> None:
-        """Publish one more digest (a verifier's) with this node's anti-entropy; call before
-        ``run``."""
-        ae = self.antientropy
-        ae.builders[builder.model_id] = builder
-        ae.models = sorted(set(ae.models) | {builder.model_id})
-
-    # -- local state --------------------------------------------------------------------------
-
-    def local_load(self) -> LoadInfo:
-        e = self.engine
-        depth = e.queue_depth
-        return LoadInfo(
-            queue_depth=depth,
-            est_wait_s=e.estimated_wait_s(),
-            push_back=self.pushback.update(depth),
-            prefill_s_per_token=e.cost.prefill_s_per_token,
-            decode_s_per_token=e.cost.decode_s_per_token,
-        )
-
-    def _admit(self) -> bool:
-        # Refuse only far over the threshold: a stale view may still send us a few requests.
-        return self.engine.queue_depth < 2 * self.pushback.high
-
-    def _on_served(self, request_id: str, cached: int) -> None:
-        if self.metrics is not None:
-            self.metrics.served.inc()
-
-    def _local_state(self, prompt: list[int]) -> LocalState:
-        e = self.engine
-        if e is None:
-            return LocalState(0, 0.0, 0.0, 0.0, available=False)
-        return LocalState(
-            cached_tokens=e.cached_prefix_len(prompt),
-            wait_s=e.estimated_wait_s(),
-            prefill_s_per_token=e.cost.prefill_s_per_token,
-            decode_s_per_token=e.cost.decode_s_per_token,
-            overhead_s=e.cost.overhead_s,
-        )
-
-    async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-        if self.server is not None:
-            self.node.set_stream_handler(FORWARD_PROTOCOL, self.server.handle)
-        async with trio.open_nursery() as nursery:
-            await nursery.start(self.antientropy.run)
-            if self.auditor is not None:
-                await nursery.start(self.auditor.run)
-            if self.probation is not None:
-                await nursery.start(self.probation.run)
-            task_status.started()
-
-    # -- requests -----------------------------------------------------------------------------
-
-    async def generate(
-        self,
-        prompt_ids: Sequence[int],
-        params: SamplingParams | Mapping[str, Any] | None = None,
-        *,
-        on_token: Callable[[int], None] | None = None,
-        on_logprob: Callable[[TokenLogprob], None] | None = None,
-        private: bool = False,
-        turn: int | None = None,
-    ) -> RoutedResult:
-        started = time.perf_counter()
-        prompt, params = self._check(prompt_ids, params)
-        if private and self.engine is None:
-            raise NoRouteError("a private request never leaves the node: this one runs no engine")
-        future = 0.0
-        if turn is not None:  # a chat turn: where it runs, its session's next turns follow
-            self.sessions.observe(turn)
-            future = self.sessions.future_turns(turn)
-        decision = self._decide(prompt, params, record=True, private=private, future_turns=future)
-        if self.probation is not None:
-            self.probation.note_wanted(decision)
-        delivered: list[int] = []
-        attempts: list[Attempt] = []
-
-        def emit(t: int) -> None:
-            delivered.append(t)
-            if on_token is not None:
-                on_token(t)
-
-        for target in decision.attempts:
-            t0 = time.perf_counter()
-            remaining = params.max_tokens - len(delivered)
-            cont_params = _with_max_tokens(params, remaining)
-            if target == LOCAL:
-                known = not private and not delivered  # the whole answer computed here
-                result = await self._run_local(
-                    prompt + delivered, cont_params, emit, on_logprob, private
-                )
-                attempts.append(Attempt(LOCAL, "ok", len(result.tokens), time.perf_counter() - t0))
-                if known and self.probation is not None:
-                    self.probation.know(prompt, params, result.tokens)
-                return self._result(
-                    delivered,
-                    result.finish_reason,
-                    prompt,
-                    self.node.peer_id,
-                    True,
-                    result.cached_tokens,
-                    decision,
-                    attempts,
-                    started,
-                )
-            est = decision.estimate_for(target)
-            assert est is not None
-            request = ForwardRequest(
-                model_id=self.model_id,
-                prompt=prompt + delivered,
-                max_tokens=remaining,
-                temperature=float(params.temperature),
-                top_p=float(params.top_p),
-                seed=params.seed,
-                stop_token_ids=list(params.stop_token_ids),
-                deadline_s=self.forward_config.default_deadline_s,
-                request_id=decision.request_id,
-                logprobs=params.logprobs,
-            )
-            cfg = self.forward_config
-            service_s = est.wait_s + est.prefill_s + est.decode_s
-            self.router.note_sent(target, service_s)
-            plan = self.auditor.plan(target, params) if self.auditor is not None else None
-            # A held answer reaches the client once its audit passed (or max_hold_s passed).
-            held = (
-                HeldAnswer(emit, self.auditor.config.max_hold_s, emit_logprob=on_logprob)
-                if plan and plan.hold
-                else None
-            )
-            try:
-                outcome = await forward_request(
-                    self.node,
-                    target,
-                    request,
-                    accept_timeout_s=2 * est.rtt_s + cfg.accept_slack_s,
-                    first_token_timeout_s=cfg.first_token_factor
-                    * (est.rtt_s + est.wait_s + est.prefill_s)
-                    + cfg.first_token_slack_s,
-                    idle_timeout_s=max(
-                        cfg.idle_min_s,
-                        cfg.idle_factor * est.decode_s / max(1.0, decision.expected_tokens or 1),
-                    ),
-                    on_token=held if held is not None else emit,
-                    on_logprob=held.logprob if held is not None else on_logprob,
-                )
-            except ForwardFailed as exc:
-                attempts.append(
-                    Attempt(target, exc.reason, len(exc.tokens), time.perf_counter() - t0)
-                )
-                self._count(exc.reason)
-                log.info("forward to %s failed after %d tokens: %s", target, len(exc.tokens), exc)
-                if exc.reason in {"timeout", "unreachable", "eof"}:
-                    self.node.peers.record_failure(target, f"forward: {exc}")
-                if _finished(delivered, params, self.engine):
-                    return self._result(
-                        delivered,
-                        "stop" if len(delivered) < params.max_tokens else "length",
-                        prompt,
-                        target,
-                        False,
-                        0,
-                        decision,
-                        attempts,
-                        started,
-                    )
-                continue
-            finally:
-                self.router.note_done(target, service_s)
-            if plan is not None and not await self._audited(plan, target, request, outcome, held):
-                attempts.append(
-                    Attempt(target, "audit_failed", len(outcome.tokens), time.perf_counter() - t0)
-                )
-                self._count("audit_failed")
-                continue
-            attempts.append(Attempt(target, "ok", len(outcome.tokens), time.perf_counter() - t0))
-            self._count("ok")
-            self.router.observe_served(target, est.cached_tokens, outcome.done.cached_tokens)
-            self.router.note_forwarded(
-                target, block_hashes(request.prompt + outcome.tokens[:-1], self.salt)
-            )
-            if outcome.first_token_s is not None:
-                self.router.observe_forward(
-                    target, len(request.prompt), outcome.first_token_s, outcome.done.ttft_s
-                )
-            if self.engine is None:
-                self.lengths.observe(
-                    len(delivered), hit_limit=outcome.done.finish_reason == "length"
-                )
-            self._observe_trust(target, est, decision, outcome)
-            return self._result(
-                delivered,
-                outcome.done.finish_reason,
-                prompt,
-                target,
-                False,
-                outcome.done.cached_tokens,
-                decision,
-                attempts,
-                started,
-            )
-        raise NoRouteError(
-            f"no node could serve the request for {self.model_id}: attempts "
-            f"{[(a.target, a.outcome) for a in attempts]}; this node runs no engine for it"
-        )
-
-    def decide(
-        self,
-        prompt_ids: Sequence[int],
-        params: SamplingParams | Mapping[str, Any] | None = None,
-    ) -> RoutingDecision:
-        """The decision ``generate`` would take right now, without running it (not counted)."""
-        prompt, params = self._check(prompt_ids, params)
-        return self._decide(prompt, params, record=False)
-
-    def _check(
-        self, prompt_ids: Sequence[int], params: SamplingParams | Mapping[str, Any] | None
-    ) -> tuple[list[int], SamplingParams]:
-        if self.engine is not None:
-            return self.engine.validate(prompt_ids, params)  # bad input fails before any network
-        if params is None:
-            params = SamplingParams()
-        elif isinstance(params, Mapping):
-            params = SamplingParams.from_dict(params)
-        return list(prompt_ids), params
-
-    def _decide(
-        self,
-        prompt: list[int],
-        params: SamplingParams,
-        *,
-        record: bool,
-        private: bool = False,
-        future_turns: float = 0.0,
-    ) -> RoutingDecision:
-        if private:  # not even estimated against peers: it stays here whatever they hold
-            return RoutingDecision(
-                request_id=uuid.uuid4().hex[:16],
-                model_id=self.model_id,
-                prompt_tokens=len(prompt),
-                max_tokens=params.max_tokens,
-                chosen=LOCAL,
-                reason="private",
-                margin_s=0.0,
-                candidates=(),
-                attempts=(LOCAL,),
-            )
-        return self.router.decide(
-            model_id=self.model_id,
-            prompt_block_hashes=block_hashes(prompt, self.salt),
-            prompt_tokens=len(prompt),
-            max_tokens=params.max_tokens,
-            local=self._local_state(prompt),
-            record=record,
-            expected_tokens=self.lengths.predict(params.max_tokens),
-            future_turns=future_turns,
-        )
-
-    async def _audited(
-        self,
-        plan: AuditPlan,
-        peer: str,
-        request: ForwardRequest,
-        outcome: ForwardOutcome,
-        held: HeldAnswer | None,
-    ) -> bool:
-        """False when a held answer failed its audit (it was never released); a released
-        answer is queued for a background audit when the plan says so."""
-        assert self.auditor is not None
-        params = SamplingParams(
-            max_tokens=request.max_tokens, temperature=request.temperature, top_p=request.top_p
-        )
-        if held is None or held.released:
-            if plan.audit:
-                self.auditor.later(peer, request.prompt, outcome.tokens, params)
-            return True
-        verdict = await self.auditor.check(
-            peer, request.prompt, held.tokens, params, wait_s=held.remaining_s()
-        )
-        if verdict is not None and not verdict.passed:
-            self.auditor.note_reserved()
-            return False
-        held.release()
-        return True
-
-    def _note_use(self, prompt: list[int]) -> None:
-        if self.gate is not None:
-            self.gate.note_request(block_hashes(prompt, self.salt))
-
-    async def _run_local(
-        self,
-        prompt: list[int],
-        params: SamplingParams,
-        emit: Callable[[int], None],
-        on_logprob: Callable[[TokenLogprob], None] | None = None,
-        private: bool = False,
-    ) -> Any:
-        if not private or self.gate is None:
-            self._note_use(prompt)
-            return await self._stream_local(prompt, params, emit, on_logprob)
-        answer: list[int] = []
-
-        def keep(t: int) -> None:
-            answer.append(t)
-            emit(t)
-
-        with self.gate.private():  # its blocks stay out of the digest, also after it
-            try:
-                return await self._stream_local(prompt, params, keep, on_logprob)
-            finally:
-                self.gate.mark_private(block_hashes(prompt + answer, self.salt))
-
-    async def _stream_local(
-        self,
-        prompt: list[int],
-        params: SamplingParams,
-        emit: Callable[[int], None],
-        on_logprob: Callable[[TokenLogprob], None] | None = None,
-    ) -> Any:
-        stream = self.engine.stream(prompt, params)
+    async def handle(self, stream: Any) -> None:
+        # Per-peer limits (overlay/limits.py): a stream slot and a rate token per request, its
+        # bytes held until it ends; excess gets a ``limited`` error and never reaches the engine.
+        self.received += 1
+        peer = remote_peer(stream)
         try:
-            n = 0
-            async for t in stream:
-                if on_logprob is not None and params.logprobs is not None:
-                    on_logprob(stream.logprobs[n])
-                n += 1
-                emit(t)
-        finally:
-            if stream.result is None:
-                await stream.aclose()
-        return stream.result
+            with self.limiter.admit(peer, "forward"), self.limiter.metered(peer, stream) as s:
+                await self._serve(s)
+        except LimitExceeded as exc:
+            await self._refuse(stream, "limited", str(exc))
+        except trio.TooSlowError:  # only the request read is timed here; _run has its own
+            await self._refuse(stream, "deadline", "no complete fwd-request within 10 s")
 
-    def _observe_trust(
-        self,
-        peer: str,
-        est: CandidateEstimate,
-        decision: RoutingDecision,
-        outcome: ForwardOutcome,
-    ) -> None:
-        """Check the peer's claims (digest prefix, advertised wait and speeds) against what we
-        observed serving this request (see ``overlay/trust.py``)."""
-        self.trust.observe_claim(
-            peer,
-            est.view_cached_tokens,
-            outcome.done.cached_tokens,
-            prompt_tokens=decision.prompt_tokens,
-            view_age_s=est.info_age_s,
-        )
-        if outcome.last_token_s is not None:
-            per_token = est.decode_s / max(1, decision.max_tokens)
-            expected = est.total_s - est.decode_s + per_token * (len(outcome.tokens) - 1)
-            self.trust.observe_timing(peer, expected, outcome.last_token_s)
+    async def _serve(self, stream: Any) -> None:
+        limit = wire.limit_for(FORWARD_PROTOCOL)
+        with trio.fail_after(10):
+            obj = await wire.read_frame(stream, limit=limit)
+        try:
+            req = wire.from_wire(obj, ForwardRequest)
+        except wire.WireError as exc:
+            await self._refuse(stream, "bad_request", str(exc))
+            return
+        if req.model_id != self.engine.model_id:
+            await self._refuse(stream, "no_model", f"this node serves {self.engine.model_id}")
+            return
+        if not self.admit():
+            await self._refuse(stream, "busy", "queue over the push-back threshold")
+            return
+        try:
+            params = SamplingParams(
+                max_tokens=req.max_tokens,
+                temperature=req.temperature,
+                top_p=req.top_p,
+                seed=req.seed,
+                stop_token_ids=tuple(req.stop_token_ids),
+                logprobs=req.logprobs,
+            )
+            token_stream = self.engine.stream(req.prompt, params)
+        except (ValueError, TypeError) as exc:  # EngineError subclasses are ValueErrors
+            await self._refuse(stream, "bad_request", str(exc))
+            return
+        if self.on_request is not None:
+            self.on_request(req.prompt)
+        await self._run(stream, req, token_stream, limit)
 
-    def _count(self, outcome: str) -> None:
-        if self.metrics is not None:
-            self.metrics.attempts.labels(outcome).inc()
+    async def _run(self, stream: Any, req: ForwardRequest, token_stream: Any, limit: int) -> None:
+        cached_now = self.engine.cached_prefix_len(req.prompt)
+        sent = 0
+        try:
+            await wire.write_frame(
+                stream,
+                wire.to_wire(ForwardAccepted(cached_now, self.engine.queue_depth)),
+                limit=limit,
+            )
+            with trio.fail_after(req.deadline_s):
+                async for token in token_stream:
+                    lps = None
+                    if req.logprobs is not None:
+                        lps = [WireLogprob.of(token_stream.logprobs[sent])]
+                    await wire.write_frame(
+                        stream, wire.to_wire(ForwardTokens(sent, [token], lps)), limit=limit
+                    )
+                    sent += 1
+            result = token_stream.result
+            done = ForwardDone(
+                n_tokens=sent,
+                finish_reason=result.finish_reason,
+                cached_tokens=result.cached_tokens,
+                prompt_tokens=result.prompt_tokens,
+                ttft_s=result.ttft_s,
+                total_s=result.total_s,
+            )
+            await wire.write_frame(stream, wire.to_wire(done), limit=limit)
+            self.served += 1
+            if self.on_served is not None:
+                self.on_served(req.request_id, result.cached_tokens)
+        except trio.TooSlowError:
+            await token_stream.aclose()
+            await self._refuse(stream, "deadline", f"deadline of {req.deadline_s:.1f} s passed")
+        except BaseException:
+            await token_stream.aclose()  # the origin went away: free the engine slot
+            raise
 
-    def _result(
-        self,
-        tokens: list[int],
-        finish_reason: str,
-        prompt: list[int],
-        served_by: str,
-        local: bool,
-        cached: int,
-        decision: RoutingDecision,
-        attempts: list[Attempt],
-        started: float,
-    ) -> RoutedResult:
-        return RoutedResult(
-            tokens=list(tokens),
-            finish_reason=finish_reason,
-            prompt_tokens=len(prompt),
-            served_by=served_by,
-            served_locally=local,
-            cached_tokens=cached,
-            decision=decision,
-            attempts=attempts,
-            total_s=time.perf_counter() - started,
-        )
+    async def _refuse(self, stream: Any, code: str, message: str) -> None:
+        self.refused[code] = self.refused.get(code, 0) + 1
+        with trio.move_on_after(2):
+            await wire.write_frame(
+                stream,
+                wire.to_wire(ForwardError(code, message[:1024])),
+                limit=wire.limit_for(FORWARD_PROTOCOL),
+            )
 
 
-def _with_max_tokens(params: SamplingParams, n: int) -> SamplingParams:
-    from dataclasses import replace
-
-    return replace(params, max_tokens=max(1, n))
+# --------------------------------------------------------------------------- client side
 
 
-def _finished(delivered: list[int], params: SamplingParams, engine: Any) -> bool:
-    """The tokens received before a failure already form a complete answer."""
-    if len(delivered) >= params.max_tokens:
-        return True
-    if not delivered:
-        return False
-    stops = set(params.stop_token_ids) | set(getattr(engine, "eos_token_ids", ()) or ())
-    return delivered[-1] in stops
+@dataclass
+class ForwardOutcome:
+    tokens: list[int]
+    done: ForwardDone
+    accepted_cached: int
+    # Measured here, from just before the stream opens (trust checks of advertised speeds).
+    first_token_s: float | None = None
+    last_token_s: float | None = None
+
+
+async def forward_request(
+    node: Any,
+    peer_id: str,
+    request: ForwardRequest,
+    *,
+    accept_timeout_s: float,
+    first_token_timeout_s: float,
+    idle_timeout_s: float,
+    on_token: Callable[[int], None] | None = None,
+    on_logprob: Callable[[TokenLogprob], None] | None = None,
+) -> ForwardOutcome:
+    """Run ``request`` on ``peer_id``; raises ``ForwardFailed`` (with the tokens received).
+
+    With ``request.logprobs`` set, ``on_logprob`` gets each token's log-probability just before
+    ``on_token`` gets the token."""
+    limit = wire.limit_for(FORWARD_PROTOCOL)
+    tokens: list[int] = []
+    stream = None
+    finished = False
+    t0 = time.perf_counter()
+    first_s: float | None = None
+    last_s: float | None = None
+    try:
+        with trio.fail_after(accept_timeout_s):
+            stream = await node.open_stream(peer_id, FORWARD_PROTOCOL, timeout=accept_timeout_s)
+            await wire.write_frame(stream, wire.to_wire(request), limit=limit)
+            first = wire.from_wire(
+                await wire.read_frame(stream, limit=limit), ForwardAccepted, ForwardError
+            )
+        if isinstance(first, ForwardError):
+            raise ForwardFailed(first.code, first.message)
+        timeout = first_token_timeout_s
+        while True:
+            with trio.fail_after(timeout):
+                obj = await wire.read_frame(stream, limit=limit)
+            if obj is None:
+                raise ForwardFailed("eof", "the peer closed the stream before finishing", tokens)
+            msg = wire.from_wire(obj, ForwardTokens, ForwardDone, ForwardError)
+            if isinstance(msg, ForwardError):
+                raise ForwardFailed(msg.code, msg.message, tokens)
+            if isinstance(msg, ForwardDone):
+                if msg.n_tokens != len(tokens):
+                    raise ForwardFailed(
+                        "protocol", f"done after {len(tokens)} tokens, says {msg.n_tokens}", tokens
+                    )
+                finished = True
+                return ForwardOutcome(tokens, msg, first.cached_tokens, first_s, last_s)
+            if msg.start != len(tokens):
+                raise ForwardFailed(
+                    "protocol", f"tokens from {msg.start}, expected {len(tokens)}", tokens
+                )
+            if len(tokens) + len(msg.ids) > request.max_tokens:
+                raise ForwardFailed("protocol", "more tokens than max_tokens", tokens)
+            lps = _logprobs_of(msg, request, tokens)
+            last_s = time.perf_counter() - t0
+            first_s = last_s if first_s is None else first_s
+            for i, t in enumerate(msg.ids):
+                tokens.append(t)
+                if on_logprob is not None and lps is not None:
+                    on_logprob(lps[i])
+                if on_token is not None:
+                    on_token(t)
+            timeout = idle_timeout_s
+    except ForwardFailed:
+        raise
+    except trio.TooSlowError:
+        raise ForwardFailed("timeout", f"{peer_id} went silent", tokens) from None
+    except wire.WireError as exc:
+        raise ForwardFailed("protocol", str(exc), tokens) from None
+    except Exception as exc:  # unreachable, stream reset: the peer died or the link broke
+        raise ForwardFailed("unreachable", f"{type(exc).__name__}: {exc}", tokens) from None
+    finally:
+        if stream is not None:
+            # Shielded: when the origin is cancelled (client gone, stop string matched) the
+            # enclosing scope is already cancelled, and an unshielded close never runs, so the
+            # peer would keep generating. A reset tells it to stop; a finished stream closes.
+            with (
+                trio.CancelScope(shield=True),
+                trio.move_on_after(1),
+                contextlib.suppress(Exception),
+            ):
+                await (stream.close() if finished else stream.reset())
+
+
+def _logprobs_of(
+    msg: ForwardTokens, request: ForwardRequest, tokens: list[int]
+) -> list[TokenLogprob] | None:
+    if request.logprobs is None:
+        return None
+    if msg.logprobs is None or len(msg.logprobs) != len(msg.ids):
+        raise ForwardFailed("protocol", "tokens without their requested logprobs", tokens)
+    return [lp.to_logprob(t) for lp, t in zip(msg.logprobs, msg.ids, strict=True)]

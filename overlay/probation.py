@@ -34,12 +34,7 @@ from p2pnode.inference.blockhash import block_hashes
 from p2pnode.inference.sampling import SamplingParams
 from p2pnode.overlay.audit import Auditor
 from p2pnode.overlay.challenge import ChallengeConfig, Challenger, ChallengeUnanswered
-from p2pnode.overlay.forward_protocol import (
-    ForwardConfig,
-    ForwardFailed,
-    ForwardRequest,
-    forward_request,
-)
+from p2pnode.overlay.forward import ForwardConfig, ForwardFailed, ForwardRequest, forward_request
 from p2pnode.overlay.router import Router, RoutingDecision
 from p2pnode.overlay.trust import TrustBook
 from p2pnode.overlay.views import PeerViews

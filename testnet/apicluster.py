@@ -26,8 +26,8 @@ from p2pnode.bootstrap.api import build_app, serve_api
 from p2pnode.identity import NodeKey
 from p2pnode.inference.engine import open_engine
 from p2pnode.overlay.antientropy import AntiEntropyConfig
-from p2pnode.overlay.forward import RoutedService
 from p2pnode.overlay.node import OverlayConfig, open_overlay_node
+from p2pnode.overlay.service import RoutedService
 
 MESH_TIMEOUT_S = 60.0
 TEARDOWN_SETTLE_S = 0.5

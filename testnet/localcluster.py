@@ -24,7 +24,7 @@ from prometheus_client import CollectorRegistry
 
 from p2pnode.inference.engine import open_engine
 from p2pnode.overlay.digest import DigestBuilder, LoadInfo
-from p2pnode.overlay.forward import RoutedService
+from p2pnode.overlay.service import RoutedService
 
 
 @contextlib.asynccontextmanager

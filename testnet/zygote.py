@@ -46,6 +46,7 @@ PRELOAD = (
     "p2pnode.bootstrap.api",
     "p2pnode.overlay.node",
     "p2pnode.overlay.forward",
+    "p2pnode.overlay.service",
     "p2pnode.overlay.relay",
     "p2pnode.overlay.reachability",
     "p2pnode.overlay.antientropy",

@@ -27,8 +27,8 @@ from p2pnode.inference.engine import Engine, open_engine
 from p2pnode.inference.sampling import SamplingParams
 from p2pnode.overlay.antientropy import AntiEntropyConfig
 from p2pnode.overlay.audit import AuditConfig
-from p2pnode.overlay.forward import RoutedService
 from p2pnode.overlay.node import OverlayConfig, OverlayNode, open_overlay_node
+from p2pnode.overlay.service import RoutedService
 
 N = 6  # tokens per answer
 PROMPT = "The capital of France is"

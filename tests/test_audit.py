@@ -31,7 +31,8 @@ from p2pnode.inference.scoring import ModelScorer
 from p2pnode.overlay.antientropy import AntiEntropyConfig
 from p2pnode.overlay.audit import AuditConfig, Auditor, check_greedy, check_sampled
 from p2pnode.overlay.challenge import ChallengeConfig
-from p2pnode.overlay.forward import ForwardConfig, RoutedService
+from p2pnode.overlay.forward import ForwardConfig
+from p2pnode.overlay.service import RoutedService
 from p2pnode.overlay.trust import TrustBook
 from p2pnode.overlay.trust_store import load_trust, save_trust
 from p2pnode.testnet.adversary import make_adversary

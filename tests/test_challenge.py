@@ -31,9 +31,10 @@ from p2pnode.overlay.challenge import (
     KnownAnswers,
 )
 from p2pnode.overlay.digest import DigestBuilder, LoadInfo
-from p2pnode.overlay.forward import ForwardConfig, RoutedService
+from p2pnode.overlay.forward import ForwardConfig
 from p2pnode.overlay.probation import ProbationChallenges
 from p2pnode.overlay.router import LOCAL, LocalState, Router, RouterConfig
+from p2pnode.overlay.service import RoutedService
 from p2pnode.overlay.trust import TrustBook
 from p2pnode.overlay.views import PeerViews
 from p2pnode.testnet.adversary import make_adversary

@@ -245,7 +245,7 @@ def decision(chosen: str, reason: str, *candidates: Any) -> Any:
 
 def test_why_sentence_names_the_numbers_behind_each_reason() -> None:
     from p2pnode.bootstrap.console.feed import candidate_record, explain
-    from p2pnode.overlay.forward import Attempt
+    from p2pnode.overlay.service import Attempt
 
     peer = "12D3KooWPeerAAAAAAAAAAAAAAAAAAAAAAAAAAAA11111111"
     ok = [Attempt(peer, "ok", 8, 0.4)]

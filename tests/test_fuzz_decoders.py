@@ -48,7 +48,7 @@ from p2pnode.overlay.digest import (
     encode_fingerprints,
     open_digest,
 )
-from p2pnode.overlay.forward_protocol import (
+from p2pnode.overlay.forward import (
     FORWARD_PROTOCOL,
     ForwardAccepted,
     ForwardDone,

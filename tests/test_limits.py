@@ -25,18 +25,14 @@ from p2pnode.inference.engine import open_engine
 from p2pnode.inference.models import load_model
 from p2pnode.overlay.antientropy import AntiEntropy, AntiEntropyConfig, PullFailed
 from p2pnode.overlay.digest import Digest, DigestError, LoadInfo, open_digest, seal_digest
-from p2pnode.overlay.forward import (
-    ForwardFailed,
-    ForwardRequest,
-    RoutedService,
-    forward_request,
-)
+from p2pnode.overlay.forward import ForwardFailed, ForwardRequest, forward_request
 from p2pnode.overlay.limits import (
     Budget,
     LimitExceeded,
     LimitsConfig,
     PeerLimiter,
 )
+from p2pnode.overlay.service import RoutedService
 from p2pnode.overlay.views import PeerViews
 from p2pnode.speculation.protocol import P2PVerifierTransport, serve_verifier
 from p2pnode.speculation.verify import BatchedVerifier, Block, PeerLimited, SamplingOptions

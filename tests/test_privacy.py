@@ -27,9 +27,9 @@ from p2pnode.inference.engine import open_engine
 from p2pnode.overlay.antientropy import AntiEntropyConfig
 from p2pnode.overlay.audit import AuditConfig
 from p2pnode.overlay.digest import DigestBuilder, fingerprint
-from p2pnode.overlay.forward import RoutedService
 from p2pnode.overlay.node import OverlayConfig, open_overlay_node
 from p2pnode.overlay.privacy import AdvertiseGate
+from p2pnode.overlay.service import RoutedService
 
 logging.getLogger("libp2p").setLevel(logging.ERROR)
 

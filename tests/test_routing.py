@@ -40,10 +40,11 @@ from p2pnode.overlay.digest import (
     open_digest,
     seal_digest,
 )
-from p2pnode.overlay.forward import ForwardConfig, RoutedService
+from p2pnode.overlay.forward import ForwardConfig
 from p2pnode.overlay.netcost import ForwardCost
 from p2pnode.overlay.node import OverlayConfig, open_overlay_node
 from p2pnode.overlay.router import LOCAL, LocalState, PushBack, Router, RouterConfig
+from p2pnode.overlay.service import RoutedService
 from p2pnode.overlay.views import ApplyResult, PeerViews
 
 MODEL = "smollm2-test-model"

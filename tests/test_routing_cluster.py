@@ -30,8 +30,9 @@ from p2pnode.inference.engine import open_engine
 from p2pnode.overlay.antientropy import AntiEntropyConfig, digest_topic
 from p2pnode.overlay.audit import AuditConfig
 from p2pnode.overlay.digest import Digest, fingerprint, seal_digest
-from p2pnode.overlay.forward import ForwardConfig, RoutedService
+from p2pnode.overlay.forward import ForwardConfig
 from p2pnode.overlay.router import LOCAL
+from p2pnode.overlay.service import RoutedService
 
 logging.getLogger("libp2p").setLevel(logging.ERROR)
 TRUSTED = AuditConfig(probation_answers=0)  # no probation hold

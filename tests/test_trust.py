@@ -31,8 +31,9 @@ from p2pnode.inference.models import ShapeOnlyModel
 from p2pnode.overlay.antientropy import AntiEntropyConfig
 from p2pnode.overlay.audit import AuditConfig
 from p2pnode.overlay.digest import Digest, LoadInfo, fingerprint
-from p2pnode.overlay.forward import ForwardConfig, RoutedService
+from p2pnode.overlay.forward import ForwardConfig
 from p2pnode.overlay.router import LOCAL, LocalState, Router
+from p2pnode.overlay.service import RoutedService
 from p2pnode.overlay.trust import TrustBook, TrustConfig, Verdict, verdict_problem
 from p2pnode.overlay.views import PeerViews
 from p2pnode.testnet.localcluster import emulated_routed_services, forge_liar

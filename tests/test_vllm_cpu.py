@@ -298,9 +298,9 @@ async def test_join_engine_vllm_serves_openai_and_a_cpu_node_routes_to_it(
     from p2pnode.inference.engine import open_engine
     from p2pnode.overlay.antientropy import AntiEntropyConfig
     from p2pnode.overlay.audit import AuditConfig
-    from p2pnode.overlay.forward import RoutedService
     from p2pnode.overlay.node import OverlayConfig, open_overlay_node
     from p2pnode.overlay.router import LOCAL, RouterConfig
+    from p2pnode.overlay.service import RoutedService
 
     async with contextlib.AsyncExitStack() as stack:
         key = NodeKey.generate()
