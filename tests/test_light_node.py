@@ -130,6 +130,10 @@ def test_calibration_written_once_then_read_and_the_shipped_one_otherwise(
     assert save_calibration("some-model@0123", measured) is None
     assert not calibration_path("some-model@0123").exists()
     monkeypatch.setattr(os, "getloadavg", lambda: (0.1, 0.1, 0.1))
+    # A quiet load average, but the measuring thread was on a core half the time: not saved.
+    starved = CostModel(prefill_s_per_token=0.02, decode_s_per_token=0.26, cpu_share=0.5)
+    assert save_calibration("some-model@0123", starved) is None
+    assert not calibration_path("some-model@0123").exists()
     assert save_calibration("some-model@0123", measured) == calibration_path("some-model@0123")
     again = CostModel(prefill_s_per_token=0.9)
     assert save_calibration("some-model@0123", again) is None  # written once
