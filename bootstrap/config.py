@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from p2pnode.inference.engine import DEFAULT_CACHE_BUDGET_TOKENS, DEFAULT_MAX_BATCH
+
 ROLES = frozenset({"router", "verifier", "edge", "bootstrap", "relay"})
 RELAY_HOP_MODES = ("auto", "on", "off")
 ENGINES = ("hf", "vllm", "emulated")
@@ -39,8 +41,8 @@ class NodeSettings:
     role: list[str] = field(default_factory=lambda: ["router"])
     api_host: str = "127.0.0.1"
     api_port: int = 8731
-    cache_budget_tokens: int = 32768
-    max_batch: int = 4
+    cache_budget_tokens: int = DEFAULT_CACHE_BUDGET_TOKENS
+    max_batch: int = DEFAULT_MAX_BATCH
     ping_interval: float = 1.0
     # Liveness and dial limits; raise them on long links (a dial is ~5 round trips, a ping ~3).
     # Trial nodes (testnet/node.py) get them raised to what the spec's worst round trip needs.

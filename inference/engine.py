@@ -443,13 +443,19 @@ class Engine(EngineFront):
         self._active.clear()
 
 
+# The one source of these defaults: the node's settings (bootstrap/config.py) and the trial
+# specs read them from here.
+DEFAULT_CACHE_BUDGET_TOKENS = 32_768  # ~1.5 GB of fp32 KV for SmolLM2-135M at most
+DEFAULT_MAX_BATCH = 4
+
+
 @asynccontextmanager
 async def open_engine(
     loaded: LoadedModel | LightModel | ShapeOnlyModel,
     *,
-    cache_budget_tokens: int | None = 20_000,  # ~0.9 GB of fp32 KV for SmolLM2-135M
+    cache_budget_tokens: int | None = DEFAULT_CACHE_BUDGET_TOKENS,
     cache_budget_bytes: int | None = None,
-    max_batch: int = 4,
+    max_batch: int = DEFAULT_MAX_BATCH,
     prefill_chunk: int = 128,
     solo_chunk: int = 1024,
     backend: str | Backend = "hf",
