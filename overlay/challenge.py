@@ -26,6 +26,8 @@ Contract:
   auditor's background audit): another numeric path may pick a different token at a near-tie,
   so only the scored check (``check_greedy``'s margin) may demote. A forward that fails
   (timeout, refused) proves nothing and counts nothing.
+- ``afford`` (optional): asked before each challenge with its size; False sends nothing now
+  (``overlay/probation.py`` spends an earned budget there).
 - Cost: nothing on this node's engine (the answers are already known); one forward on the peer,
   only while it advertises an empty queue, mostly on a prefix it holds: the same kind of
   request real forwards are.
@@ -62,6 +64,8 @@ class ChallengeUnanswered(Exception):
 
 # send(peer, prompt, max_tokens) -> the peer's answer tokens; raises ChallengeUnanswered.
 SendFn = Callable[[str, list[int], int], Awaitable[list[int]]]
+# afford(peer, prompt tokens, tokens it holds, answer tokens) -> whether to send it now.
+AffordFn = Callable[[str, int, int, int], bool]
 
 
 @dataclass(frozen=True)
@@ -140,10 +144,12 @@ class Challenger:
         held: Callable[[str, Sequence[int]], int],  # (peer, block hashes) -> tokens it holds
         trust: TrustBook,
         mismatch: Callable[[str, list[int], list[int]], None],
+        afford: AffordFn | None = None,
         config: ChallengeConfig | None = None,
         registry: CollectorRegistry | None = None,
     ) -> None:
         self.config = config or ChallengeConfig()
+        self._afford = afford
         self.known = KnownAnswers(self.config.known)
         self._send = send
         self._peers = peers
@@ -180,13 +186,18 @@ class Challenger:
         known = self.known.pick(lambda blocks: self._held(peer, blocks), used)
         if known is None:
             return None
-        if 2 * self._held(peer, known.blocks) < len(known.prompt):
+        held = self._held(peer, known.blocks)
+        expected = list(known.answer[: self.config.max_tokens])
+        if self._afford is not None and not self._afford(
+            peer, len(known.prompt), held, len(expected)
+        ):
+            return None  # not earned yet
+        if 2 * held < len(known.prompt):
             now = trio.current_time()
             if now - self._last_dear.get(peer, -math.inf) < self.config.dear_interval_s:
                 return None  # only dear ones known for this peer: later
             self._last_dear[peer] = now
         used.add(known.serial)
-        expected = list(known.answer[: self.config.max_tokens])
         try:
             got = await self._send(peer, list(known.prompt), len(expected))
         except ChallengeUnanswered as exc:  # a failed forward proves nothing

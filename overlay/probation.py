@@ -7,13 +7,15 @@ earn back.
 
 Contract:
 - ``note_wanted(decision)``: every probation peer that would have won the request but for the
-  wait for its audit earns ``per_want`` challenges (capped at the passed audits it still
-  needs). Challenges are earned, never free: the probation traffic a peer draws is bounded by
-  the traffic that would have gone to it, so where forwarding rarely wins (long WAN delays)
-  peers are rarely challenged, and where it often wins they are challenged at once. Earned
-  challenges lapse ``wanted_for_s`` after the peer was last wanted.
-- ``peers()``: the peers a challenge may go to now: with challenges earned, serving the model,
-  up, usable, on probation, and idle both by their digest and by what this node already sent.
+  wait for its audit earns the time it would have saved (this node's total minus the peer's
+  total without the hold), up to ``max_banked_s``. A challenge is sent only when its cost on the
+  peer (its advertised prefill speed times the prompt it does not hold, plus decoding the
+  compared tokens) fits in what the peer earned, and spends that. So the compute probation
+  takes from a peer never exceeds the time it would have saved this node's clients: where
+  forwarding barely wins (long WAN delays) peers get a few cheap challenges, where it wins by
+  a prefill they get enough at once. Earned time lapses ``wanted_for_s`` after the last want.
+- ``peers()``: the peers a challenge may go to now: with time earned, serving the model, up,
+  usable, on probation, and idle both by their digest and by what this node already sent.
 - ``know(prompt, params, tokens)``: a greedy answer this node computed itself becomes a known
   answer (the caller never passes private requests).
 - A challenge is an ordinary forward (``forward_request``) with the timeouts real forwards
@@ -22,6 +24,7 @@ Contract:
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from collections.abc import Sequence
@@ -42,17 +45,18 @@ from p2pnode.overlay.views import PeerViews
 
 @dataclass(frozen=True)
 class ProbationConfig:
-    per_want: int = 1  # challenges a peer earns each time a request would have gone to it
-    wanted_for_s: float = 60.0  # earned challenges lapse this long after the last want
+    # Earned time is banked up to this: a burst of wants cannot buy a burst of challenges.
+    max_banked_s: float = 30.0
+    wanted_for_s: float = 60.0  # earned time lapses this long after the last want
 
     def __post_init__(self) -> None:
-        if self.per_want < 1 or self.wanted_for_s <= 0:
-            raise ValueError("need per_want >= 1 and wanted_for_s > 0")
+        if self.max_banked_s <= 0 or self.wanted_for_s <= 0:
+            raise ValueError("need max_banked_s > 0 and wanted_for_s > 0")
 
 
 @dataclass(slots=True)
-class _Earned:
-    challenges: int
+class Earned:
+    seconds: float  # peer compute challenges may still take
     at: float  # monotonic time of the last want
 
 
@@ -83,7 +87,7 @@ class ProbationChallenges:
         self._auditor = auditor
         self._trust = trust
         self._forward_config = forward_config
-        self.earned: dict[str, _Earned] = {}
+        self.earned: dict[str, Earned] = {}
         self.challenger = Challenger(
             send=self._send,
             peers=self.peers,
@@ -92,6 +96,7 @@ class ProbationChallenges:
             mismatch=lambda peer, prompt, answer: auditor.later(
                 peer, prompt, answer, SamplingParams(max_tokens=len(answer))
             ),
+            afford=self.affords,
             config=challenge_config,
             registry=registry,
         )
@@ -111,24 +116,39 @@ class ProbationChallenges:
         if decision.local_total_s is None:
             return
         now, local = time.monotonic(), decision.local_total_s
-        needed = self._auditor.config.probation_answers
         for c in decision.candidates:
             unheld = c.total_s - c.hold_s
             if c.hold_s > 0 and c.skipped is None and unheld + decision.margin_s < local:
-                left = max(0, needed - self._trust.audited_ok(c.peer_id))
-                e = self.earned.setdefault(c.peer_id, _Earned(0, now))
-                e.challenges = min(left, e.challenges + self.config.per_want)
+                e = self.earned.setdefault(c.peer_id, Earned(0.0, now))
+                e.seconds = min(self.config.max_banked_s, e.seconds + local - unheld)
                 e.at = now
+
+    def cost_s(self, peer: str, prompt_tokens: int, held: int, answer_tokens: int) -> float:
+        """A challenge's compute on ``peer``, by the speeds its digest advertises."""
+        view = self._views.get(peer, self._model_id)
+        if view is None:
+            return math.inf
+        load = view.load
+        return (
+            max(0, prompt_tokens - held) * load.prefill_s_per_token
+            + answer_tokens * load.decode_s_per_token
+        )
+
+    def affords(self, peer: str, prompt_tokens: int, held: int, answer_tokens: int) -> bool:
+        e = self.earned.get(peer)
+        return e is not None and self.cost_s(peer, prompt_tokens, held, answer_tokens) <= e.seconds
 
     def peers(self) -> list[str]:
         horizon = time.monotonic() - self.config.wanted_for_s
-        for p in [p for p, e in self.earned.items() if e.at < horizon or e.challenges <= 0]:
+        for p in [p for p, e in self.earned.items() if e.at < horizon]:
             del self.earned[p]
         out = []
         for view in self._views.live(self._model_id):
             p = view.peer_id
+            e = self.earned.get(p)
             if (
-                p in self.earned
+                e is not None
+                and e.seconds > 0
                 and self._auditor.on_probation(p)
                 and self._trust.usable(p)
                 and not view.load.push_back
@@ -141,8 +161,11 @@ class ProbationChallenges:
 
     async def _send(self, peer: str, prompt: Sequence[int], max_tokens: int) -> list[int]:
         e = self.earned.get(peer)
-        if e is not None:
-            e.challenges -= 1  # spent whatever the verdict: a failing peer earns no retries
+        if e is not None:  # spent whatever the verdict: a failing peer earns no retries
+            held = self._views.cached_prefix_tokens(
+                peer, block_hashes(prompt, self._salt), self._model_id
+            )
+            e.seconds -= self.cost_s(peer, len(prompt), held, max_tokens)
         cfg = self._forward_config
         rtt = self._router.rtt_s(peer)
         rtt = self._router.config.default_rtt_s if rtt is None else rtt

@@ -216,17 +216,28 @@ async def test_challenges_are_earned_by_requests_that_would_have_gone_to_the_pee
 
     probation.note_wanted(decide(fast))  # served better here anyway: earns the peer nothing
     assert probation.peers() == [] and not probation.earned
-    for _ in range(5):  # held, but it would have won: one challenge each, up to what it needs
-        probation.note_wanted(decide(slow))
-    assert probation.earned[peer].challenges == 3
+    wanted = decide(slow)  # held, but it would have won: it earns the time it would have saved
+    probation.note_wanted(wanted)
+    est = wanted.estimate_for(peer)
+    assert est is not None and wanted.local_total_s is not None
+    saved = wanted.local_total_s - (est.total_s - est.hold_s)
+    assert probation.earned[peer].seconds == pytest.approx(saved)
     assert probation.peers() == [peer]
-    trust.observe_audit(peer, True)  # passed once (say, a real forward): two left to earn
-    probation.note_wanted(decide(slow))
-    assert probation.earned[peer].challenges == 2
+    cheap = probation.cost_s(peer, 512, 480, 1)  # 32 tokens to prefill and 1 to decode
+    dear = probation.cost_s(peer, 512, 0, 1)
+    assert cheap == pytest.approx(32 * 0.005 + 0.05) and dear == pytest.approx(512 * 0.005 + 0.05)
+    assert probation.affords(peer, 512, 480, 1) and not probation.affords(peer, 512, 0, 1)
     probation.challenger.known.add(tokens, [5], hashes)
     assert await probation.challenger.challenge(peer) == "failed"  # unanswered: spent anyway
-    assert await probation.challenger.challenge(peer) == "failed"
-    assert probation.peers() == [] and peer not in probation.earned
+    assert probation.earned[peer].seconds == pytest.approx(saved - cheap)
+    for _ in range(40):  # bounded: each want banks at most max_banked_s
+        probation.note_wanted(wanted)
+    assert probation.earned[peer].seconds == probation.config.max_banked_s
+    other = [(13 * i) % 40000 + 3 for i in range(512)]  # a prompt the peer holds nothing of
+    probation.challenger.known = KnownAnswers(1)
+    probation.challenger.known.add(other, [5], block_hashes(other, model_salt(model)))
+    probation.earned[peer].seconds = dear / 2  # earned less than a dear challenge costs
+    assert await probation.challenger.challenge(peer) is None
 
 
 # --------------------------------------------------------------------------- real nodes
@@ -301,8 +312,9 @@ async def test_peers_pass_or_fail_probation_on_known_answers_without_client_forw
         assert first.served_locally and all(
             c.hold_s > 0 for c in first.decision.candidates if not c.is_local
         )
-        # Both would have won but for the hold: each earned one challenge.
-        assert {p: e.challenges for p, e in probation.earned.items()} == dict.fromkeys(ids[1:], 1)
+        # Both would have won but for the hold: each earned the time it would have saved.
+        assert set(probation.earned) == set(ids[1:])
+        assert all(e.seconds > 0 for e in probation.earned.values())
         for prompt in rng_prompts[1:]:  # known answers to challenge with
             await ask(prompt)
         await wait_until(
@@ -315,8 +327,6 @@ async def test_peers_pass_or_fail_probation_on_known_answers_without_client_forw
         counts = probation.counts
         assert counts["passed"] >= PROBATION
         assert counts["mismatch"] >= 1  # the liar, audited and failed
-        # Challenges are earned by requests that wanted the peer, never more.
-        assert sum(counts.values()) <= len(rng_prompts) * 2
         assert origin.auditor is not None and origin.auditor.counts["failed"] >= 1
         after = await ask([(13 * j) % 3000 + 7 for j in range(60)])  # a new prompt
         assert after.served_by == ids[1]  # the honest peer, out of probation, is faster
