@@ -27,6 +27,7 @@ from typing import Any
 import trio
 
 from p2pnode.inference.sampling import MAX_TOP_LOGPROBS, SamplingParams, TokenLogprob
+from p2pnode.inference.serving import ServingEngine
 from p2pnode.overlay import wire
 from p2pnode.overlay.digest import MAX_MODEL_ID_LEN
 from p2pnode.overlay.limits import LimitExceeded, PeerLimiter, remote_peer
@@ -151,7 +152,7 @@ class ForwardServer:
 
     def __init__(
         self,
-        engine: Any,
+        engine: ServingEngine,
         *,
         admit: Callable[[], bool] = lambda: True,
         on_served: Callable[[str, int], None] | None = None,

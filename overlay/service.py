@@ -30,6 +30,7 @@ from p2pnode.inference.blockhash import block_hashes, model_salt
 from p2pnode.inference.lengths import OutputLengths
 from p2pnode.inference.sampling import SamplingParams, TokenLogprob
 from p2pnode.inference.scoring import scorer_for
+from p2pnode.inference.serving import ServingEngine
 from p2pnode.overlay.antientropy import AntiEntropy, AntiEntropyConfig
 from p2pnode.overlay.audit import AuditConfig, Auditor, AuditPlan, HeldAnswer
 from p2pnode.overlay.challenge import ChallengeConfig
@@ -125,7 +126,7 @@ class RoutedService:
         self,
         node: Any,
         key: Any,
-        engine: Any | None,
+        engine: ServingEngine | None,
         *,
         model_id: str | None = None,
         views: PeerViews | None = None,

@@ -25,7 +25,7 @@ from p2pnode.inference.blockhash import (
     cached_prefix_tokens,
     model_salt,
 )
-from p2pnode.inference.models import load_model
+from p2pnode.inference.models import ShapeOnlyModel, load_model
 from p2pnode.inference.radix import RadixCache
 
 N_NEW = 8
@@ -293,3 +293,13 @@ async def test_shutdown_fails_inflight_requests_cleanly(loaded) -> None:
             pass
     with pytest.raises(EngineClosed):
         eng.stream(prompt)
+
+
+async def test_the_cpu_engine_offers_what_the_routing_layer_uses() -> None:
+    from p2pnode.inference.serving import ServingEngine
+
+    async with open_engine(
+        ShapeOnlyModel(model_id="seam-check"), backend="emulated", calibrate_cost=False,
+        torch_threads=None,
+    ) as engine:  # fmt: skip
+        assert isinstance(engine, ServingEngine)

@@ -153,6 +153,7 @@ async def check_digest_follows_kv_events(engine: Any, digest: Any, prompt: list[
 
 
 async def test_vllm_engine_serves_like_the_cpu_engine(loaded: Any) -> None:
+    from p2pnode.inference.serving import ServingEngine
     from p2pnode.inference.vllm_engine import open_vllm_engine
 
     # fp32 as our CPU engine (the CPU build's default; a GPU would run bf16 otherwise).
@@ -160,6 +161,7 @@ async def test_vllm_engine_serves_like_the_cpu_engine(loaded: Any) -> None:
         None, max_batch=4, cache_budget_tokens=4096, max_model_len=MAX_LEN, dtype="float32"
     ) as engine:
         assert engine.model_id == loaded.model_id  # same tokenizer: digests and routing agree
+        assert isinstance(engine, ServingEngine)  # what the routing layer uses of an engine
         assert engine.context_length == MAX_LEN
         c = engine.cost
         assert c.calibrated and 0 < c.prefill_s_per_token < 1 and 0 < c.decode_s_per_token < 5
