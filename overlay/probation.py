@@ -8,12 +8,14 @@ earn back.
 Contract:
 - ``note_wanted(decision)``: every probation peer that would have won the request but for the
   wait for its audit earns the time it would have saved (this node's total minus the peer's
-  total without the hold), up to ``max_banked_s``. A challenge is sent only when its cost on the
-  peer (its advertised prefill speed times the prompt it does not hold, plus decoding the
-  compared tokens) fits in what the peer earned, and spends that. So the compute probation
-  takes from a peer never exceeds the time it would have saved this node's clients: where
-  forwarding barely wins (long WAN delays) peers get a few cheap challenges, where it wins by
-  a prefill they get enough at once. Earned time lapses ``wanted_for_s`` after the last want.
+  total without the hold), up to ``max_banked_s``. A challenge on a prompt the peer holds half
+  of or more (a prefix challenge, or a cheap one) is free once the peer is wanted: it costs
+  the peer a few decode steps, as a real forward on a prefix it holds would. A dear one (the
+  peer would prefill most of the prompt) is sent only when its cost on the peer (its
+  advertised prefill speed times the prompt it does not hold, plus decoding the compared
+  tokens) fits in what the peer earned, and spends that: where forwarding barely wins (long
+  WAN delays) peers get few of them, where it wins by a prefill they get them at once.
+  Earned time lapses ``wanted_for_s`` after the last want.
 - ``peers()``: the peers a challenge may go to now: with time earned, serving the model, up,
   usable, on probation, and idle both by their digest and by what this node already sent.
 - ``know(prompt, params, tokens)``: a greedy answer this node computed itself becomes a known
@@ -36,7 +38,7 @@ from prometheus_client import CollectorRegistry
 from p2pnode.inference.blockhash import block_hashes
 from p2pnode.inference.sampling import SamplingParams
 from p2pnode.overlay.audit import Auditor
-from p2pnode.overlay.challenge import ChallengeConfig, Challenger, ChallengeUnanswered
+from p2pnode.overlay.challenge import AnswerFn, ChallengeConfig, Challenger, ChallengeUnanswered
 from p2pnode.overlay.forward import ForwardConfig, ForwardFailed, ForwardRequest, forward_request
 from p2pnode.overlay.router import Router, RoutingDecision
 from p2pnode.overlay.trust import TrustBook
@@ -74,6 +76,7 @@ class ProbationChallenges:
         auditor: Auditor,
         trust: TrustBook,
         forward_config: ForwardConfig,
+        answer: AnswerFn | None = None,
         challenge_config: ChallengeConfig | None = None,
         config: ProbationConfig | None = None,
         registry: CollectorRegistry | None = None,
@@ -97,6 +100,7 @@ class ProbationChallenges:
                 peer, prompt, answer, SamplingParams(max_tokens=len(answer))
             ),
             afford=self.affords,
+            answer=answer,
             config=challenge_config,
             registry=registry,
         )
@@ -136,7 +140,11 @@ class ProbationChallenges:
 
     def affords(self, peer: str, prompt_tokens: int, held: int, answer_tokens: int) -> bool:
         e = self.earned.get(peer)
-        return e is not None and self.cost_s(peer, prompt_tokens, held, answer_tokens) <= e.seconds
+        if e is None:
+            return False
+        if _cheap(prompt_tokens, held):
+            return True
+        return self.cost_s(peer, prompt_tokens, held, answer_tokens) <= e.seconds
 
     def peers(self) -> list[str]:
         horizon = time.monotonic() - self.config.wanted_for_s
@@ -161,10 +169,11 @@ class ProbationChallenges:
 
     async def _send(self, peer: str, prompt: Sequence[int], max_tokens: int) -> list[int]:
         e = self.earned.get(peer)
-        if e is not None:  # spent whatever the verdict: a failing peer earns no retries
-            held = self._views.cached_prefix_tokens(
-                peer, block_hashes(prompt, self._salt), self._model_id
-            )
+        held = self._views.cached_prefix_tokens(
+            peer, block_hashes(prompt, self._salt), self._model_id
+        )
+        if e is not None and not _cheap(len(prompt), held):
+            # Spent whatever the verdict: a failing peer earns no retries.
             e.seconds -= self.cost_s(peer, len(prompt), held, max_tokens)
         cfg = self._forward_config
         rtt = self._router.rtt_s(peer)
@@ -195,3 +204,9 @@ class ProbationChallenges:
                 peer, len(prompt), outcome.first_token_s, outcome.done.ttft_s
             )
         return list(outcome.tokens)
+
+
+def _cheap(prompt_tokens: int, held: int) -> bool:
+    """The peer holds half the prompt or more: the challenge costs it what a real forward on a
+    prefix it holds would (``overlay/challenge.py`` sends those first)."""
+    return 2 * held >= prompt_tokens

@@ -218,6 +218,7 @@ class RoutedService:
                 auditor=self.auditor,
                 trust=self.trust,
                 forward_config=self.forward_config,
+                answer=self._own_answer if engine is not None else None,
                 challenge_config=challenge_config,
                 registry=registry,
             )
@@ -520,6 +521,22 @@ class RoutedService:
     def _note_use(self, prompt: list[int]) -> None:
         if self.gate is not None:
             self.gate.note_request(block_hashes(prompt, self.salt))
+
+    async def _own_answer(self, prompt: list[int], max_tokens: int) -> list[int] | None:
+        """This node's greedy answer to a prefix challenge, or None while its engine has work
+        (a challenge never delays a client's request)."""
+        e = self.engine
+        if e is None or e.queue_depth > 0:
+            return None
+        tokens: list[int] = []
+        stream = e.stream(prompt, SamplingParams(max_tokens=max_tokens))
+        try:
+            async for t in stream:
+                tokens.append(t)
+        finally:
+            if stream.result is None:
+                await stream.aclose()
+        return tokens
 
     async def _run_local(
         self,

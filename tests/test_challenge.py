@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import random
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
@@ -125,6 +126,37 @@ async def test_dear_challenges_are_spaced_and_cheap_ones_are_not(autojump_clock)
     assert [await ch.challenge("p") for _ in range(3)] == ["passed"] * 3
 
 
+async def test_a_prefix_challenge_cuts_the_known_prompt_just_past_what_the_peer_holds() -> None:
+    prompt = list(range(100, 300))  # 200 tokens; the peer's view holds the first 160
+    asked: list[list[int]] = []
+    sent: list[list[int]] = []
+    busy = {"now": False}
+
+    async def answer(p: list[int], n: int) -> list[int] | None:
+        asked.append(p)
+        return None if busy["now"] else [p[-1] % 7] * n  # our own greedy answer
+
+    async def send(_peer: str, p: list[int], n: int) -> list[int]:
+        sent.append(p)
+        return [p[-1] % 7] * n  # an honest peer: the same model, the same answer
+
+    trust = TrustBook()
+    ch = Challenger(
+        send=send, peers=lambda: ["p"], held=lambda _peer, _blocks: 160, trust=trust,
+        mismatch=lambda *_: None, answer=answer,
+        config=ChallengeConfig(max_tokens=2, max_overhang=15), rng=random.Random(3),
+    )  # fmt: skip
+    ch.known.add(prompt, [9, 9], blocks=[1])
+    for _ in range(5):
+        assert await ch.challenge("p") == "passed"
+    assert trust.audited_ok("p") == 5
+    for cut in sent:  # never more than 15 tokens the peer must prefill and cache
+        assert cut == prompt[: len(cut)] and 161 <= len(cut) <= 175
+    assert asked == sent  # each cut prompt answered here first
+    busy["now"] = True  # our engine has client work: no challenge, nothing sent
+    assert await ch.challenge("p") is None and len(sent) == 5
+
+
 # --------------------------------------------------------------------------- router hold
 
 
@@ -228,8 +260,9 @@ async def test_challenges_are_earned_by_requests_that_would_have_gone_to_the_pee
     assert cheap == pytest.approx(32 * 0.005 + 0.05) and dear == pytest.approx(512 * 0.005 + 0.05)
     assert probation.affords(peer, 512, 480, 1) and not probation.affords(peer, 512, 0, 1)
     probation.challenger.known.add(tokens, [5], hashes)
-    assert await probation.challenger.challenge(peer) == "failed"  # unanswered: spent anyway
-    assert probation.earned[peer].seconds == pytest.approx(saved - cheap)
+    # Cheap (the peer holds most of it): free once wanted. Unanswered: no verdict.
+    assert await probation.challenger.challenge(peer) == "failed"
+    assert probation.earned[peer].seconds == pytest.approx(saved)
     for _ in range(40):  # bounded: each want banks at most max_banked_s
         probation.note_wanted(wanted)
     assert probation.earned[peer].seconds == probation.config.max_banked_s
@@ -238,6 +271,9 @@ async def test_challenges_are_earned_by_requests_that_would_have_gone_to_the_pee
     probation.challenger.known.add(other, [5], block_hashes(other, model_salt(model)))
     probation.earned[peer].seconds = dear / 2  # earned less than a dear challenge costs
     assert await probation.challenger.challenge(peer) is None
+    probation.earned[peer].seconds = dear * 1.5
+    assert await probation.challenger.challenge(peer) == "failed"  # unanswered: spent anyway
+    assert probation.earned[peer].seconds == pytest.approx(dear / 2)
 
 
 # --------------------------------------------------------------------------- real nodes
@@ -298,7 +334,7 @@ async def test_peers_pass_or_fail_probation_on_known_answers_without_client_forw
             30,
             "views of both peers and their RTTs",
         )
-        rng_prompts = [[(17 * i + 31 * j) % 4000 + 10 for j in range(60)] for i in range(4)]
+        rng_prompts = [[(17 * i + 31 * j) % 4000 + 10 for j in range(200)] for i in range(4)]
         probation = origin.probation
         assert probation is not None
         assert probation.peers() == []  # no request wanted them yet: none challenged
