@@ -31,7 +31,8 @@ Contract:
   what the view holds, and this node answers the cut prompt itself (a few decode steps on a
   prefix it holds; nothing when its engine is busy). A full known prompt would make the peer
   prefill and cache the whole uncached rest: on small caches that evicts prefixes its own
-  clients need (measured: a 200 ms WAN trial lost 8 % of its hit rate to it).
+  clients need (measured on a 200 ms trial with 4,096-token caches: hit rate 63.3 % against
+  66.3 % with no challenges).
 - ``afford`` (optional): asked before each full-prompt challenge with its size; False sends
   nothing now (``overlay/probation.py`` spends an earned budget there).
 - Cost: on the peer, one forward of a few tokens on a prefix it holds (a prefix challenge) or a
