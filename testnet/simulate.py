@@ -93,6 +93,7 @@ class SimConfig:
     churn_per_min: float = 0.0
     detect_s: float = 3.5
     scope: ScopePolicy = field(default_factory=ScopePolicy)
+    placement: bool = True  # the router's placement on misses (RouterConfig.placement)
     seed: int = 1
 
     @property
@@ -246,14 +247,19 @@ class Simulation:
         self.digest_bytes = [0] * cfg.nodes  # sealed bytes published, per publisher
         self.decide_s: list[float] = []
         self.lookups = 0
+        self.reasons: dict[str, int] = {}  # decisions by the router's reason (diagnostics)
         self.directory: dict[bytes, list[int]] = {}
+        # Diagnostics, not read by any router: every node that ever stored a key's prefix.
+        self.ever_held: dict[bytes, set[int]] = {}
         self.down_since: dict[int, float] = {}
 
     # -- set-up ---------------------------------------------------------------------------
 
     def _router(self, i: int) -> Router:
         cfg = self.cfg
-        config = RouterConfig(max_remote_attempts=2 if cfg.routing else 0)
+        config = RouterConfig(
+            max_remote_attempts=2 if cfg.routing else 0, placement=cfg.placement
+        )
         if cfg.views == "scoped":
             scope = {str(j) for j in self.net.nearest(i, cfg.scope)}
             self.scope_str.append(scope)
@@ -281,12 +287,14 @@ class Simulation:
 
         def listener(event: Any) -> None:
             hashes = getattr(event, "hashes", None)
-            if not hashes or self.cfg.views != "scoped":
+            if not hashes:
                 return
             # A stored chain that reaches the key block announces this node under the key.
             for h in hashes:
                 key = self._key_of_block.get(h)
                 if key is not None:
+                    self.ever_held.setdefault(key, set()).add(node.index)
+                if key is not None and self.cfg.views == "scoped":
                     holders = self.directory.setdefault(key, [])
                     if node.index not in holders:
                         holders.insert(0, node.index)
@@ -330,11 +338,15 @@ class Simulation:
         node = self.nodes[entry]
         target = entry
         estimate = 0
+        anywhere = self._held_anywhere(ids, hashes)
+        visible = node.tree.prefix_len(ids)
+        info = {"lookup": "none"}
         if cfg.routing:
             router = self.routers[entry]
             decision = self._decide(router, node, ids, hashes)
+            visible = max(visible, *(c.view_cached_tokens for c in decision.candidates))
             if cfg.views == "scoped":
-                decision = yield from self._maybe_lookup(router, node, ids, hashes, decision)
+                decision = yield from self._maybe_lookup(router, node, ids, hashes, decision, info)
             if decision.chosen != LOCAL:
                 target = int(decision.chosen)
                 chosen = decision.estimate_for(decision.chosen)
@@ -360,8 +372,18 @@ class Simulation:
                 "cached": cached,
                 "server": target,
                 "forwarded": target != entry,
+                # diagnostics: the longest prefix some up node held when the request arrived,
+                # the longest the entry's first decision could see, and the lookup's outcome
+                "anywhere": min(anywhere, len(ids) - 1),
+                "visible": min(visible, len(ids) - 1),
+                "lookup": info["lookup"],
             }
         )
+
+    def _held_anywhere(self, ids, hashes) -> int:
+        key = prefix_key(hashes, self.cfg.scope.key_blocks)
+        holders = self.ever_held.get(key, ()) if key is not None else ()
+        return max((self.nodes[h].tree.prefix_len(ids) for h in holders), default=0)
 
     def _decide(self, router: Router, node: SimNode, ids, hashes):
         t = time.perf_counter()
@@ -374,9 +396,10 @@ class Simulation:
             record=False,
         )
         self.decide_s.append(time.perf_counter() - t)
+        self.reasons[d.reason] = self.reasons.get(d.reason, 0) + 1
         return d
 
-    def _maybe_lookup(self, router: Router, node: SimNode, ids, hashes, decision):
+    def _maybe_lookup(self, router: Router, node: SimNode, ids, hashes, decision, info):
         kb = self.cfg.scope.key_blocks
         key = prefix_key(hashes, kb)
         best = max((c.view_cached_tokens for c in decision.candidates), default=0)
@@ -386,12 +409,15 @@ class Simulation:
         cost = hops * node.mean_rtt_s
         uncached = len(ids) - max(best, node.tree.prefix_len(ids))
         if not self.cfg.scope.lookup_worth(uncached, cost, node.mean_rtt_s):
+            info["lookup"] = "not_worth"
             return decision
         holders = [h for h in self.directory.get(key, []) if h != node.index and self.nodes[h].up]
         self.lookups += 1
         yield self.env.timeout(cost)
         if not holders:
+            info["lookup"] = "no_holder"
             return decision
+        info["lookup"] = "found"
         views = router.views
         assert isinstance(views, ScopedViews)
         for h in holders[:3]:
