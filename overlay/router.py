@@ -37,7 +37,10 @@ Contract:
   ``placement_share`` of a full prefill of the best total. Every entry node ranks the same
   peers the same way, so misses of one prefix converge on one home; a home in push-back (or
   with a queue that takes it out of the budget) drops out and the next in rank becomes a
-  second home. Far peers never qualify: their network cost exceeds the budget.
+  second home. Far peers never qualify: their network cost exceeds the budget. With scoped
+  views the ranking runs over ``placement_pool`` only (the node's cell, ``overlay/scope.py``),
+  the one set every node of the cell has in view: over each node's own nearest peers, nodes
+  with different scopes would pick different homes and misses would never converge.
 - ``decide`` returns a ``RoutingDecision``: every candidate's estimate, the choice, and
   ``attempts``: the order to try (the chosen peer, then other peers that also beat local, at most
   ``max_remote_attempts``, then local when the node serves the model). Each decision is logged as
@@ -48,10 +51,17 @@ Contract:
 - ``PushBack(high, low)``: hysteresis for the flag a node advertises: on at ``queue_depth >= high``,
   off again at ``queue_depth <= low``.
 - Bound on what a node keeps (``overlay/scope.py``): the router reads only ``views.live()``; with
-  ``ScopedViews`` that is the peers within ``rtt_budget_s = max_prompt_tokens *
-  prefill_s_per_token / (forward_round_trips + rtt_margin)`` (farther ones cannot win by the
-  rule above), at most ``max_views`` of them, plus the ``k_nearest`` always; far holders of a
-  long prefix are found by a prefix-key lookup and admitted for the decision.
+  ``ScopedViews`` that is the node's cell (the peers of its region in its name-hash bucket:
+  ``cell_nodes`` to ``2 * cell_nodes`` of them on average, whatever the swarm's size), then the
+  nearest peers within ``rtt_budget_s = max_prompt_tokens * prefill_s_per_token /
+  (forward_round_trips + rtt_margin)`` (farther ones cannot win by the margin rule above: the
+  most a peer can save is a full prefill of the longest prompt, a forward costs
+  ``forward_round_trips`` RTTs plus a margin of one) up to ``max_views`` in all, plus the
+  ``k_nearest`` always. Memory and digest traffic per node are so O(max(max_views,
+  2 * cell_nodes) + k_nearest). Placement and scope are one design: the cell is both what a
+  node keeps in view and the set its homes are ranked over. Far holders of a long prefix
+  (beyond the scope) are found by a lookup keyed by the prompt's placement key (the same
+  leading blocks) and admitted for the decision.
 """
 
 from __future__ import annotations
@@ -279,8 +289,13 @@ class Router:
         self_id: str | None = None,
         netcost: ForwardCost | None = None,
         hold_s: Callable[[str, int], float] | None = None,
+        placement_pool: Callable[[str], bool] | None = None,
     ) -> None:
         self.views = views
+        # Peers that take part in the rendezvous of placement on misses (None: every eligible
+        # candidate). With scoped views, the node's cell (overlay/scope.py): a set every node
+        # of the cell ranks alike, where each node's own nearest peers would differ.
+        self.placement_pool = placement_pool
         # This node's peer id: it takes part in the rendezvous ranking under its real name, so
         # every node ranks the same set the same way.
         self.self_id = self_id
@@ -494,6 +509,8 @@ class Router:
         pool = [c for c in candidates if c.is_local or c.skipped is None]
         if not pool or any(c.cached_tokens >= blocks * BLOCK_SIZE - 1 for c in pool):
             return None  # somebody holds the key: ordinary cost routing finds them
+        if self.placement_pool is not None:
+            pool = [c for c in pool if c.is_local or self.placement_pool(c.peer_id)]
         if any(c.is_local for c in pool) and self.self_id is None:
             return None  # without our own name the ranking would differ from our peers'
         best = min(c.total_s for c in pool)

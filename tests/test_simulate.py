@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from p2pnode.overlay.scope import ScopedViews, ScopePolicy, prefix_key
+from p2pnode.overlay.scope import ScopedViews, ScopePolicy, cell_of, prefix_key
 from p2pnode.testnet.simulate import SimConfig, mmlu_prompts, simulate
 
 
@@ -25,12 +25,14 @@ def _cfg(**kw) -> SimConfig:
 
 @pytest.mark.slow
 def test_routing_beats_no_routing_and_scoped_views_stay_bounded(prompts) -> None:
-    policy = ScopePolicy(max_views=6, k_nearest=3)
+    policy = ScopePolicy(max_views=6, k_nearest=3, cell_nodes=0)
     baseline = simulate(_cfg(routing=False), prompts)
     full = simulate(_cfg(), prompts)
     scoped = simulate(_cfg(views="scoped", scope=policy), prompts)
     assert baseline.requests == full.requests == scoped.requests > 100
     assert full.views_per_node == 23 and scoped.views_per_node <= 6
+    # a far holder found by a lookup took over requests already under way elsewhere
+    assert scoped.lookups > 0 and scoped.redirects > 0
     assert scoped.digest_bytes_per_node_s < full.digest_bytes_per_node_s
     assert full.hit_rate > baseline.hit_rate + 0.2
     assert full.hit_rate <= full.hit_rate_ceiling
@@ -73,3 +75,22 @@ def test_scoped_views_drop_digests_out_of_scope() -> None:
     assert {v.peer_id for v in views.live("m")} == {"near", "far"}
     now[0] = 6.0
     assert [v.peer_id for v in views.live("m")] == ["near"]
+
+
+def test_cells_are_shared_sets_within_the_bound() -> None:
+    policy = ScopePolicy(max_views=4, k_nearest=1, cell_nodes=3)
+    assert [policy.cells(n) for n in (1, 3, 5, 6, 100)] == [1, 1, 1, 2, 33]
+    assert ScopePolicy(cell_nodes=0).cells(10_000) == 1
+    names = [f"peer{i}" for i in range(60)]
+    cells = {n: cell_of(n, "eu", policy.cells(60)) for n in names}
+    # the cell is a function of the name, the region and its size: every node agrees on it
+    assert cells == {n: cell_of(n, "eu", policy.cells(60)) for n in names}
+    assert cell_of("peer1", "eu", 20) != cell_of("peer1", "us", 20)
+    assert set(cells.values()) <= {f"eu/{k}" for k in range(20)}
+    assert len(set(cells.values())) > 10  # names spread over the buckets
+    # the whole cell stays in view, the nearest fill up to max_views, the k nearest always
+    rtts = [("a", 0.01), ("b", 0.02), ("c", 0.03), ("d", 0.04), ("e", 0.05)]
+    assert policy.select(rtts, cell=["x", "y", "z"]) == {"x", "y", "z", "a"}
+    assert policy.select(rtts, cell=["x"]) == {"x", "a", "b", "c"}
+    with pytest.raises(ValueError):
+        ScopePolicy(cell_nodes=-1)
