@@ -88,6 +88,22 @@ def spec_config(
     )
 
 
+def shipped_calibration() -> Calibration:
+    """The calibration shipped with the package (what an emulated node reads on a machine
+    without its own): the reference trial ran with it, so the reference check uses it too."""
+    from importlib import resources
+
+    data = json.loads(
+        resources.files("p2pnode.inference").joinpath("data", "calibration.json").read_text()
+    )
+    return Calibration(
+        prefill_s_per_token=float(data["prefill_s_per_token"]),
+        decode_s_per_token=float(data["decode_s_per_token"]),
+        overhead_s=float(data["overhead_s"]),
+        source="shipped",
+    )
+
+
 def spec_plan(spec: TrialSpec) -> tuple[list[list[int]], list[tuple[float, int, int]]]:
     """The trial's planned requests as token ids: the distinct prompts, and per request
     ``(send time, prompt index, entry node)``."""

@@ -96,6 +96,7 @@ class SimConfig:
     scope: ScopePolicy = field(default_factory=ScopePolicy)
     placement: bool = True  # the router's placement on misses (RouterConfig.placement)
     lookup: str = "overlap"  # "overlap": beside the first path; "before": on the critical path
+    lookup_levels: str = "region"  # "region": the region's DHT, then the world's; "world"
     seed: int = 1
 
     @property
@@ -199,6 +200,7 @@ class SimNode:
         self.up = True
         self.served = 0
         self.mean_rtt_s = 0.1
+        self.region_rtt_s = 0.1
         self._new_cache()
 
     def _new_cache(self) -> None:
@@ -277,6 +279,12 @@ class Simulation:
         self.redirects = 0
         self.reasons: dict[str, int] = {}  # decisions by the router's reason (diagnostics)
         self.directory: dict[bytes, list[int]] = {}
+        # The region's own DHT (a cluster, as in Coral's DSHT): its records name the region's
+        # holders, and a lookup there costs hops at the region's RTT, not the world's.
+        self.region_directory: dict[tuple[str, bytes], list[int]] = {}
+        self.region_size: dict[str, int] = {}
+        for r in self.net.region:
+            self.region_size[r] = self.region_size.get(r, 0) + 1
         # Diagnostics, not read by any router: every node that ever stored a key's prefix.
         self.ever_held: dict[bytes, set[int]] = {}
         self.down_since: dict[int, float] = {}
@@ -327,10 +335,14 @@ class Simulation:
                 if key is not None:
                     self.ever_held.setdefault(key, set()).add(node.index)
                 if key is not None and self.cfg.views == "scoped":
-                    holders = self.directory.setdefault(key, [])
-                    if node.index not in holders:
-                        holders.insert(0, node.index)
-                        del holders[8:]
+                    region = self.net.region[node.index]
+                    for holders in (
+                        self.directory.setdefault(key, []),
+                        self.region_directory.setdefault((region, key), []),
+                    ):
+                        if node.index not in holders:
+                            holders.insert(0, node.index)
+                            del holders[8:]
 
         return listener
 
@@ -472,29 +484,57 @@ class Simulation:
         if prefix_key(hashes, kb) is None or best > kb * 16 or here > kb * 16:
             return False
         uncached = len(ids) - max(best, here)
-        if not self.cfg.scope.lookup_worth(uncached, self._lookup_s(node), node.mean_rtt_s):
+        steps = self._lookup_steps(node, uncached)
+        if not steps:
             info["lookup"] = "not_worth"
             return False
         info["lookup"] = "pending"
+        info["uncached"] = uncached
         return True
 
-    def _lookup_s(self, node: SimNode) -> float:
-        return max(1, math.ceil(math.log2(max(2, self.cfg.nodes)) / 2)) * node.mean_rtt_s
+    def _hops(self, n: int) -> int:
+        return max(1, math.ceil(math.log2(max(2, n)) / 2))
+
+    def _lookup_steps(self, node: SimNode, uncached: int) -> list[tuple[str, float, float]]:
+        """The lookups worth making, in the order their answers come: ``(level, lookup s,
+        RTT to a holder there)``; both start at once, the region's DHT answers first."""
+        policy = self.cfg.scope
+        region = self.net.region[node.index]
+        levels = []
+        if self.cfg.lookup_levels == "region" and self.region_size[region] > 1:
+            levels.append(("region", self._hops(self.region_size[region]) * node.region_rtt_s))
+        levels.append(("world", self._hops(self.cfg.nodes) * node.mean_rtt_s))
+        steps = []
+        for level, cost in levels:
+            rtt = node.region_rtt_s if level == "region" else node.mean_rtt_s
+            if policy.lookup_worth(uncached, cost, rtt):
+                steps.append((level, cost, rtt))
+        return sorted(steps, key=lambda step: step[1])
 
     def _lookup(self, router: Router, node: SimNode, ids, hashes, info):
-        """The DHT lookup of the prompt's key, then a pull of the holders' digests; the new
+        """The DHT lookups of the prompt's key, then a pull of the holders' digests; the new
         decision and the holders admitted, or None when nobody holds the key."""
         key = prefix_key(hashes, self.cfg.scope.key_blocks)
-        holders = [h for h in self.directory.get(key, []) if h != node.index and self.nodes[h].up]
-        self.lookups += 1
-        yield self.env.timeout(self._lookup_s(node))
+        region = self.net.region[node.index]
+        start = self.env.now
+        holders: list[int] = []
+        rtt = node.mean_rtt_s
+        for level, spent, step_rtt in self._lookup_steps(node, info["uncached"]):
+            rtt = step_rtt
+            where = self.region_directory.get((region, key), []) if level == "region" else None
+            found = self.directory.get(key, []) if where is None else where
+            holders = [h for h in found if h != node.index and self.nodes[h].up]
+            self.lookups += 1
+            yield self.env.timeout(max(0.0, start + spent - self.env.now))
+            if holders:
+                break
         if not holders:
             info["lookup"] = "no_holder"
             return None
         info["lookup"] = "found"
         views = router.views
         assert isinstance(views, ScopedViews)
-        yield self.env.timeout(node.mean_rtt_s)  # the holders' digests, pulled
+        yield self.env.timeout(rtt)  # the holders' digests, pulled
         for h in holders:
             views.admit_temporarily(str(h), 2 * self.cfg.gossip_interval_s)
             # A pull answers with the holder's digest as of now (the shared view would lag
@@ -564,9 +604,15 @@ class Simulation:
             self.nodes[j].up = True
 
     def mean_rtts(self, samples: int = 32) -> None:
+        members: dict[str, list[int]] = {}
+        for i, r in enumerate(self.net.region):
+            members.setdefault(r, []).append(i)
         for node in self.nodes:
             peers = [self.rng.randrange(self.cfg.nodes) for _ in range(samples)]
             node.mean_rtt_s = statistics.fmean(self.net.base_rtt(node.index, p) for p in peers)
+            near = members[self.net.region[node.index]]
+            near = [self.rng.choice(near) for _ in range(samples)]
+            node.region_rtt_s = statistics.fmean(self.net.base_rtt(node.index, p) for p in near)
 
     def run(self) -> SimResult:
         t0 = time.perf_counter()
