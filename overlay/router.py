@@ -37,10 +37,10 @@ Contract:
   ``placement_share`` of a full prefill of the best total. Every entry node ranks the same
   peers the same way, so misses of one prefix converge on one home; a home in push-back (or
   with a queue that takes it out of the budget) drops out and the next in rank becomes a
-  second home. Far peers never qualify: their network cost exceeds the budget. With scoped
-  views the ranking runs over ``placement_pool`` only (the node's cell, ``overlay/scope.py``),
-  the one set every node of the cell has in view: over each node's own nearest peers, nodes
-  with different scopes would pick different homes and misses would never converge.
+  second home. Far peers never qualify: their network cost exceeds the budget. Given a
+  ``placement_pool``, the ranking runs over those peers only (and this node): with scoped
+  views, the node's cell (``overlay/scope.py``), one set every node of the cell has in view,
+  where the peers of each node's own scope differ from node to node.
 - ``decide`` returns a ``RoutingDecision``: every candidate's estimate, the choice, and
   ``attempts``: the order to try (the chosen peer, then other peers that also beat local, at most
   ``max_remote_attempts``, then local when the node serves the model). Each decision is logged as
@@ -51,17 +51,16 @@ Contract:
 - ``PushBack(high, low)``: hysteresis for the flag a node advertises: on at ``queue_depth >= high``,
   off again at ``queue_depth <= low``.
 - Bound on what a node keeps (``overlay/scope.py``): the router reads only ``views.live()``; with
-  ``ScopedViews`` that is the node's cell (the peers of its region in its name-hash bucket:
-  ``cell_nodes`` to ``2 * cell_nodes`` of them on average, whatever the swarm's size), then the
-  nearest peers within ``rtt_budget_s = max_prompt_tokens * prefill_s_per_token /
-  (forward_round_trips + rtt_margin)`` (farther ones cannot win by the margin rule above: the
-  most a peer can save is a full prefill of the longest prompt, a forward costs
-  ``forward_round_trips`` RTTs plus a margin of one) up to ``max_views`` in all, plus the
-  ``k_nearest`` always. Memory and digest traffic per node are so O(max(max_views,
-  2 * cell_nodes) + k_nearest). Placement and scope are one design: the cell is both what a
-  node keeps in view and the set its homes are ranked over. Far holders of a long prefix
-  (beyond the scope) are found by a lookup keyed by the prompt's placement key (the same
-  leading blocks) and admitted for the decision.
+  ``ScopedViews`` that is the peers within ``rtt_budget_s = max_prompt_tokens *
+  prefill_s_per_token / (forward_round_trips + rtt_margin)`` (farther ones cannot win by the
+  margin rule above: the most a peer can save is a full prefill of the longest prompt, and a
+  forward costs ``forward_round_trips`` RTTs plus a margin of one), at most ``max_views`` of
+  them, nearest first, plus the ``k_nearest`` always (and, with cells, the node's whole cell):
+  memory and digest traffic per node are O(max_views + k_nearest), whatever the swarm's size.
+  Placement and scope are one design: the home of a miss is ranked over the peers in scope (or
+  the cell), the same leading blocks are the placement key and the key of the prefix lookup
+  that finds far holders of a long prefix, and the holders a lookup finds are admitted to the
+  views for the decision, where cost routing weighs them like any peer.
 """
 
 from __future__ import annotations

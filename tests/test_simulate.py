@@ -94,3 +94,51 @@ def test_cells_are_shared_sets_within_the_bound() -> None:
     assert policy.select(rtts, cell=["x"]) == {"x", "a", "b", "c"}
     with pytest.raises(ValueError):
         ScopePolicy(cell_nodes=-1)
+
+
+def test_placement_ranks_homes_over_the_pool_only() -> None:
+    import random
+
+    from p2pnode.identity import NodeKey
+    from p2pnode.inference.blockhash import block_hashes, model_salt
+    from p2pnode.overlay.digest import DigestBuilder, LoadInfo
+    from p2pnode.overlay.router import LOCAL, LocalState, Router
+    from p2pnode.overlay.views import PeerViews
+
+    model = "m@0"
+    keys = [NodeKey.from_seed(bytes([k + 70] * 32)).peer_id for k in range(6)]
+    cell = set(keys[:2])
+
+    def router(me: str, pool: set[str] | None) -> Router:
+        views = PeerViews()
+        for other in keys:
+            if other != me:
+                load = LoadInfo(0, 0.0, False, 1 / 430, 1 / 16)
+                views.apply(DigestBuilder(other, model, load_fn=lambda load=load: load).full())
+        return Router(
+            views,
+            rtt_s=lambda _p: 0.005,
+            self_id=me,
+            placement_pool=None if pool is None else pool.__contains__,
+        )
+
+    def home(r: Router, tokens: list[int]) -> str:
+        d = r.decide(
+            model_id=model,
+            prompt_block_hashes=block_hashes(tokens, model_salt(model)),
+            prompt_tokens=len(tokens),
+            max_tokens=8,
+            local=LocalState(0, 0.0, 1 / 430, 1 / 16),
+            record=False,
+        )
+        assert d.reason == "placement_home", d.to_log()
+        return r.self_id if d.chosen == LOCAL else d.chosen
+
+    rng = random.Random(5)
+    everywhere = set()
+    for _ in range(12):
+        tokens = [rng.randrange(1, 30000) for _ in range(200)]
+        in_cell = {home(router(me, cell), tokens) for me in keys[:2]}
+        assert len(in_cell) == 1 and in_cell <= cell  # the cell agrees, on one of its own
+        everywhere |= {home(router(me, None), tokens) for me in keys}
+    assert everywhere - cell  # without a pool, homes fall outside the cell too
