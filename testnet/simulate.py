@@ -16,15 +16,21 @@ What is simulated (stated so figures are read right):
   speed (200,000 km/s) + an access delay per end + exponential jitter per message. A forward
   costs what the entry router's network-cost model says (``overlay/netcost.py``: its prior
   of 3 RTTs plus the request's bytes at 10 Mbit/s, as nothing is measured in the simulation).
-- Compute: one request at a time per node (no batching), taking the cost model's time; the
-  advertised load is the exact backlog. Digests travel as gossip reaching every subscriber
+- Compute: one request at a time per node (no batching), taking the cost model's time (the
+  first token comes with the prefill, as in the engine; later ones take a decode step each);
+  the advertised load is the exact backlog. Digests travel as gossip reaching every subscriber
   after the mean one-way delay (no per-receiver ordering; a receiver's own view of a peer
   is the shared one, so the simulation holds one copy of each view).
 - Scoped views: a node applies only digests of its scope; digest traffic into a node is the
-  sealed bytes of the publishers it keeps in view (as with per-scope topics or direct pushes);
-  a prompt of at least ``key_blocks`` blocks that no in-scope view holds beyond its first key
-  block triggers a prefix lookup (a simulated DHT: ``ceil(log2 N) / 2`` hops at the node's mean
-  RTT) whose holders are admitted for that decision.
+  sealed bytes of the publishers it keeps in view (as with per-scope topics or direct pushes),
+  plus its share of the digests pulled after lookups. A prompt of at least ``key_blocks``
+  blocks that no in-scope view holds beyond its first key block triggers prefix lookups when
+  ``ScopePolicy.lookup_worth`` (simulated DHTs: ``ceil(log2 n) / 2`` hops, in the region's DHT
+  at the node's mean RTT within its region, in the world's at its mean RTT to anyone; both
+  start at once). The lookup runs beside the request, which has started on its first path; the
+  holders found are pulled (their digest as of now) and admitted for the decision, and the
+  request moves to the best of them if the router expects it to finish before what is left of
+  the first path (``redirects``; the work done there is lost).
 - Churn: ``churn_per_min`` of the nodes leave per minute (cache lost) and come back at once
   with an empty cache; others see them down after ``detect_s``.
 
@@ -784,6 +790,7 @@ COLUMNS = (
     ("mean_latency_s", "mean latency s"),
     ("latency_vs_baseline", "vs no routing"),
     ("lookups", "lookups"),
+    ("redirects", "redirects"),
     ("wall_s", "wall s"),
 )
 
@@ -865,9 +872,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--churn-per-min", type=float, default=0.0, help="share of nodes per min")
     parser.add_argument("--max-views", type=int, default=ScopePolicy.max_views)
     parser.add_argument("--k-nearest", type=int, default=ScopePolicy.k_nearest)
+    parser.add_argument("--cell-nodes", type=int, default=ScopePolicy.cell_nodes)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument(
+        "--spec",
+        default=None,
+        help="simulate this trial spec instead (its nodes, delays and planned requests), "
+        "both arms, and print the figures a trial reports (testnet/simspec.py)",
+    )
     parser.add_argument("--out", default="bench/results/simulate", help="folder for JSON + plot")
     args = parser.parse_args(argv)
+    if args.spec is not None:
+        from p2pnode.testnet.simspec import simulate_spec
+        from p2pnode.testnet.spec import SpecError, builtin_spec_path, load_spec
+
+        try:
+            spec = load_spec(builtin_spec_path(args.spec))
+        except (SpecError, OSError) as exc:
+            parser.error(f"--spec: {exc}")
+        print(json.dumps(simulate_spec(spec), indent=1))
+        return 0
     try:
         sizes = [int(x) for x in args.nodes.split(",") if x]
     except ValueError:
@@ -878,7 +902,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         duration_s=args.duration,
         rate_per_s=args.rate,
         churn_per_min=args.churn_per_min,
-        scope=ScopePolicy(max_views=args.max_views, k_nearest=args.k_nearest),
+        scope=ScopePolicy(
+            max_views=args.max_views, k_nearest=args.k_nearest, cell_nodes=args.cell_nodes
+        ),
         seed=args.seed,
     )
     started = time.perf_counter()
