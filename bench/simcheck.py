@@ -5,7 +5,7 @@
 
 The trial is run first, as any trial (``python -m p2pnode.testnet.run_trial paper-lan-zipf
 --out /tmp/simcheck``, ~3 min); this script simulates the same spec, prints both sets of
-figures with the differences, says which are within ``TOLERANCE``, and writes
+figures with the differences, says which are within ``simspec.TOLERANCE``, and writes
 ``bench/results/simcheck.json``. ``--write-reference`` also stores the trial's figures as
 ``tests/data/simcheck_<spec>.json``, which ``tests/test_simulate.py`` checks the simulator
 against (no trial needed there).
@@ -30,42 +30,10 @@ import json
 import sys
 from pathlib import Path
 
-from p2pnode.testnet.simspec import shipped_calibration, simulate_spec, trial_figures
+from p2pnode.testnet.simspec import compare, shipped_calibration, simulate_spec, trial_figures
 from p2pnode.testnet.spec import builtin_spec_path, load_spec
 
 REPO = Path(__file__).resolve().parent.parent
-TOLERANCE = {
-    ("baseline", "hit_rate"): ("abs", 0.01),
-    ("baseline", "mean_latency_s"): ("rel", 0.10),
-    ("routing", "hit_rate"): ("abs", 0.05),
-    ("latency_ratio",): ("abs", 0.20),
-    ("second_half_ratio",): ("abs", 0.15),
-}
-
-
-def _get(d: dict, path: tuple[str, ...]) -> float:
-    for k in path:
-        d = d[k]
-    return float(d)  # type: ignore[arg-type]
-
-
-def compare(sim: dict, real: dict) -> list[dict]:
-    """One row per toleranced figure: both values, the difference, within or not."""
-    rows = []
-    for path, (kind, tol) in TOLERANCE.items():
-        s, r = _get(sim, path), _get(real, path)
-        diff = s - r if kind == "abs" else (s - r) / r
-        rows.append(
-            {
-                "figure": ".".join(path),
-                "simulated": s,
-                "real": r,
-                "difference": round(diff, 4),
-                "tolerance": f"{'+-' if kind == 'abs' else '+-%'}{tol if kind == 'abs' else tol * 100:g}",
-                "within": abs(diff) <= tol,
-            }
-        )
-    return rows
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -176,6 +176,41 @@ def trial_figures(trial_dir: str | Path) -> dict[str, Any]:
     return out
 
 
+# Why each is as wide as it is: bench/simcheck.py (set before the run that judged it).
+TOLERANCE = {
+    ("baseline", "hit_rate"): ("abs", 0.01),
+    ("baseline", "mean_latency_s"): ("rel", 0.10),
+    ("routing", "hit_rate"): ("abs", 0.05),
+    ("latency_ratio",): ("abs", 0.20),
+    ("second_half_ratio",): ("abs", 0.15),
+}
+
+
+def _get(d: dict[str, Any], path: tuple[str, ...]) -> float:
+    for k in path:
+        d = d[k]
+    return float(d)  # type: ignore[arg-type]
+
+
+def compare(sim: dict[str, Any], real: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per toleranced figure: both values, the difference, within or not."""
+    rows = []
+    for path, (kind, tol) in TOLERANCE.items():
+        s, r = _get(sim, path), _get(real, path)
+        diff = s - r if kind == "abs" else (s - r) / r
+        rows.append(
+            {
+                "figure": ".".join(path),
+                "simulated": s,
+                "real": r,
+                "difference": round(diff, 4),
+                "tolerance": f"+-{tol:g}" if kind == "abs" else f"+-{tol * 100:g}%",
+                "within": abs(diff) <= tol,
+            }
+        )
+    return rows
+
+
 def _ratio(out: dict[str, Any], key: str) -> float:
     return round(out["routing"][key] / out["baseline"][key], 3)
 

@@ -142,3 +142,27 @@ def test_placement_ranks_homes_over_the_pool_only() -> None:
         assert len(in_cell) == 1 and in_cell <= cell  # the cell agrees, on one of its own
         everywhere |= {home(router(me, None), tokens) for me in keys}
     assert everywhere - cell  # without a pool, homes fall outside the cell too
+
+
+def test_the_simulator_agrees_with_a_real_trial_of_the_same_spec() -> None:
+    """paper-lan-zipf simulated (its nodes, delays and the very requests the trial sent)
+    against the figures a real emulated trial of it measured, within the stated tolerance
+    (``testnet/simspec.py``; the reference is written by ``bench/simcheck.py``). The simulator
+    is seeded and reads no clock: the same figures on every machine."""
+    import json
+    from pathlib import Path
+
+    from p2pnode.testnet.simspec import compare, shipped_calibration, simulate_spec
+    from p2pnode.testnet.spec import builtin_spec_path, load_spec
+
+    ref = json.loads((Path(__file__).parent / "data" / "simcheck_paper-lan-zipf.json").read_text())
+    sim = simulate_spec(
+        load_spec(builtin_spec_path("paper-lan-zipf")), calibration=shipped_calibration()
+    )
+    assert (
+        sim["routing"]["requests"]
+        == sim["baseline"]["requests"]
+        == ref["real"]["routing"]["requests"]
+    )
+    rows = compare(sim, ref["real"])
+    assert [r["figure"] for r in rows if not r["within"]] == [], rows
