@@ -510,6 +510,8 @@ class Router:
             return None  # somebody holds the key: ordinary cost routing finds them
         if self.placement_pool is not None:
             pool = [c for c in pool if c.is_local or self.placement_pool(c.peer_id)]
+            if not pool:
+                return None  # nobody of the pool is a candidate (no local engine either)
         if any(c.is_local for c in pool) and self.self_id is None:
             return None  # without our own name the ranking would differ from our peers'
         best = min(c.total_s for c in pool)

@@ -142,6 +142,17 @@ def test_placement_ranks_homes_over_the_pool_only() -> None:
         assert len(in_cell) == 1 and in_cell <= cell  # the cell agrees, on one of its own
         everywhere |= {home(router(me, None), tokens) for me in keys}
     assert everywhere - cell  # without a pool, homes fall outside the cell too
+    # a node without an engine whose pool holds no candidate: cost routing, not a crash
+    lone = router(keys[5], {"nobody"})
+    d = lone.decide(
+        model_id=model,
+        prompt_block_hashes=block_hashes(tokens, model_salt(model)),
+        prompt_tokens=len(tokens),
+        max_tokens=8,
+        local=LocalState(0, 0.0, 1 / 430, 1 / 16, available=False),
+        record=False,
+    )
+    assert d.placement_home is None and d.chosen in keys
 
 
 def test_the_simulator_agrees_with_a_real_trial_of_the_same_spec() -> None:
