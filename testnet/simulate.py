@@ -875,6 +875,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--cell-nodes", type=int, default=ScopePolicy.cell_nodes)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument(
+        "--from-json",
+        nargs="+",
+        default=None,
+        metavar="SIMULATE_JSON",
+        help="run nothing: one table and plot from the rows of earlier runs' simulate.json",
+    )
+    parser.add_argument(
         "--spec",
         default=None,
         help="simulate this trial spec instead (its nodes, delays and planned requests), "
@@ -891,6 +898,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         except (SpecError, OSError) as exc:
             parser.error(f"--spec: {exc}")
         print(json.dumps(simulate_spec(spec), indent=1))
+        return 0
+    if args.from_json is not None:
+        try:
+            rows = [r for f in args.from_json for r in json.loads(Path(f).read_text())["rows"]]
+        except (OSError, ValueError, KeyError) as exc:
+            parser.error(f"--from-json: {exc} (give simulate.json files of earlier runs)")
+        rows.sort(key=lambda r: (r["nodes"], r["views"]))
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        plot(rows, out / "simulate.png")
+        (out / "table.md").write_text(markdown_table(rows) + "\n")
+        print(markdown_table(rows))
+        print(f"\nplot and table in {out}/")
         return 0
     try:
         sizes = [int(x) for x in args.nodes.split(",") if x]
@@ -922,6 +942,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "wall_s": round(time.perf_counter() - started, 1),
     }
     (out / "simulate.json").write_text(json.dumps(record, indent=1))
+    (out / "table.md").write_text(markdown_table(rows) + "\n")
     plot(rows, out / "simulate.png")
     print(markdown_table(rows))
     print(f"\n{len(rows)} runs in {record['wall_s']} s; JSON and plot in {out}/")
