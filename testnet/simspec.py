@@ -110,6 +110,10 @@ def spec_plan(spec: TrialSpec) -> tuple[list[list[int]], list[tuple[float, int, 
     from p2pnode.inference.models import load_light_model
     from p2pnode.testnet.driver import build_requests
 
+    if spec.workload.kind != "mmlu":
+        raise ValueError(
+            f"spec {spec.name}: only MMLU workloads are simulated (chat sessions are not yet)"
+        )
     if spec.workload.arrival != "poisson":
         raise ValueError(f"spec {spec.name}: only poisson arrivals have send times to simulate")
     tok = load_light_model().tokenizer

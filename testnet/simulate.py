@@ -897,7 +897,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             spec = load_spec(builtin_spec_path(args.spec))
         except (SpecError, OSError) as exc:
             parser.error(f"--spec: {exc}")
-        print(json.dumps(simulate_spec(spec), indent=1))
+        try:
+            print(json.dumps(simulate_spec(spec), indent=1))
+        except ValueError as exc:
+            parser.error(f"--spec: {exc}")
         return 0
     if args.from_json is not None:
         try:
