@@ -6,7 +6,7 @@
 The trial is run first, as any trial (``python -m p2pnode.testnet.run_trial paper-lan-zipf
 --out /tmp/simcheck``, ~3 min); this script simulates the same spec, prints both sets of
 figures with the differences, says which are within ``simspec.TOLERANCE``, and writes
-``bench/results/simcheck.json``. ``--write-reference`` also stores the trial's figures as
+``bench/results/simcheck.json``. ``--write-reference`` also adds the trial's figures to
 ``tests/data/simcheck_<spec>.json``, which ``tests/test_simulate.py`` checks the simulator
 against (no trial needed there).
 
@@ -67,8 +67,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.write_reference:
         ref = REPO / "tests" / "data" / f"simcheck_{args.spec}.json"
         ref.parent.mkdir(parents=True, exist_ok=True)
-        ref.write_text(json.dumps({"spec": args.spec, "real": real}, indent=1) + "\n")
-        print(f"reference written: {ref}")
+        runs = json.loads(ref.read_text())["runs"] if ref.is_file() else []
+        runs = [r for r in runs if r.get("trial") != real["trial"]] + [real]
+        ref.write_text(json.dumps({"spec": args.spec, "runs": runs}, indent=1) + "\n")
+        print(f"reference written: {ref} ({len(runs)} runs)")
     return 0 if all(r["within"] for r in rows) else 1
 
 
