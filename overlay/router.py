@@ -37,7 +37,10 @@ Contract:
   ``placement_share`` of a full prefill of the best total. Every entry node ranks the same
   peers the same way, so misses of one prefix converge on one home; a home in push-back (or
   with a queue that takes it out of the budget) drops out and the next in rank becomes a
-  second home. Far peers never qualify: their network cost exceeds the budget.
+  second home. Far peers never qualify: their network cost exceeds the budget. Given a
+  ``placement_pool``, the ranking runs over those peers only (and this node): with scoped
+  views, the node's cell (``overlay/scope.py``), one set every node of the cell has in view,
+  where the peers of each node's own scope differ from node to node.
 - ``decide`` returns a ``RoutingDecision``: every candidate's estimate, the choice, and
   ``attempts``: the order to try (the chosen peer, then other peers that also beat local, at most
   ``max_remote_attempts``, then local when the node serves the model). Each decision is logged as
@@ -50,8 +53,14 @@ Contract:
 - Bound on what a node keeps (``overlay/scope.py``): the router reads only ``views.live()``; with
   ``ScopedViews`` that is the peers within ``rtt_budget_s = max_prompt_tokens *
   prefill_s_per_token / (forward_round_trips + rtt_margin)`` (farther ones cannot win by the
-  rule above), at most ``max_views`` of them, plus the ``k_nearest`` always; far holders of a
-  long prefix are found by a prefix-key lookup and admitted for the decision.
+  margin rule above: the most a peer can save is a full prefill of the longest prompt, and a
+  forward costs ``forward_round_trips`` RTTs plus a margin of one), at most ``max_views`` of
+  them, nearest first, plus the ``k_nearest`` always (and, with cells, the node's whole cell):
+  memory and digest traffic per node are O(max_views + k_nearest), whatever the swarm's size.
+  Placement and scope are one design: the home of a miss is ranked over the peers in scope (or
+  the cell), the same leading blocks are the placement key and the key of the prefix lookup
+  that finds far holders of a long prefix, and the holders a lookup finds are admitted to the
+  views for the decision, where cost routing weighs them like any peer.
 """
 
 from __future__ import annotations
@@ -279,8 +288,13 @@ class Router:
         self_id: str | None = None,
         netcost: ForwardCost | None = None,
         hold_s: Callable[[str, int], float] | None = None,
+        placement_pool: Callable[[str], bool] | None = None,
     ) -> None:
         self.views = views
+        # Peers that take part in the rendezvous of placement on misses (None: every eligible
+        # candidate). With scoped views, the node's cell (overlay/scope.py): a set every node
+        # of the cell ranks alike, where each node's own nearest peers would differ.
+        self.placement_pool = placement_pool
         # This node's peer id: it takes part in the rendezvous ranking under its real name, so
         # every node ranks the same set the same way.
         self.self_id = self_id
@@ -494,6 +508,10 @@ class Router:
         pool = [c for c in candidates if c.is_local or c.skipped is None]
         if not pool or any(c.cached_tokens >= blocks * BLOCK_SIZE - 1 for c in pool):
             return None  # somebody holds the key: ordinary cost routing finds them
+        if self.placement_pool is not None:
+            pool = [c for c in pool if c.is_local or self.placement_pool(c.peer_id)]
+            if not pool:
+                return None  # nobody of the pool is a candidate (no local engine either)
         if any(c.is_local for c in pool) and self.self_id is None:
             return None  # without our own name the ranking would differ from our peers'
         best = min(c.total_s for c in pool)

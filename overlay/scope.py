@@ -15,12 +15,32 @@ RTT (so a node far from everyone still has somewhere to send work). Memory and d
 per node are then O(max_views), independent of the swarm's size.
 
 A far holder of a LONG prefix can still win (its saving grows with the prefix): it is found on
-demand, not kept in view, and only when ``lookup_worth``: the prefill it could save exceeds the
-lookup's latency plus a forward to the holder. ``prefix_key(block_hashes)`` is the DHT key of a prompt: the chained
-hash of its first ``key_blocks`` blocks, which names the whole leading prefix (block hashes chain
-over their parents). A node caching a prompt of at least ``key_blocks`` blocks announces itself
-under that key; a node routing such a prompt with no in-scope holder looks the key up and pulls
-the holders' digests for that one decision (``ScopedViews.admit_temporarily``).
+demand, not kept in view. ``prefix_key(block_hashes)`` is the DHT key of a prompt: the chained
+hash of its first ``key_blocks`` blocks (the router's placement key: the same leading blocks),
+which names the whole leading prefix (block hashes chain over their parents). A node caching a
+prompt of at least ``key_blocks`` blocks announces itself under that key, in its region's DHT
+and in the world's (two levels, as Coral's clusters: a lookup in the region costs hops at the
+region's RTT); a node routing such a prompt with no in-scope holder looks the key up in both at
+once, pulls the holders' digests (``ScopedViews.admit_temporarily``) and decides again. The
+lookup runs beside the request, which starts on its first path: it moves to a holder only if the
+router expects the holder to finish before what is left of that path. So a lookup is made only
+when ``lookup_worth``: when its answer comes, the prefill left to save must still beat the
+forward to the holder, i.e. ``uncached * prefill_s_per_token > lookup_s + (forward_round_trips
++ rtt_margin) * rtt``.
+
+Placement on misses (``overlay/router.py``) ranks rendezvous homes over a set of peers; for
+misses of one prefix to converge, every entry node should rank the same set. ``cell_nodes > 0``
+makes that set the node's *cell*: the peers of its region whose name hashes to the same bucket
+(``cell_of``; a region of ``s`` nodes has ``max(1, s // cell_nodes)`` buckets, so a cell holds
+``cell_nodes`` to ``2 * cell_nodes`` peers on average: a hash bucket, so some a few more, some
+fewer). Every node then keeps its whole cell in view and ranks homes over its cell only
+(``Router(placement_pool=...)``), so every entry node of a cell sends a miss of one prefix to
+the same home. Views per node are then about ``max(max_views, 2 * cell_nodes) + k_nearest``.
+Cells are off by default (``cell_nodes = 0``: homes are ranked over the node's own scope, the
+nearest peers): in the simulator (``testnet/simulate.py``) cells of 32 lost hit rate at 100 and
+1,000 nodes against the nearest-peer scope, because the misses that placement could make
+converge are few next to those a lookup resolves, and a cell spread over a region is farther
+than the nearest peers.
 
 ``ScopedViews`` is the hook into ``PeerViews``: the same class, whose ``live()`` (what the router
 reads) lists in-scope and temporarily admitted peers only, and whose ``apply`` drops digests of
@@ -48,10 +68,13 @@ class ScopePolicy:
     max_views: int = 64
     k_nearest: int = 8
     key_blocks: int = 4  # a prompt of at least 64 tokens has a DHT key
+    cell_nodes: int = 0  # 0: no cells (homes ranked over the node's scope); see the module doc
 
     def __post_init__(self) -> None:
         if self.max_views < 0 or self.k_nearest < 0 or self.key_blocks < 1:
             raise ValueError("need max_views >= 0, k_nearest >= 0 and key_blocks >= 1")
+        if self.cell_nodes < 0:
+            raise ValueError("need cell_nodes >= 0 (0: no cells)")
 
     @property
     def rtt_budget_s(self) -> float:
@@ -64,15 +87,30 @@ class ScopePolicy:
         forward = (self.forward_round_trips + self.rtt_margin) * rtt_s
         return uncached_tokens * self.prefill_s_per_token > lookup_s + forward
 
-    def select(self, rtts: Iterable[tuple[str, float]]) -> set[str]:
-        """Peers to keep in view, from ``(peer_id, rtt_s)`` pairs (see the module doc)."""
+    def select(self, rtts: Iterable[tuple[str, float]], cell: Iterable[str] = ()) -> set[str]:
+        """Peers to keep in view, from ``(peer_id, rtt_s)`` pairs and the node's ``cell``
+        (see the module doc): the whole cell, then the nearest within the budget up to
+        ``max_views`` in all, and the ``k_nearest`` whatever their RTT."""
+        keep = set(cell)
         ranked = heapq.nsmallest(
             max(self.max_views, self.k_nearest), rtts, key=lambda pr: (pr[1], pr[0])
         )
-        keep = {p for p, _ in ranked[: self.k_nearest]}
         budget = self.rtt_budget_s
-        keep.update(p for p, rtt in ranked[: self.max_views] if rtt <= budget)
+        room = max(0, self.max_views - len(keep))
+        keep.update([p for p, rtt in ranked if rtt <= budget and p not in keep][:room])
+        keep.update(p for p, _ in ranked[: self.k_nearest])
         return keep
+
+    def cells(self, region_size: int) -> int:
+        """How many cells a region of ``region_size`` nodes has (1 without cells)."""
+        return 1 if self.cell_nodes == 0 else max(1, region_size // self.cell_nodes)
+
+
+def cell_of(peer_id: str, region: str, cells: int) -> str:
+    """A peer's cell: its region and a bucket of its name's hash. Every node that agrees on a
+    region's size (``ScopePolicy.cells``) puts every peer in the same cell."""
+    h = int.from_bytes(hashlib.blake2b(peer_id.encode(), digest_size=8).digest(), "big")
+    return f"{region}/{h % max(1, cells)}"
 
 
 def prefix_key(block_hashes: Sequence[int], key_blocks: int) -> bytes | None:

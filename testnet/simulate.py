@@ -16,15 +16,21 @@ What is simulated (stated so figures are read right):
   speed (200,000 km/s) + an access delay per end + exponential jitter per message. A forward
   costs what the entry router's network-cost model says (``overlay/netcost.py``: its prior
   of 3 RTTs plus the request's bytes at 10 Mbit/s, as nothing is measured in the simulation).
-- Compute: one request at a time per node (no batching), taking the cost model's time; the
-  advertised load is the exact backlog. Digests travel as gossip reaching every subscriber
+- Compute: one request at a time per node (no batching), taking the cost model's time (the
+  first token comes with the prefill, as in the engine; later ones take a decode step each);
+  the advertised load is the exact backlog. Digests travel as gossip reaching every subscriber
   after the mean one-way delay (no per-receiver ordering; a receiver's own view of a peer
   is the shared one, so the simulation holds one copy of each view).
 - Scoped views: a node applies only digests of its scope; digest traffic into a node is the
-  sealed bytes of the publishers it keeps in view (as with per-scope topics or direct pushes);
-  a prompt of at least ``key_blocks`` blocks that no in-scope view holds beyond its first key
-  block triggers a prefix lookup (a simulated DHT: ``ceil(log2 N) / 2`` hops at the node's mean
-  RTT) whose holders are admitted for that decision.
+  sealed bytes of the publishers it keeps in view (as with per-scope topics or direct pushes),
+  plus its share of the digests pulled after lookups. A prompt of at least ``key_blocks``
+  blocks that no in-scope view holds beyond its first key block triggers prefix lookups when
+  ``ScopePolicy.lookup_worth`` (simulated DHTs: ``ceil(log2 n) / 2`` hops, in the region's DHT
+  at the node's mean RTT within its region, in the world's at its mean RTT to anyone; both
+  start at once). The lookup runs beside the request, which has started on its first path; the
+  holders found are pulled (their digest as of now) and admitted for the decision, and the
+  request moves to the best of them if the router expects it to finish before what is left of
+  the first path (``redirects``; the work done there is lost).
 - Churn: ``churn_per_min`` of the nodes leave per minute (cache lost) and come back at once
   with an empty cache; others see them down after ``detect_s``.
 
@@ -42,7 +48,7 @@ import random
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -58,9 +64,10 @@ from p2pnode.overlay.router import (
     PushBack,
     Router,
     RouterConfig,
+    RoutingDecision,
     request_bytes,
 )
-from p2pnode.overlay.scope import ScopedViews, ScopePolicy, prefix_key
+from p2pnode.overlay.scope import ScopedViews, ScopePolicy, cell_of, prefix_key
 from p2pnode.overlay.views import ApplyResult, PeerViews
 
 FIBER_KM_PER_S = 200_000.0
@@ -93,6 +100,9 @@ class SimConfig:
     churn_per_min: float = 0.0
     detect_s: float = 3.5
     scope: ScopePolicy = field(default_factory=ScopePolicy)
+    placement: bool = True  # the router's placement on misses (RouterConfig.placement)
+    lookup: str = "overlap"  # "overlap": beside the first path; "before": on the critical path
+    lookup_levels: str = "region"  # "region": the region's DHT, then the world's; "world"
     seed: int = 1
 
     @property
@@ -119,6 +129,7 @@ class SimResult:
     forwarded: float
     lookups: int
     wall_s: float
+    redirects: int = 0  # requests a lookup moved to a far holder while they ran
 
 
 def _great_circle_km(a: tuple[float, float], b: tuple[float, float]) -> float:
@@ -157,7 +168,7 @@ class Network:
     def rtt(self, a: int, b: int) -> float:
         return self.base_rtt(a, b) + self.rng.expovariate(1e3 / self.cfg.jitter_ms)
 
-    def nearest(self, a: int, policy: ScopePolicy) -> set[int]:
+    def nearest(self, a: int, policy: ScopePolicy, cell: Iterable[int] = ()) -> set[int]:
         """The node's scope, by measured (jitter-free) RTT; numpy for the N distances."""
         import numpy as np
 
@@ -173,7 +184,14 @@ class Network:
         k = min(len(rtt) - 1, max(policy.max_views, policy.k_nearest))
         idx = np.argpartition(rtt, k)[:k] if k < len(rtt) - 1 else np.arange(len(rtt))
         pairs = [(str(int(i)), float(rtt[i])) for i in idx if int(i) != a]
-        return {int(p) for p in policy.select(pairs)}
+        return {int(p) for p in policy.select(pairs, cell=(str(j) for j in cell if j != a))}
+
+    def cells(self, policy: ScopePolicy) -> list[str]:
+        """Each node's cell (``overlay/scope.py``); region sizes are known exactly here."""
+        size: dict[str, int] = {}
+        for r in self.region:
+            size[r] = size.get(r, 0) + 1
+        return [cell_of(str(i), r, policy.cells(size[r])) for i, r in enumerate(self.region)]
 
 
 class SimNode:
@@ -188,6 +206,7 @@ class SimNode:
         self.up = True
         self.served = 0
         self.mean_rtt_s = 0.1
+        self.region_rtt_s = 0.1
         self._new_cache()
 
     def _new_cache(self) -> None:
@@ -224,11 +243,23 @@ class SimNode:
 
 
 class Simulation:
-    def __init__(self, cfg: SimConfig, prompts: list[list[int]]) -> None:
+    """One run. ``net`` replaces the generated positions (``testnet/simspec.py`` gives a trial
+    spec's regions and delays); ``plan``, a list of ``(at_s, prompt index, entry node)``,
+    replaces the generated arrivals."""
+
+    def __init__(
+        self,
+        cfg: SimConfig,
+        prompts: list[list[int]],
+        *,
+        net: Network | None = None,
+        plan: Sequence[tuple[float, int, int]] | None = None,
+    ) -> None:
         self.cfg = cfg
         self.rng = random.Random(cfg.seed)
         self.env = simpy.Environment()
-        self.net = Network(cfg, self.rng)
+        self.net = net if net is not None else Network(cfg, self.rng)
+        self.plan = plan
         self.store = PeerViews(
             expire_after_s=max(30.0, 6 * cfg.gossip_interval_s),
             clock=lambda: self.env.now,
@@ -238,6 +269,11 @@ class Simulation:
         self.keys = [NodeKey.generate() for _ in range(min(cfg.nodes, 64))]
         self.peer_of_key = {k.peer_id: k for k in self.keys}
         self.scope_str: list[set[str]] = []
+        self.cell = self.net.cells(cfg.scope)
+        self.cell_members: dict[str, list[int]] = {}
+        for i, c in enumerate(self.cell):
+            self.cell_members.setdefault(c, []).append(i)
+        self.pull_bytes = 0  # full digests pulled from holders a lookup found
         self.routers = [self._router(i) for i in range(cfg.nodes)]
         self.prompts = prompts
         self.salt = model_salt(MODEL_ID)
@@ -246,16 +282,31 @@ class Simulation:
         self.digest_bytes = [0] * cfg.nodes  # sealed bytes published, per publisher
         self.decide_s: list[float] = []
         self.lookups = 0
+        self.redirects = 0
+        self.reasons: dict[str, int] = {}  # decisions by the router's reason (diagnostics)
         self.directory: dict[bytes, list[int]] = {}
+        # The region's own DHT (a cluster, as in Coral's DSHT): its records name the region's
+        # holders, and a lookup there costs hops at the region's RTT, not the world's.
+        self.region_directory: dict[tuple[str, bytes], list[int]] = {}
+        self.region_size: dict[str, int] = {}
+        for r in self.net.region:
+            self.region_size[r] = self.region_size.get(r, 0) + 1
+        # Diagnostics, not read by any router: every node that ever stored a key's prefix.
+        self.ever_held: dict[bytes, set[int]] = {}
         self.down_since: dict[int, float] = {}
 
     # -- set-up ---------------------------------------------------------------------------
 
     def _router(self, i: int) -> Router:
         cfg = self.cfg
-        config = RouterConfig(max_remote_attempts=2 if cfg.routing else 0)
+        config = RouterConfig(max_remote_attempts=2 if cfg.routing else 0, placement=cfg.placement)
+        pool = None
         if cfg.views == "scoped":
-            scope = {str(j) for j in self.net.nearest(i, cfg.scope)}
+            cell = self.cell_members[self.cell[i]] if cfg.scope.cell_nodes else []
+            scope = {str(j) for j in self.net.nearest(i, cfg.scope, cell)}
+            if cfg.scope.cell_nodes:
+                members = {str(j) for j in cell}
+                pool = members.__contains__
             self.scope_str.append(scope)
             views: PeerViews = ScopedViews(
                 lambda s=scope: s, clock=lambda: self.env.now, wall_clock=lambda: self.env.now
@@ -271,6 +322,7 @@ class Simulation:
             config=config,
             # Its own name in the rendezvous ranking of placement on misses, as a node has.
             self_id=str(i),
+            placement_pool=pool,
         )
 
     def _seen_up(self, j: int) -> bool:
@@ -281,16 +333,22 @@ class Simulation:
 
         def listener(event: Any) -> None:
             hashes = getattr(event, "hashes", None)
-            if not hashes or self.cfg.views != "scoped":
+            if not hashes:
                 return
             # A stored chain that reaches the key block announces this node under the key.
             for h in hashes:
                 key = self._key_of_block.get(h)
                 if key is not None:
-                    holders = self.directory.setdefault(key, [])
-                    if node.index not in holders:
-                        holders.insert(0, node.index)
-                        del holders[8:]
+                    self.ever_held.setdefault(key, set()).add(node.index)
+                if key is not None and self.cfg.views == "scoped":
+                    region = self.net.region[node.index]
+                    for holders in (
+                        self.directory.setdefault(key, []),
+                        self.region_directory.setdefault((region, key), []),
+                    ):
+                        if node.index not in holders:
+                            holders.insert(0, node.index)
+                            del holders[8:]
 
         return listener
 
@@ -323,45 +381,91 @@ class Simulation:
 
     # -- requests -------------------------------------------------------------------------
 
-    def request(self, i: int, entry: int):
+    def request(self, i: int, entry: int, seq: int = 0):
         cfg = self.cfg
         t0 = self.env.now
         ids, hashes = self.prompts[i], self.hashes[i]
         node = self.nodes[entry]
-        target = entry
-        estimate = 0
+        target, estimate, total = entry, 0, 0.0
+        anywhere = self._held_anywhere(ids, hashes)
+        visible = node.tree.prefix_len(ids)
+        info = {"lookup": "none"}
+        lookup = None
         if cfg.routing:
             router = self.routers[entry]
             decision = self._decide(router, node, ids, hashes)
-            if cfg.views == "scoped":
-                decision = yield from self._maybe_lookup(router, node, ids, hashes, decision)
-            if decision.chosen != LOCAL:
-                target = int(decision.chosen)
-                chosen = decision.estimate_for(decision.chosen)
-                estimate = chosen.cached_tokens if chosen else 0
-        server = self.nodes[target]
-        service_guess = cfg.overhead_s + len(ids) * cfg.prefill_s_per_token
-        if target != entry:
-            self.routers[entry].note_sent(server.pid, service_guess)
-            rtt = self.net.rtt(entry, target)
-            router = self.routers[entry]
-            yield self.env.timeout(
-                router.netcost.estimate(server.pid, rtt, request_bytes(len(ids)))
-            )
-        cached, service = yield from self._serve(server, ids)
-        if target != entry:
-            self.routers[entry].note_done(server.pid, service_guess)
-            self.routers[entry].observe_served(server.pid, estimate, cached)
+            visible = max(visible, *(c.view_cached_tokens for c in decision.candidates))
+            if cfg.views == "scoped" and self._lookup_wanted(node, ids, hashes, decision, info):
+                lookup = self.env.process(self._lookup(router, node, ids, hashes, info))
+                if cfg.lookup == "before":
+                    found = yield lookup
+                    decision = found[0] if found else decision
+                    lookup = None
+            target, estimate, total = _target(decision, entry)
+        attempt = self.env.process(self._attempt(entry, target, ids, estimate))
+        if lookup is not None:
+            # The lookup overlaps the request's first path; when it returns first with a
+            # holder the router expects to finish sooner than what is left of that path, the
+            # request moves there (the work done on the first path is lost).
+            yield lookup | attempt
+            if attempt.is_alive and lookup.triggered and lookup.value:
+                left = total - (self.env.now - t0)
+                moved = _redirect(*lookup.value, left, target)
+                if moved is not None:
+                    attempt.interrupt("redirect")
+                    yield attempt
+                    target, estimate = moved
+                    info["lookup"] = "redirected"
+                    self.redirects += 1
+                    attempt = self.env.process(self._attempt(entry, target, ids, estimate))
+        cached = yield attempt
         self.records.append(
             {
                 "i": i,
+                "seq": seq,  # arrival order
                 "latency": self.env.now - t0,
                 "prompt": len(ids),
                 "cached": cached,
                 "server": target,
                 "forwarded": target != entry,
+                # diagnostics: the longest prefix some up node held when the request arrived,
+                # the longest the entry's first decision could see, and the lookup's outcome
+                "anywhere": min(anywhere, len(ids) - 1),
+                "visible": min(visible, len(ids) - 1),
+                "lookup": info["lookup"],
             }
         )
+
+    def _attempt(self, entry: int, target: int, ids: Sequence[int], estimate: int):
+        """Send the request to ``target`` (``entry``: serve here) and serve it; its cached
+        tokens, or None when interrupted (a redirect)."""
+        cfg = self.cfg
+        server = self.nodes[target]
+        router = self.routers[entry]
+        guess = cfg.overhead_s + len(ids) * cfg.prefill_s_per_token
+        remote = target != entry
+        if remote:
+            router.note_sent(server.pid, guess)
+        try:
+            if remote:
+                rtt = self.net.rtt(entry, target)
+                yield self.env.timeout(
+                    router.netcost.estimate(server.pid, rtt, request_bytes(len(ids)))
+                )
+            cached, _ = yield from self._serve(server, ids)
+        except simpy.Interrupt:
+            if remote:
+                router.note_done(server.pid, guess)
+            return None
+        if remote:
+            router.note_done(server.pid, guess)
+            router.observe_served(server.pid, estimate, cached)
+        return cached
+
+    def _held_anywhere(self, ids, hashes) -> int:
+        key = prefix_key(hashes, self.cfg.scope.key_blocks)
+        holders = self.ever_held.get(key, ()) if key is not None else ()
+        return max((self.nodes[h].tree.prefix_len(ids) for h in holders), default=0)
 
     def _decide(self, router: Router, node: SimNode, ids, hashes):
         t = time.perf_counter()
@@ -374,53 +478,111 @@ class Simulation:
             record=False,
         )
         self.decide_s.append(time.perf_counter() - t)
+        self.reasons[d.reason] = self.reasons.get(d.reason, 0) + 1
         return d
 
-    def _maybe_lookup(self, router: Router, node: SimNode, ids, hashes, decision):
+    def _lookup_wanted(self, node: SimNode, ids, hashes, decision, info) -> bool:
+        """A prefix lookup when nobody in view holds the key and the saving could still pay
+        for the lookup and a forward to a holder (``ScopePolicy.lookup_worth``)."""
         kb = self.cfg.scope.key_blocks
-        key = prefix_key(hashes, kb)
         best = max((c.view_cached_tokens for c in decision.candidates), default=0)
-        if key is None or best > kb * 16 or node.tree.prefix_len(ids) > kb * 16:
-            return decision
-        hops = max(1, math.ceil(math.log2(max(2, self.cfg.nodes)) / 2))
-        cost = hops * node.mean_rtt_s
-        uncached = len(ids) - max(best, node.tree.prefix_len(ids))
-        if not self.cfg.scope.lookup_worth(uncached, cost, node.mean_rtt_s):
-            return decision
-        holders = [h for h in self.directory.get(key, []) if h != node.index and self.nodes[h].up]
-        self.lookups += 1
-        yield self.env.timeout(cost)
+        here = node.tree.prefix_len(ids)
+        if prefix_key(hashes, kb) is None or best > kb * 16 or here > kb * 16:
+            return False
+        uncached = len(ids) - max(best, here)
+        steps = self._lookup_steps(node, uncached)
+        if not steps:
+            info["lookup"] = "not_worth"
+            return False
+        info["lookup"] = "pending"
+        info["uncached"] = uncached
+        return True
+
+    def _hops(self, n: int) -> int:
+        return max(1, math.ceil(math.log2(max(2, n)) / 2))
+
+    def _lookup_steps(self, node: SimNode, uncached: int) -> list[tuple[str, float, float]]:
+        """The lookups worth making, in the order their answers come: ``(level, lookup s,
+        RTT to a holder there)``; both start at once, the region's DHT answers first."""
+        policy = self.cfg.scope
+        region = self.net.region[node.index]
+        levels = []
+        if self.cfg.lookup_levels == "region" and self.region_size[region] > 1:
+            levels.append(("region", self._hops(self.region_size[region]) * node.region_rtt_s))
+        levels.append(("world", self._hops(self.cfg.nodes) * node.mean_rtt_s))
+        steps = []
+        for level, cost in levels:
+            rtt = node.region_rtt_s if level == "region" else node.mean_rtt_s
+            if policy.lookup_worth(uncached, cost, rtt):
+                steps.append((level, cost, rtt))
+        return sorted(steps, key=lambda step: step[1])
+
+    def _lookup(self, router: Router, node: SimNode, ids, hashes, info):
+        """The DHT lookups of the prompt's key, then a pull of the holders' digests; the new
+        decision and the holders admitted, or None when nobody holds the key."""
+        key = prefix_key(hashes, self.cfg.scope.key_blocks)
+        region = self.net.region[node.index]
+        start = self.env.now
+        holders: list[int] = []
+        rtt = node.mean_rtt_s
+        for level, spent, step_rtt in self._lookup_steps(node, info["uncached"]):
+            rtt = step_rtt
+            where = self.region_directory.get((region, key), []) if level == "region" else None
+            found = self.directory.get(key, []) if where is None else where
+            holders = [h for h in found if h != node.index and self.nodes[h].up]
+            self.lookups += 1
+            yield self.env.timeout(max(0.0, start + spent - self.env.now))
+            if holders:
+                break
         if not holders:
-            return decision
+            info["lookup"] = "no_holder"
+            return None
+        info["lookup"] = "found"
         views = router.views
         assert isinstance(views, ScopedViews)
-        for h in holders[:3]:
+        yield self.env.timeout(rtt)  # the holders' digests, pulled
+        for h in holders:
             views.admit_temporarily(str(h), 2 * self.cfg.gossip_interval_s)
-        yield self.env.timeout(node.mean_rtt_s)  # the holders' digests, pulled
-        return self._decide(router, node, ids, hashes)
+            # A pull answers with the holder's digest as of now (the shared view would lag
+            # by up to a gossip interval); everyone's copy of that view gets it, as the
+            # holder's next publish would bring it anyway.
+            full = self.nodes[h].builder.full()
+            self.pull_bytes += len(seal_digest(self.keys[h % len(self.keys)], full, now=0.0))
+            self.store.apply(type(full)(**{**_fields(full), "timestamp": self.env.now}))
+        return self._decide(router, node, ids, hashes), {str(h) for h in holders}
 
     def _serve(self, server: SimNode, ids: Sequence[int]):
         cfg = self.cfg
         guess = cfg.overhead_s + (len(ids) - server.tree.prefix_len(ids)) * cfg.prefill_s_per_token
         server.queued += 1
         server.backlog_s += guess
-        with server.server.request() as slot:
-            yield slot
-            m = server.tree.match(ids)
-            cached = max(0, min(m.length, len(ids) - 1))
-            service = (
-                cfg.overhead_s
-                + (len(ids) - cached) * cfg.prefill_s_per_token
-                + cfg.max_tokens * cfg.decode_s_per_token
-            )
-            yield self.env.timeout(service)
-            server.tree.insert(ids, None)
-        server.queued -= 1
-        server.backlog_s = max(0.0, server.backlog_s - guess)
+        try:  # an interrupt (a redirect) leaves the queue and inserts nothing
+            with server.server.request() as slot:
+                yield slot
+                m = server.tree.match(ids)
+                cached = max(0, min(m.length, len(ids) - 1))
+                # The first token is sampled from the prefill's logits (inference/engine.py):
+                # only the later ones take a decode step.
+                service = (
+                    cfg.overhead_s
+                    + (len(ids) - cached) * cfg.prefill_s_per_token
+                    + max(0, cfg.max_tokens - 1) * cfg.decode_s_per_token
+                )
+                yield self.env.timeout(service)
+                server.tree.insert(ids, None)
+        finally:
+            server.queued -= 1
+            server.backlog_s = max(0.0, server.backlog_s - guess)
         server.served += 1
         return cached, service
 
     def arrivals(self):
+        if self.plan is not None:
+            for at, q, entry in self.plan:
+                yield self.env.timeout(max(0.0, at - self.env.now))
+                self.order.append(q)
+                self.env.process(self.request(q, entry, len(self.order) - 1))
+            return
         rng = random.Random(self.cfg.seed + 1)
         weights = [1 / (k + 1) ** self.cfg.zipf_s for k in range(self.cfg.subjects)]
         per = self.cfg.per_subject
@@ -433,7 +595,7 @@ class Simulation:
             q = subject * per + rng.randrange(per)
             entry = rng.randrange(self.cfg.nodes)
             self.order.append(q)
-            self.env.process(self.request(q, entry))
+            self.env.process(self.request(q, entry, len(self.order) - 1))
             i += 1
 
     def churn(self):
@@ -448,9 +610,15 @@ class Simulation:
             self.nodes[j].up = True
 
     def mean_rtts(self, samples: int = 32) -> None:
+        members: dict[str, list[int]] = {}
+        for i, r in enumerate(self.net.region):
+            members.setdefault(r, []).append(i)
         for node in self.nodes:
             peers = [self.rng.randrange(self.cfg.nodes) for _ in range(samples)]
             node.mean_rtt_s = statistics.fmean(self.net.base_rtt(node.index, p) for p in peers)
+            near = members[self.net.region[node.index]]
+            near = [self.rng.choice(near) for _ in range(samples)]
+            node.region_rtt_s = statistics.fmean(self.net.base_rtt(node.index, p) for p in near)
 
     def run(self) -> SimResult:
         t0 = time.perf_counter()
@@ -475,7 +643,10 @@ class Simulation:
         n = cfg.nodes
         published_per_s = [b / (cfg.duration_s + 30.0) for b in self.digest_bytes]
         if cfg.views == "scoped":
-            received = [sum(published_per_s[int(p)] for p in scope) for scope in self.scope_str]
+            pulled = self.pull_bytes / (cfg.duration_s + 30.0) / n
+            received = [
+                sum(published_per_s[int(p)] for p in scope) + pulled for scope in self.scope_str
+            ]
             in_view = [len(scope) for scope in self.scope_str]
         else:
             total = sum(published_per_s)
@@ -503,8 +674,38 @@ class Simulation:
             mean_latency_s=round(statistics.fmean(r["latency"] for r in recs), 4) if recs else 0.0,
             forwarded=round(sum(r["forwarded"] for r in recs) / max(1, len(recs)), 4),
             lookups=self.lookups,
+            redirects=self.redirects,
             wall_s=round(wall, 1),
         )
+
+
+def _target(decision: RoutingDecision, entry: int) -> tuple[int, int, float]:
+    """Where a decision sends the request, the cached tokens it expects there, its total."""
+    chosen = decision.estimate_for(decision.chosen)
+    total = chosen.total_s if chosen else (decision.local_total_s or 0.0)
+    if decision.chosen == LOCAL:
+        return entry, 0, total
+    return int(decision.chosen), chosen.cached_tokens if chosen else 0, total
+
+
+def _redirect(
+    decision: RoutingDecision, holders: set[str], left_s: float, current: int
+) -> tuple[int, int] | None:
+    """The holder to move a request to, with the cached tokens expected there: the one the
+    router expects to finish soonest, if that beats what is left of the first path by the
+    router's margin; else None."""
+    best = min(
+        (
+            c
+            for c in decision.candidates
+            if c.peer_id in holders and c.skipped is None and int(c.peer_id) != current
+        ),
+        key=lambda c: c.total_s,
+        default=None,
+    )
+    if best is None or best.total_s + decision.margin_s >= left_s:
+        return None
+    return int(best.peer_id), best.cached_tokens
 
 
 def _fields(d: Any) -> dict[str, Any]:
@@ -589,6 +790,7 @@ COLUMNS = (
     ("mean_latency_s", "mean latency s"),
     ("latency_vs_baseline", "vs no routing"),
     ("lookups", "lookups"),
+    ("redirects", "redirects"),
     ("wall_s", "wall s"),
 )
 
@@ -670,9 +872,49 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--churn-per-min", type=float, default=0.0, help="share of nodes per min")
     parser.add_argument("--max-views", type=int, default=ScopePolicy.max_views)
     parser.add_argument("--k-nearest", type=int, default=ScopePolicy.k_nearest)
+    parser.add_argument("--cell-nodes", type=int, default=ScopePolicy.cell_nodes)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument(
+        "--from-json",
+        nargs="+",
+        default=None,
+        metavar="SIMULATE_JSON",
+        help="run nothing: one table and plot from the rows of earlier runs' simulate.json",
+    )
+    parser.add_argument(
+        "--spec",
+        default=None,
+        help="simulate this trial spec instead (its nodes, delays and planned requests), "
+        "both arms, and print the figures a trial reports (testnet/simspec.py)",
+    )
     parser.add_argument("--out", default="bench/results/simulate", help="folder for JSON + plot")
     args = parser.parse_args(argv)
+    if args.spec is not None:
+        from p2pnode.testnet.simspec import simulate_spec
+        from p2pnode.testnet.spec import SpecError, builtin_spec_path, load_spec
+
+        try:
+            spec = load_spec(builtin_spec_path(args.spec))
+        except (SpecError, OSError) as exc:
+            parser.error(f"--spec: {exc}")
+        try:
+            print(json.dumps(simulate_spec(spec), indent=1))
+        except ValueError as exc:
+            parser.error(f"--spec: {exc}")
+        return 0
+    if args.from_json is not None:
+        try:
+            rows = [r for f in args.from_json for r in json.loads(Path(f).read_text())["rows"]]
+        except (OSError, ValueError, KeyError) as exc:
+            parser.error(f"--from-json: {exc} (give simulate.json files of earlier runs)")
+        rows.sort(key=lambda r: (r["nodes"], r["views"]))
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        plot(rows, out / "simulate.png")
+        (out / "table.md").write_text(markdown_table(rows) + "\n")
+        print(markdown_table(rows))
+        print(f"\nplot and table in {out}/")
+        return 0
     try:
         sizes = [int(x) for x in args.nodes.split(",") if x]
     except ValueError:
@@ -683,7 +925,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         duration_s=args.duration,
         rate_per_s=args.rate,
         churn_per_min=args.churn_per_min,
-        scope=ScopePolicy(max_views=args.max_views, k_nearest=args.k_nearest),
+        scope=ScopePolicy(
+            max_views=args.max_views, k_nearest=args.k_nearest, cell_nodes=args.cell_nodes
+        ),
         seed=args.seed,
     )
     started = time.perf_counter()
@@ -701,6 +945,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "wall_s": round(time.perf_counter() - started, 1),
     }
     (out / "simulate.json").write_text(json.dumps(record, indent=1))
+    (out / "table.md").write_text(markdown_table(rows) + "\n")
     plot(rows, out / "simulate.png")
     print(markdown_table(rows))
     print(f"\n{len(rows)} runs in {record['wall_s']} s; JSON and plot in {out}/")
