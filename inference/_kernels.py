@@ -14,6 +14,8 @@ Contract:
   returns how many were swapped (0 when the kernels are unavailable).
 - ``int4_matmul(packed, scales, x, group)``: ``x @ W.T`` for symmetric int4 weights in the
   layout ``pack_int4`` makes (see ``_kernels.c``).
+- ``llama_layers`` (C): a whole Llama decoder stack for a few rows over a KV slab, driven by
+  ``_fastpath.py``.
 """
 
 from __future__ import annotations
