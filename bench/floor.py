@@ -123,11 +123,13 @@ def row(name, t, floor, **extra) -> dict:
 
 
 def decode_paths(loaded, bw, flops, prompt) -> list[tuple]:
-    backend = HFBackend(loaded.model)
     model = loaded.model
     wbytes, params = weight_bytes_target(model), n_params(model)
     out = []
     for batch in (1, 4):
+        # One backend per batch size: a shared one holds one decoding batch, and interleaved
+        # steps of the two would rebuild it (a copy of every row's KV) on every step.
+        backend = HFBackend(model)
         states = []
         for i in range(batch):
             s = backend.new_state(None, 0)
@@ -135,7 +137,7 @@ def decode_paths(loaded, bw, flops, prompt) -> list[tuple]:
             states.append(s)
         toks = [prompt[-1]] * batch
 
-        def step(states=states, toks=toks):
+        def step(states=states, toks=toks, backend=backend):
             with torch.inference_mode():
                 backend.decode(states, toks)
 

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
+from p2pnode.inference import _fastpath, _kernels
 from p2pnode.inference._backend_protocol import Backend
 from p2pnode.inference._kvslab import Slab
 from p2pnode.inference.emulated import EmulatedBackend, EmulatedLogits
@@ -122,6 +123,20 @@ class HFBackend:
         assert b is not None
         mask = torch.cat([b.mask, torch.ones(len(states), 1, dtype=b.mask.dtype)], dim=1)
         pos = torch.tensor([[s.length] for s in states])
+        if _kernels.enabled() and _fastpath.plan(self.model) is not None:
+            # Every row at the same slot, each attending from its own first position: the
+            # left pads are never read, so no mask is built.
+            width = b.slab.length
+            ids = torch.tensor(tokens)
+            rows = list(range(len(states)))
+            hidden = _fastpath.run(
+                self.model, ids, b.slab, rows, [width] * len(rows), b.pads, pos.reshape(-1)
+            )
+            b.slab.set_length(width + 1)
+            b.mask = mask
+            for s in states:
+                s.length += 1
+            return self.model.lm_head(self.model.model.norm(hidden))
         out = self.model(
             input_ids=torch.tensor(tokens).unsqueeze(1),
             attention_mask=mask if len(states) > 1 else None,

@@ -14,6 +14,8 @@ Contract:
   returns how many were swapped (0 when the kernels are unavailable).
 - ``int4_matmul(packed, scales, x, group)``: ``x @ W.T`` for symmetric int4 weights in the
   layout ``pack_int4`` makes (see ``_kernels.c``).
+- ``llama_layers`` (C): a whole Llama decoder stack for a few rows over a KV slab, driven by
+  ``_fastpath.py``.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ def enabled() -> bool:
 
 _SOURCE = Path(__file__).with_name("_kernels.c")
 _FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-shared", "-fPIC"]
+_LIBS = ["-lm"]
 _P = ctypes.c_void_p
 _I = ctypes.c_int
 
@@ -77,14 +80,15 @@ def library() -> ctypes.CDLL | None:
         log.warning("no C compiler (cc/gcc): decode runs on the slower torch path")
         return None
     src = _SOURCE.read_bytes()
-    key = hashlib.sha256(src + cc.encode() + " ".join(_FLAGS).encode() + _cpu_flags().encode())
+    flags = " ".join(_FLAGS + _LIBS).encode()
+    key = hashlib.sha256(src + cc.encode() + flags + _cpu_flags().encode())
     out = cache_dir() / "kernels" / f"stream-{key.hexdigest()[:16]}.so"
     if not out.is_file():
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
         try:
             subprocess.run(
-                [cc, *_FLAGS, "-o", str(tmp), str(_SOURCE)],
+                [cc, *_FLAGS, "-o", str(tmp), str(_SOURCE), *_LIBS],
                 check=True,
                 capture_output=True,
                 timeout=120,
@@ -101,6 +105,10 @@ def library() -> ctypes.CDLL | None:
         getattr(lib, name).restype = None
     lib.gemv_int4.argtypes = [_P, _P, _P, _P, _I, _I, _I, _I]
     lib.gemv_int4.restype = None
+    i64, f32 = ctypes.c_int64, ctypes.c_float
+    lib.llama_layers.argtypes = [_P, _P, *[_I] * 6, f32, f32, _P, _I, _P, _P, _P]
+    lib.llama_layers.argtypes += [i64] * 5 + [_P] * 3
+    lib.llama_layers.restype = _I
     return lib
 
 

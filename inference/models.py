@@ -236,7 +236,8 @@ def load_model(
 
     ``accelerate``: decode steps and short blocks (at most 16 tokens) run the streaming kernels
     of ``_kernels.py`` (same weights, float rounding only; ``P2PNODE_KERNELS=0`` turns them
-    off everywhere), and attention keeps grouped-query heads inside SDPA (``_attention.py``)."""
+    off everywhere), a Llama model's short forwards run as one C call (``_fastpath.py``), and
+    attention keeps grouped-query heads inside SDPA (``_attention.py``)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -249,11 +250,12 @@ def load_model(
         raise ModelLoadError(f"cannot load a model from {folder}: {exc}") from exc
     model.eval()
     if accelerate:
-        from p2pnode.inference import _attention
+        from p2pnode.inference import _attention, _fastpath
         from p2pnode.inference._kernels import accelerate as swap_linears
 
         swap_linears(model)
         _attention.use(model)
+        _fastpath.install(model)
     return LoadedModel(
         name=name,
         model=model,

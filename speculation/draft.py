@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from p2pnode.inference import _kernels
+from p2pnode.inference import _fastpath, _kernels
 from p2pnode.inference.models import LoadedModel, cache_dir, load_model
 
 log = logging.getLogger(__name__)
@@ -360,6 +360,8 @@ def load_draft(
         head = model.get_input_embeddings().weight.detach().to(torch.bfloat16).contiguous()
         model.lm_head = _kernels.StreamLinear(head, _kernels.library())
     model.eval()
+    if act_dtype == torch.float32:
+        _fastpath.install(model)  # decode steps: the whole stack in one C call
     marker = folder / _MARKER
     target_id = json.loads(marker.read_text())["target_model_id"] if marker.is_file() else ""
     return DraftModel(

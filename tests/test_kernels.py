@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from p2pnode.inference import _kernels
-from p2pnode.inference._kvslab import Slab
+from p2pnode.inference._kvslab import Slab, _SlabLayer
 
 lib = _kernels.library()
 needs_lib = pytest.mark.skipif(
@@ -95,3 +95,80 @@ def test_slab_writes_in_place_grows_crops_and_loads_spans() -> None:
     other.load_parts([full[..., :4, :], full[..., 4:, :]])
     assert other.length == 6 and torch.equal(other.export(0, 0, 6), full)
     assert torch.equal(other.cache.layers[1].values[0], full[1, 1])
+
+
+def _tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(3)
+    cfg = LlamaConfig(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+    )
+    model = LlamaForCausalLM(cfg).eval()
+    _kernels.accelerate(model)
+    return model
+
+
+@needs_lib
+def test_fast_path_matches_transformers_and_rows_are_independent() -> None:
+    from transformers import DynamicCache
+
+    from p2pnode.inference import _fastpath
+
+    model = _tiny_llama()
+    assert _fastpath.install(model)
+    prompt = torch.randint(0, 96, (1, 40))
+    block = torch.randint(0, 96, (1, 5))
+    with torch.inference_mode():
+        caches = [DynamicCache(), DynamicCache()]
+        for c in caches:
+            model(input_ids=prompt, past_key_values=c)  # 40 tokens: transformers' forward
+        old = _kernels.set_enabled(False)
+        try:
+            ref = model(input_ids=block, past_key_values=caches[0]).logits
+        finally:
+            _kernels.set_enabled(old)
+        got = model(input_ids=block, past_key_values=caches[1]).logits
+        # Float rounding only; a wrong position, slot or head shows up at the logits' scale.
+        assert (got - ref).abs().max() <= 1e-4 * ref.abs().max()
+        assert caches[1].get_seq_length() == 45
+        assert isinstance(caches[1].layers[0], _SlabLayer)  # the fast path ran: KV now in a slab
+        # The block's rows are the bits of one-token steps, and a crop rolls back in place.
+        caches[1].crop(-5)
+        steps = [
+            model(input_ids=block[:, i : i + 1], past_key_values=caches[1]).logits[0, 0]
+            for i in range(5)
+        ]
+        assert torch.equal(torch.stack(steps), got[0])
+
+
+@needs_lib
+def test_batched_decode_with_left_pads_equals_each_row_alone() -> None:
+    from p2pnode.inference import _fastpath
+    from p2pnode.inference._backend import HFBackend
+
+    model = _tiny_llama()
+    assert _fastpath.install(model)
+    prompts = [torch.randint(0, 96, (n,)).tolist() for n in (7, 19, 12)]
+    with torch.inference_mode():
+        alone = []
+        for p in prompts:
+            backend = HFBackend(model)
+            s = backend.new_state(None, 0)
+            backend.extend(s, p)
+            alone.append([backend.decode([s], [t])[0] for t in (5, 9, 11)])
+        backend = HFBackend(model)
+        states = [backend.new_state(None, 0) for _ in prompts]
+        for s, p in zip(states, prompts, strict=True):
+            backend.extend(s, p)
+        together = [backend.decode(states, [t] * 3) for t in (5, 9, 11)]
+    for i in range(3):
+        for step in range(3):
+            assert torch.equal(together[step][i], alone[i][step])

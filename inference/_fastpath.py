@@ -1,0 +1,320 @@
+"""Decode steps and verify blocks of a Llama model in one C call (``llama_layers`` in
+``_kernels.c``), for inputs of at most ``MAX_ROWS`` tokens on the CPU.
+
+Why: a step of a 30-layer model through transformers is ~40 torch ops per layer; their
+dispatch costs as much as streaming a small model's weights. The C stack runs the same
+arithmetic (fp32, same weights, the same streaming kernels for every linear) with no dispatch,
+and each row's result is independent of the other rows (a verify block gives a decode step's
+bits).
+
+Contract:
+- ``install(model)`` makes ``model(...)`` take the fast path when it applies and transformers'
+  own forward otherwise; returns whether it installed (Llama-shaped decoder, fp32 activations,
+  kernels available). Applies: no grad, at most ``MAX_ROWS`` new tokens per row, no attention
+  mask (or an all-ones one), and a ``DynamicCache`` or a ``_kvslab.Slab`` cache (a
+  ``DynamicCache`` is moved into a slab once, in place, so later steps append without copies).
+  ``P2PNODE_KERNELS=0`` or ``_kernels.set_enabled(False)`` turns it off.
+- ``run(model, ids, slab, batch_rows, slots, lo, positions)``: the explicit form for a batched
+  slab with per-row offsets (``HFBackend``'s left-padded decode batch): row ``m`` writes its KV
+  at ``slots[m]`` of slab row ``batch_rows[m]`` and attends over ``[lo[m], slots[m]]``. Returns
+  the final hidden states ``[rows, hidden]`` (before the final norm); the caller sets lengths.
+- Numerics: float rounding only (norms, softmax and SiLU in another summation order); logits
+  agree with the torch path to ~1e-4 on logits of magnitude ~20.
+- The plan (weight pointers) is built on first use and checked on every call against the
+  model's current tensors, so a replaced weight is never read through a stale pointer.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import types
+import weakref
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from p2pnode.inference import _kernels
+from p2pnode.inference._kvslab import Slab, _SlabLayer
+
+MAX_ROWS = 32  # new tokens per sequence; longer inputs (prefill) are matmul-bound: torch path
+_LINEARS = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)
+
+
+class _Lin(ctypes.Structure):
+    _fields_ = [
+        ("kind", ctypes.c_int32),
+        ("N", ctypes.c_int32),
+        ("K", ctypes.c_int32),
+        ("G", ctypes.c_int32),
+        ("w", ctypes.c_void_p),
+        ("s", ctypes.c_void_p),
+    ]
+
+
+@dataclass
+class _Plan:
+    lib: ctypes.CDLL
+    lins: ctypes.Array
+    norms: ctypes.Array
+    refs: list[tuple[nn.Module, str, torch.Tensor]]  # (module, attribute, tensor) it points at
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: int
+    eps: float
+    scale: float
+
+    def current(self) -> bool:
+        return all(getattr(mod, attr) is t for mod, attr, t in self.refs)
+
+
+_plans: weakref.WeakKeyDictionary[nn.Module, _Plan | None] = weakref.WeakKeyDictionary()
+
+
+def _describe(mod: nn.Module, refs: list) -> _Lin | None:
+    """One linear as the C side reads it, or None when it is of a kind the kernels lack."""
+    if getattr(mod, "bias", None) is not None:
+        return None
+    q4 = getattr(mod, "q4", None)
+    if q4 is not None and getattr(mod, "stream", False):  # speculation.draft.Int4Linear
+        refs += [(mod, "q4", q4), (mod, "q4_scales", mod.q4_scales)]
+        n, k = q4.shape[0], q4.shape[1] * 2
+        return _Lin(2, n, k, int(mod.group_size), q4.data_ptr(), mod.q4_scales.data_ptr())
+    w = getattr(mod, "weight", None)
+    if not isinstance(w, torch.Tensor) or w.dim() != 2 or not w.is_contiguous():
+        return None
+    if w.dtype not in (torch.float32, torch.bfloat16) or w.shape[1] % 32 or w.device.type != "cpu":
+        return None
+    refs.append((mod, "weight", w))
+    return _Lin(0 if w.dtype == torch.float32 else 1, w.shape[0], w.shape[1], 0, w.data_ptr(), None)
+
+
+def _build(model: nn.Module) -> _Plan | None:
+    lib = _kernels.library()
+    cfg = getattr(model, "config", None)
+    inner = getattr(model, "model", None)
+    if lib is None or cfg is None or inner is None or getattr(cfg, "model_type", "") != "llama":
+        return None
+    if getattr(cfg, "hidden_act", "silu") != "silu":
+        return None
+    if getattr(cfg, "attention_bias", False) or getattr(cfg, "mlp_bias", False):
+        return None
+    heads, kv_heads = int(cfg.num_attention_heads), int(cfg.num_key_value_heads)
+    hidden = int(cfg.hidden_size)
+    head_dim = int(getattr(cfg, "head_dim", None) or hidden // heads)
+    if head_dim % 16 or heads % kv_heads:
+        return None
+    refs: list = []
+    lins, norms = [], []
+    scale = None
+    for layer in inner.layers:
+        for name in _LINEARS:
+            d = _describe(layer.get_submodule(name), refs)
+            if d is None:
+                return None
+            lins.append(d)
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+            w = norm.weight
+            if w.dtype != torch.float32 or not w.is_contiguous():
+                return None
+            refs.append((norm, "weight", w))
+            norms.append(w.data_ptr())
+        scale = float(layer.self_attn.scaling)
+    if not lins or inner.norm.weight.dtype != torch.float32:
+        return None
+    return _Plan(
+        lib=lib,
+        lins=(_Lin * len(lins))(*lins),
+        norms=(ctypes.c_void_p * len(norms))(*norms),
+        refs=refs,
+        layers=len(inner.layers),
+        hidden=hidden,
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        ffn=int(cfg.intermediate_size),
+        eps=float(cfg.rms_norm_eps),
+        scale=float(scale),
+    )
+
+
+def plan(model: nn.Module) -> _Plan | None:
+    """The model's plan (built once, rebuilt when its tensors changed), or None."""
+    p = _plans.get(model, False)
+    if p is False or (p is not None and not p.current()):
+        p = _plans[model] = _build(model)
+    return p
+
+
+def run(
+    model: nn.Module,
+    ids: torch.Tensor,
+    slab: Slab,
+    batch_rows: list[int],
+    slots: list[int],
+    lo: list[int],
+    positions: torch.Tensor,
+) -> torch.Tensor:
+    """See the module contract; ``ids`` and ``positions`` hold one entry per row."""
+    p = plan(model)
+    if p is None:
+        raise RuntimeError("no fast path for this model: check plan(model) first")
+    inner = model.model
+    rows = ids.numel()
+    x = inner.embed_tokens(ids.reshape(1, rows)).float().contiguous()
+    cos, sin = inner.rotary_emb(x, positions.reshape(1, rows))
+    cos, sin = cos.float().contiguous(), sin.float().contiguous()
+    slab.reserve(max(slots) + 1)
+    kv = slab.kv
+    st = kv.stride()
+    meta = torch.tensor([batch_rows, slots, lo], dtype=torch.int32)
+    rc = p.lib.llama_layers(
+        p.lins,
+        p.norms,
+        p.layers,
+        p.hidden,
+        p.heads,
+        p.kv_heads,
+        p.head_dim,
+        p.ffn,
+        p.eps,
+        p.scale,
+        x.data_ptr(),
+        rows,
+        cos.data_ptr(),
+        sin.data_ptr(),
+        kv.data_ptr(),
+        st[0],
+        st[1],
+        st[2],
+        st[3],
+        st[4],
+        meta[0].data_ptr(),
+        meta[1].data_ptr(),
+        meta[2].data_ptr(),
+    )
+    if rc != 0:
+        raise MemoryError("the fast decode path could not allocate its work buffers")
+    return x[0]
+
+
+def _slab_of(cache: Cache, batch: int, model: nn.Module) -> Slab | None:
+    """The slab behind ``cache``, moving a ``DynamicCache``'s KV into one first (once)."""
+    layers = cache.layers
+    if layers and all(isinstance(lay, _SlabLayer) for lay in layers):
+        slab = layers[0].slab
+        if any(lay.slab is not slab for lay in layers) or slab.kv.shape[2] != batch:
+            return None
+        if any(lay.n != layers[0].n for lay in layers):
+            return None
+        return slab
+    if not isinstance(cache, DynamicCache):
+        return None
+    if any(type(lay) is not DynamicLayer for lay in layers):
+        return None
+    cfg = model.config
+    n_layers = int(cfg.num_hidden_layers)
+    filled = [lay for lay in layers if lay.is_initialized and lay.keys is not None]
+    n = filled[0].keys.shape[-2] if filled else 0
+    if n and (len(filled) != n_layers or any(lay.keys.shape[-2] != n for lay in filled)):
+        return None
+    if n and (filled[0].keys.shape[0] != batch or filled[0].keys.dtype != torch.float32):
+        return None
+    heads = int(cfg.num_key_value_heads)
+    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+    slab = Slab(n_layers, heads, head_dim, batch, n + 256)
+    for i, lay in enumerate(filled):
+        slab.kv[i, 0, :, :, :n].copy_(lay.keys)
+        slab.kv[i, 1, :, :, :n].copy_(lay.values)
+    slab.set_length(n)
+    cache.layers[:] = slab.layers
+    return slab
+
+
+def _try(model, input_ids, cache, attention_mask, position_ids, use_cache, logits_to_keep, extra):
+    if extra or torch.is_grad_enabled() or not _kernels.enabled() or use_cache is False:
+        return None
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or cache is None:
+        return None
+    if input_ids.device.type != "cpu" or not isinstance(cache, Cache):
+        return None
+    batch, t = input_ids.shape
+    if t > MAX_ROWS or t < 1 or plan(model) is None:
+        return None
+    slab = _slab_of(cache, batch, model)
+    if slab is None:
+        return None
+    n = slab.length
+    if attention_mask is not None and not (
+        attention_mask.shape == (batch, n + t) and bool(attention_mask.all())
+    ):
+        return None
+    if position_ids is None:
+        position_ids = torch.arange(n, n + t).expand(batch, t)
+    rows_b = [b for b in range(batch) for _ in range(t)]
+    slots = [n + i for _ in range(batch) for i in range(t)]
+    hidden = run(model, input_ids.reshape(-1), slab, rows_b, slots, [0] * len(slots), position_ids)
+    slab.set_length(n + t)
+    hidden = hidden.reshape(batch, t, -1)
+    keep = logits_to_keep if isinstance(logits_to_keep, int) else 0
+    if keep:
+        hidden = hidden[:, -keep:]
+    logits = model.lm_head(model.model.norm(hidden))
+    return CausalLMOutputWithPast(logits=logits, past_key_values=cache)
+
+
+def _forward(
+    self,
+    input_ids=None,
+    attention_mask=None,
+    position_ids=None,
+    past_key_values=None,
+    use_cache=None,
+    logits_to_keep=0,
+    **kwargs,
+):
+    extra = {k: v for k, v in kwargs.items() if not (k == "return_dict" and v in (None, True))}
+    out = _try(
+        self,
+        input_ids,
+        past_key_values,
+        attention_mask,
+        position_ids,
+        use_cache,
+        logits_to_keep,
+        extra,
+    )
+    if out is not None:
+        return out
+    return type(self).forward(
+        self,
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        past_key_values=past_key_values,
+        use_cache=use_cache,
+        logits_to_keep=logits_to_keep,
+        **kwargs,
+    )
+
+
+def install(model: nn.Module) -> bool:
+    if plan(model) is None:
+        return False
+    # A bound method in the instance: a deep copy of the model rebinds it to the copy (whose
+    # plan is built from the copy's own tensors).
+    model.forward = types.MethodType(_forward, model)
+    return True
