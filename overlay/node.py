@@ -56,7 +56,7 @@ from libp2p.abc import IHost, INetConn, INetStream, INetwork, INotifee
 from libp2p.custom_types import TProtocol
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
-from libp2p.pubsub.gossipsub import PROTOCOL_ID_V11, PROTOCOL_ID_V12, GossipSub
+from libp2p.pubsub.gossipsub import PROTOCOL_ID_V11, PROTOCOL_ID_V12
 from libp2p.pubsub.pubsub import Pubsub
 from libp2p.tools.anyio_service import background_trio_service
 from multiaddr import Multiaddr
@@ -84,6 +84,7 @@ from p2pnode.overlay.hello import (
 from p2pnode.overlay.host import make_host, parse_multiaddr
 from p2pnode.overlay.limits import PeerLimiter, remote_peer
 from p2pnode.overlay.peers import PeerState, PeerTable
+from p2pnode.overlay.tuning import QuietGossipSub
 
 __all__ = [
     "PING_PROTOCOL",
@@ -1112,7 +1113,7 @@ async def open_overlay_node(config: OverlayConfig) -> AsyncIterator[OverlayNode]
         health_check_interval=config.health_check_interval,
         max_connections=config.max_peers,
     )
-    gossipsub = GossipSub(
+    gossipsub = QuietGossipSub(
         protocols=[PROTOCOL_ID_V12, PROTOCOL_ID_V11],
         degree=6,
         degree_low=4,
