@@ -4,7 +4,9 @@ Starts `p2pnode bootstrap` and N `p2pnode join` processes on 127.0.0.1 (`--compu
 the default: light emulated engines, as trials run them; `none`: no engine), all knowing only
 the bootstrap, and measures the time from launching the joiners until every joiner's /peers
 lists every other joiner as "up", and, with engines, until every joiner holds a cache view of
-every other one (what a routing trial waits for). Also the RSS of each joiner at the end.
+every other one (what a routing trial waits for). Also the RSS of each joiner at the end, and
+with `--idle S` the CPU the converged swarm burns while idle for S seconds (% of one core per
+node: what many nodes on few cores leave for serving requests).
 Prints and writes bench/results/overlay_join_processes[-N].json.
 Run: `python bench/overlay_join_processes.py [--nodes 16] [--compute none]`.
 """
@@ -58,12 +60,27 @@ def _rss_mb(pid: int) -> float | None:
     return None
 
 
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of one process so far (0 once it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nodes", type=int, default=16)
     parser.add_argument("--timeout", type=float, default=180.0)
     parser.add_argument("--compute", choices=["emulated", "none"], default="emulated")
     parser.add_argument("--gossip-interval", type=float, default=None)
+    parser.add_argument(
+        "--idle",
+        type=float,
+        default=0.0,
+        help="after convergence, measure the swarm's CPU for this many idle seconds",
+    )
     parser.add_argument(
         "--no-fork",
         action="store_true",
@@ -117,6 +134,12 @@ def main() -> None:
                         pass  # a node still starting its API: asked again next round
                 time.sleep(0.2)
             rss = [_rss_mb(p.pid) for p in procs[1:]]
+        idle_cpu = None
+        if args.idle > 0:
+            before = sum(_cpu_s(p.pid) for p in procs[1:])
+            time.sleep(args.idle)
+            spent = sum(_cpu_s(p.pid) for p in procs[1:]) - before
+            idle_cpu = round(100 * spent / args.idle / args.nodes, 2)
         result = {
             "nodes": args.nodes,
             "processes": args.nodes + 1,
@@ -142,6 +165,9 @@ def main() -> None:
             if want_views and len(cache_view_at) == len(infos)
             else None,
             "rss_mb_max": max((r for r in rss if r is not None), default=None),
+            "idle_s": args.idle or None,
+            "idle_cpu_pct_per_node": idle_cpu,
+            "load_avg_1m_after_idle": os.getloadavg()[0] if args.idle > 0 else None,
             "rss_mb_mean": round(sum(r for r in rss if r) / max(1, sum(1 for r in rss if r)), 1),
         }
         print(json.dumps(result, indent=2))
