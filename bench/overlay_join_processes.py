@@ -75,6 +75,7 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=180.0)
     parser.add_argument("--compute", choices=["emulated", "none"], default="emulated")
     parser.add_argument("--gossip-interval", type=float, default=None)
+    parser.add_argument("--ping-interval", type=float, default=None)
     parser.add_argument(
         "--idle",
         type=float,
@@ -92,6 +93,8 @@ def main() -> None:
         if args.compute == "emulated"
         else ["--model", "none"]
     )
+    if args.ping_interval is not None:
+        engine += ["--ping-interval", str(args.ping_interval)]
     if args.gossip_interval is not None:
         engine += ["--gossip-interval", str(args.gossip_interval)]
     root = Path(tempfile.mkdtemp(prefix="p2pnode-join-bench-"))
@@ -113,6 +116,7 @@ def main() -> None:
         ids = {info["peer_id"] for info in infos}
         full_view_at: dict[str, float] = {}
         cache_view_at: dict[str, float] = {}
+        seen_up: dict[str, int] = {}  # most other joiners a node listed as up (partial runs)
         want_views = args.compute == "emulated"
         with httpx.Client(timeout=3) as client:
             while time.monotonic() < deadline and (
@@ -124,6 +128,7 @@ def main() -> None:
                         if me not in full_view_at:
                             peers = client.get(info["api"] + "/peers").json()
                             up = {p["peer_id"] for p in peers if p["state"] == "up"}
+                            seen_up[me] = max(seen_up.get(me, 0), len(up & ids))
                             if ids - {me} <= up:
                                 full_view_at[me] = time.monotonic() - launched
                         if want_views and me not in cache_view_at:
@@ -156,6 +161,8 @@ def main() -> None:
             )
             if full_view_at
             else None,
+            "up_peers_min": min(seen_up.values(), default=0),
+            "up_peers_median": sorted(seen_up.values())[len(seen_up) // 2] if seen_up else 0,
             "compute": args.compute,
             "forked": zygote is not None,
             "all_started_to_full_view_s": round(max(full_view_at.values()) - started, 2)

@@ -21,9 +21,10 @@ Contract:
   connected go to discovery, which dials it. The DHT fetch and lookups remain the fallback.
 - Liveness: any frame received on a peer's connection counts as a sign of life (stamped on the
   secured connection's reads), so busy peers are never probed. A peer silent for
-  `ping_interval` gets one 32-byte echo probe on a persistent /p2pnode/ping/1 stream (opened
-  once per connection; a late echo is still used, never a reason to reopen). A probe missed
-  is one with no echo AND no frame at all from the peer within the RTO = srtt + 4 * rttvar of
+  `ping_interval` (or longer with many peers: at most `PROBE_BUDGET_PER_S` probes per second
+  in all, so the interval is at least connected peers / that budget) gets one 32-byte echo
+  probe on a persistent /p2pnode/ping/1 stream (opened once per connection; a late echo is
+  still used, never a reason to reopen). A probe missed is one with no echo AND no frame at all from the peer within the RTO = srtt + 4 * rttvar of
   that peer (RFC 6298), clamped to [`ping_timeout`, `RTO_CEILING` * `ping_timeout`]; the next
   probe follows at once; a miss while our own loop lagged more than RTO/2 is excused (silence
   proves nothing when we did not run). 1 missed probe -> suspect, 2 -> down; after
@@ -112,6 +113,14 @@ CLOSE_AFTER_EXTRA_MISSES = 4
 RELAYED_TIMEOUT_FACTOR = 3.0
 # Idle peers get an RTT sample at least this many ping intervals apart (the router uses it).
 RTT_REFRESH_INTERVALS = 10
+# Probes of idle links a node sends per second at most, all peers together: the silence that
+# triggers a probe grows past `ping_interval` to (connected peers / this) seconds. At 63 peers
+# and 1 s, probes were the largest single cost of 64 nodes on 2 cores (4,000 probes/s in all),
+# and starved nodes then missed real frames. Detection of a hung peer slows in proportion
+# (~4 s + 2 RTO at 64 peers); a closed or killed one is still seen at once.
+PROBE_BUDGET_PER_S = 16.0
+# A connection's kind (direct or relayed) is looked up again this often while probing it.
+KIND_REFRESH_S = 30.0
 # One Kademlia bucket: below this many peers a self lookup already returns the whole network.
 KAD_BUCKET_SIZE = 20
 # Background work (discovery dials, record fetches) runs this many at a time per node: each is
@@ -192,6 +201,8 @@ class _Probe:
     sent_at: float = -math.inf  # monotonic time of the last probe sent
     last_sample: float = -math.inf  # monotonic time of the last RTT sample
     misses: int = 0
+    relayed: bool = False  # how the connection runs, looked up again every KIND_REFRESH_S
+    kind_at: float = -math.inf
 
 
 class _RxStamp:
@@ -864,17 +875,19 @@ class OverlayNode:
         nursery.start_soon(self._keep_probe_stream, peer, probe)
         while self._probing(peer, probe):
             now = time.monotonic()
+            interval = max(cfg.ping_interval, len(self._probes) / PROBE_BUDGET_PER_S)
             due = min(
-                max(self._last_rx.get(peer, -math.inf), probe.sent_at) + cfg.ping_interval,
-                probe.last_sample + RTT_REFRESH_INTERVALS * cfg.ping_interval,
+                max(self._last_rx.get(peer, -math.inf), probe.sent_at) + interval,
+                probe.last_sample + RTT_REFRESH_INTERVALS * interval,
             )
             if probe.misses == 0 and now < due:
                 await trio.sleep(due - now)
                 continue
             # A relayed link crosses a third node's event loop and two more hops.
-            floor = cfg.ping_timeout * (
-                RELAYED_TIMEOUT_FACTOR if self.connection_kind(pid) == "relayed" else 1.0
-            )
+            if now - probe.kind_at > KIND_REFRESH_S:
+                probe.relayed = self.connection_kind(pid) == "relayed"
+                probe.kind_at = now
+            floor = cfg.ping_timeout * (RELAYED_TIMEOUT_FACTOR if probe.relayed else 1.0)
             rto = self.peers.rto(pid, floor, RTO_CEILING * floor)
             started = time.monotonic()
             if probe.stream is not None:
