@@ -35,6 +35,9 @@ SERVING = ("nat1", "nat2")
 FULL_VIEW_LIMIT_S = 60.0
 SYSTEM = [{"role": "system", "content": "You are a terse assistant. " * 50}]
 MESSAGES = [*SYSTEM, {"role": "user", "content": "Name one prime number."}]
+# A second system prompt, cached only on the holder once the entry trusts it.
+SYSTEM2 = [{"role": "system", "content": "You answer in one word. " * 50}]
+MESSAGES2 = [*SYSTEM2, {"role": "user", "content": "Name one colour."}]
 NEW_TOKENS = 4
 
 
@@ -63,11 +66,14 @@ def _rtt(swarm: NetnsSwarm, host: str, peer_id: str) -> float | None:
     return next((p["rtt_ms"] for p in swarm.peers(host) if p["peer_id"] == peer_id), None)
 
 
-async def _reference() -> str:
+async def _references() -> list[str]:
     async with open_engine(load_model(None), torch_threads=1) as engine:
-        ids = engine.encode_chat(MESSAGES)
-        result = await engine.generate(ids, SamplingParams(max_tokens=NEW_TOKENS, temperature=0))
-        return engine.decode(result.tokens)
+        out = []
+        for messages in (MESSAGES, MESSAGES2):
+            ids = engine.encode_chat(messages)
+            params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0)
+            out.append(engine.decode((await engine.generate(ids, params)).tokens))
+        return out
 
 
 @pytest.mark.slow
@@ -142,18 +148,35 @@ def test_default_flags_across_nats_form_one_swarm_and_route_to_the_prefix(testbe
         view, rtt = _view_of(swarm, entry, ids[holder]), _rtt(swarm, entry, ids[holder])
         raise AssertionError(f"{exc}: view {view}, rtt {rtt}\n{logs()}") from None
     body = {"messages": MESSAGES, "max_tokens": NEW_TOKENS, "temperature": 0}
-    expected = trio.run(_reference)
+    expected, expected2 = trio.run(_references)
     headers, reply = swarm.request(entry, "/v1/chat/completions", body)
     assert reply["choices"][0]["message"]["content"] == expected
     if headers["x-p2pnode-served-by"] != ids[holder]:
         # The holder is a new identity to the entry node: its answer would wait for an audit
         # as long as serving here takes, so the entry served it and now challenges the holder
-        # with the answer it knows (overlay/challenge.py) until the holder passed probation.
+        # on the answer it knows (overlay/challenge.py) until the holder passed probation.
         def holder_trusted() -> bool:
             probation = swarm.status(entry)["routing"]["probation"]
             return ids[holder] not in probation["on_probation"]
 
         _wait(holder_trusted, 120, f"{entry} trusting {holder} after its challenges", logs())
+        # The entry now holds that prompt itself. A second system prompt, used twice on the
+        # holder (it then advertises it), is what the entry lacks and the holder has.
+        body = {"messages": MESSAGES2, "max_tokens": NEW_TOKENS, "temperature": 0}
+        expected = expected2
+        blocks_before = _view_of(swarm, entry, ids[holder]).get("blocks", 0)
+        primes = [
+            swarm.request(holder, "/v1/chat/completions", {"messages": SYSTEM2, "max_tokens": 2})
+            for _ in range(2)
+        ]
+        served = [h["x-p2pnode-served-by"] for h, _ in primes]
+        assert served == [ids[holder]] * 2, (served, [r.get("p2pnode") for _, r in primes])
+        _wait(
+            lambda: _view_of(swarm, entry, ids[holder]).get("blocks", 0) >= blocks_before + 10,
+            60,
+            f"{entry} sees {holder}'s second prefix: {_view_of(swarm, entry, ids[holder])}",
+            logs(),
+        )
         headers, reply = swarm.request(entry, "/v1/chat/completions", body)
     assert headers["x-p2pnode-served-by"] == ids[holder], (headers, reply.get("p2pnode"))
     assert int(headers["x-p2pnode-cached-tokens"]) >= 160, headers
