@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from p2pnode.inference.costmodel import Calibration
-from p2pnode.overlay.scope import ScopePolicy, cell_of
+from p2pnode.overlay.scope import ScopePolicy
 from p2pnode.testnet.simulate import (
     Network,
     SimConfig,
@@ -55,12 +55,6 @@ class SpecNetwork(Network):
     def nearest(self, a: int, policy: ScopePolicy, cell: Iterable[int] = ()) -> set[int]:
         pairs = [(str(j), self.base_rtt(a, j)) for j in range(len(self.region)) if j != a]
         return {int(p) for p in policy.select(pairs, cell=(str(j) for j in cell if j != a))}
-
-    def cells(self, policy: ScopePolicy) -> list[str]:
-        size: dict[str, int] = {}
-        for r in self.region:
-            size[r] = size.get(r, 0) + 1
-        return [cell_of(str(i), r, policy.cells(size[r])) for i, r in enumerate(self.region)]
 
 
 def spec_config(

@@ -168,8 +168,11 @@ class _Scorer:
         return 0.01 + tokens * 0.005
 
 
-def test_the_router_counts_the_probation_hold_and_forwards_once_the_peer_passed() -> None:
-    model, peer = "hold-model", "peer-b"
+def _held_prefix_setup(
+    model: str, peer: str, probation_answers: int
+) -> tuple[list[int], list[int], PeerViews, TrustBook, Auditor, Router]:
+    """A 512-token prompt of which ``peer`` advertises 480 tokens, a router that counts the
+    probation hold, and its trust book and auditor."""
     tokens = [(7 * i) % 40000 + 1 for i in range(512)]
     hashes = block_hashes(tokens, model_salt(model))
     views = PeerViews()
@@ -181,8 +184,14 @@ def test_the_router_counts_the_probation_hold_and_forwards_once_the_peer_passed(
     holder.on_event(BlockStored(tuple(hashes[:30]), None))  # 480 of the 512 tokens
     views.apply(holder.full())
     trust = TrustBook()
-    auditor = Auditor(_Scorer(), trust, AuditConfig(probation_answers=2))
+    auditor = Auditor(_Scorer(), trust, AuditConfig(probation_answers=probation_answers))
     router = Router(views, rtt_s=lambda _p: 0.002, trust=trust, hold_s=auditor.hold_s)
+    return tokens, hashes, views, trust, auditor, router
+
+
+def test_the_router_counts_the_probation_hold_and_forwards_once_the_peer_passed() -> None:
+    model, peer = "hold-model", "peer-b"
+    _tokens, hashes, _views, trust, _auditor, router = _held_prefix_setup(model, peer, 2)
     local = LocalState(
         cached_tokens=0, wait_s=0.0, prefill_s_per_token=0.005, decode_s_per_token=0.05
     )
@@ -216,19 +225,7 @@ class _UnreachableNode:
 
 async def test_challenges_are_earned_by_requests_that_would_have_gone_to_the_peer() -> None:
     model, peer = "earn-model", "peer-b"
-    tokens = [(11 * i) % 40000 + 1 for i in range(512)]
-    hashes = block_hashes(tokens, model_salt(model))
-    views = PeerViews()
-    speeds = LoadInfo(
-        queue_depth=0, est_wait_s=0.0, push_back=False,
-        prefill_s_per_token=0.005, decode_s_per_token=0.05,
-    )  # fmt: skip
-    holder = DigestBuilder(peer, model, load_fn=lambda: speeds)
-    holder.on_event(BlockStored(tuple(hashes[:30]), None))  # 480 of the 512 tokens
-    views.apply(holder.full())
-    trust = TrustBook()
-    auditor = Auditor(_Scorer(), trust, AuditConfig(probation_answers=3))
-    router = Router(views, rtt_s=lambda _p: 0.002, trust=trust, hold_s=auditor.hold_s)
+    tokens, hashes, views, trust, auditor, router = _held_prefix_setup(model, peer, 3)
     probation = ProbationChallenges(
         node=_UnreachableNode(), model_id=model, salt=model_salt(model), views=views,
         router=router, auditor=auditor, trust=trust, forward_config=ForwardConfig(),
