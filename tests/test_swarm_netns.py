@@ -36,7 +36,9 @@ FULL_VIEW_LIMIT_S = 60.0
 SYSTEM = [{"role": "system", "content": "You are a terse assistant. " * 50}]
 MESSAGES = [*SYSTEM, {"role": "user", "content": "Name one prime number."}]
 # A second system prompt, cached only on the holder once the entry trusts it.
-SYSTEM2 = [{"role": "system", "content": "You answer in one word. " * 50}]
+# Long, so that serving it from the holder's cache wins by seconds over the relayed link,
+# whatever the load does to the learned network cost.
+SYSTEM2 = [{"role": "system", "content": "You answer in one word. " * 150}]
 MESSAGES2 = [*SYSTEM2, {"role": "user", "content": "Name one colour."}]
 NEW_TOKENS = 4
 
@@ -172,12 +174,12 @@ def test_default_flags_across_nats_form_one_swarm_and_route_to_the_prefix(testbe
         served = [h["x-p2pnode-served-by"] for h, _ in primes]
         assert served == [ids[holder]] * 2, (served, [r.get("p2pnode") for _, r in primes])
         _wait(
-            lambda: _view_of(swarm, entry, ids[holder]).get("blocks", 0) >= blocks_before + 10,
+            lambda: _view_of(swarm, entry, ids[holder]).get("blocks", 0) >= blocks_before + 40,
             60,
             f"{entry} sees {holder}'s second prefix: {_view_of(swarm, entry, ids[holder])}",
             logs(),
         )
         headers, reply = swarm.request(entry, "/v1/chat/completions", body)
     assert headers["x-p2pnode-served-by"] == ids[holder], (headers, reply.get("p2pnode"))
-    assert int(headers["x-p2pnode-cached-tokens"]) >= 160, headers
+    assert int(headers["x-p2pnode-cached-tokens"]) >= 160, headers  # the holder's prefix
     assert reply["choices"][0]["message"]["content"] == expected
