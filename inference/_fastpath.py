@@ -38,17 +38,9 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from p2pnode.inference import _kernels
 from p2pnode.inference._kvslab import Slab, _SlabLayer
+from p2pnode.inference.models import LLAMA_LINEARS
 
 MAX_ROWS = 32  # new tokens per sequence; longer inputs (prefill) are matmul-bound: torch path
-_LINEARS = (
-    "self_attn.q_proj",
-    "self_attn.k_proj",
-    "self_attn.v_proj",
-    "self_attn.o_proj",
-    "mlp.gate_proj",
-    "mlp.up_proj",
-    "mlp.down_proj",
-)
 
 
 class _Lin(ctypes.Structure):
@@ -121,7 +113,7 @@ def _build(model: nn.Module) -> _Plan | None:
     lins, norms = [], []
     scale = None
     for layer in inner.layers:
-        for name in _LINEARS:
+        for name in LLAMA_LINEARS:
             d = _describe(layer.get_submodule(name), refs)
             if d is None:
                 return None

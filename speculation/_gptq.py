@@ -27,12 +27,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-LINEAR_GROUPS = (
-    ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-    ("self_attn.o_proj",),
-    ("mlp.gate_proj", "mlp.up_proj"),
-    ("mlp.down_proj",),
-)
+from p2pnode.inference.models import LLAMA_LINEAR_GROUPS, LLAMA_LINEARS
+
 _BLOCK = 128
 _SHRINK = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75)
 
@@ -139,7 +135,7 @@ def gptq_linear(
 def _passes(sequential: bool) -> tuple[tuple[str, ...], ...]:
     """Linears quantized per forward pass: all at once (fast) or group by group (true-sequential:
     o_proj sees quantized q/k/v and so on; ~2.5x the forwards for a small gain)."""
-    return LINEAR_GROUPS if sequential else (tuple(n for g in LINEAR_GROUPS for n in g),)
+    return LLAMA_LINEAR_GROUPS if sequential else (LLAMA_LINEARS,)
 
 
 def _layer_inputs(model: nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, dict]:

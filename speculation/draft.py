@@ -41,22 +41,13 @@ import torch
 from torch import nn
 
 from p2pnode.inference import _fastpath, _kernels
-from p2pnode.inference.models import LoadedModel, cache_dir, load_model
+from p2pnode.inference.models import LLAMA_LINEARS, LoadedModel, cache_dir, load_model
 
 log = logging.getLogger(__name__)
 
 DEFAULT_GROUP_SIZE = 64
 METHODS = ("gptq", "rtn")
 DEFAULT_METHOD = os.environ.get("P2PNODE_DRAFT_METHOD", "gptq")
-LINEAR_NAMES = (
-    "self_attn.q_proj",
-    "self_attn.k_proj",
-    "self_attn.v_proj",
-    "self_attn.o_proj",
-    "mlp.gate_proj",
-    "mlp.up_proj",
-    "mlp.down_proj",
-)
 _MARKER = "p2pnode-draft.json"
 _KERNEL_GROUPS = (32, 64, 128, 256)
 
@@ -240,7 +231,7 @@ def build_draft(
             act_order=act_order,
         )
     for i, layer in enumerate(target.model.model.layers):
-        for name in LINEAR_NAMES:
+        for name in LLAMA_LINEARS:
             lin = layer.get_submodule(name)
             if lin.bias is not None:
                 raise DraftError(f"layer {i} {name} has a bias: not supported by this draft")
@@ -336,7 +327,7 @@ def load_draft(
     state = load_file(str(folder / "model.safetensors"))
     group_size = int(qcfg["group_size"])
     for i, layer in enumerate(model.model.layers):
-        for name in LINEAR_NAMES:
+        for name in LLAMA_LINEARS:
             prefix = f"model.layers.{i}.{name}"
             parts = {
                 k: state.pop(f"{prefix}.{k}") for k in ("qweight", "qzeros", "scales", "g_idx")
