@@ -519,10 +519,10 @@ class Router:
             (c.prefill_s / max(1, prompt_tokens - c.cached_tokens) for c in eligible), default=0
         )
         budget = best + cfg.placement_share * prompt_tokens * rate
-        key = prompt_block_hashes[blocks - 1].to_bytes(8, "little")
+        key = placement_key(prompt_block_hashes, cfg.placement_blocks)
         home = max(
             (c for c in pool if c.total_s <= budget),
-            key=lambda c: _rendezvous(key, self.self_id if c.is_local else c.peer_id),
+            key=lambda c: rendezvous_rank(key, self.self_id if c.is_local else c.peer_id),
         )
         return LOCAL if home.is_local else home.peer_id
 
@@ -634,8 +634,15 @@ def request_bytes(prompt_tokens: int) -> int:
     return REQUEST_OVERHEAD_BYTES + REQUEST_BYTES_PER_TOKEN * prompt_tokens
 
 
-def _rendezvous(key: bytes, name: str) -> int:
-    return int.from_bytes(hashlib.blake2b(key + name.encode(), digest_size=8).digest(), "big")
+def placement_key(prompt_block_hashes: Sequence[int], placement_blocks: int) -> bytes:
+    """The key a prompt's cache is placed by on a miss: its leading blocks' chained hash."""
+    blocks = min(placement_blocks, len(prompt_block_hashes))
+    return prompt_block_hashes[blocks - 1].to_bytes(8, "little")
+
+
+def rendezvous_rank(key: bytes, peer_id: str) -> int:
+    """A peer's rank for a placement key: the highest-ranked candidate within budget is home."""
+    return int.from_bytes(hashlib.blake2b(key + peer_id.encode(), digest_size=8).digest(), "big")
 
 
 def _usable_cached(cached: int, prompt_tokens: int) -> int:

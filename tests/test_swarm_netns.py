@@ -18,8 +18,10 @@ import time
 import pytest
 import trio
 
+from p2pnode.inference.blockhash import block_hashes, model_salt
 from p2pnode.inference.engine import SamplingParams, open_engine
 from p2pnode.inference.models import load_model
+from p2pnode.overlay.router import RouterConfig, placement_key, rendezvous_rank
 from p2pnode.testnet.netns import Testbed, require_netns
 from p2pnode.testnet.swarm import NetnsSwarm
 
@@ -35,12 +37,22 @@ SERVING = ("nat1", "nat2")
 FULL_VIEW_LIMIT_S = 60.0
 SYSTEM = [{"role": "system", "content": "You are a terse assistant. " * 50}]
 MESSAGES = [*SYSTEM, {"role": "user", "content": "Name one prime number."}]
-# A second system prompt, cached only on the holder once the entry trusts it.
-# Long, so that serving it from the holder's cache wins by seconds over the relayed link,
-# whatever the load does to the learned network cost.
-SYSTEM2 = [{"role": "system", "content": "You answer in one word. " * 150}]
-MESSAGES2 = [*SYSTEM2, {"role": "user", "content": "Name one colour."}]
+# A second system prompt, cached only on the holder once the entry trusts it. Long, so that
+# serving it from the holder's cache wins by seconds over the relayed link, whatever the load
+# does to the learned network cost. Its first words pick, among a few variants, one whose
+# placement home (where a miss of it is sent: overlay/router.py) is the holder, so priming it
+# there keeps it there.
+SYSTEM2_BODY = "You answer in one word. " * 150
+SYSTEM2_VARIANTS = 16
 NEW_TOKENS = 4
+
+
+def _system2(variant: int) -> list[dict[str, str]]:
+    return [{"role": "system", "content": f"Variant {variant}. {SYSTEM2_BODY}"}]
+
+
+def _messages2(variant: int) -> list[dict[str, str]]:
+    return [*_system2(variant), {"role": "user", "content": "Name one colour."}]
 
 
 @pytest.fixture
@@ -68,14 +80,27 @@ def _rtt(swarm: NetnsSwarm, host: str, peer_id: str) -> float | None:
     return next((p["rtt_ms"] for p in swarm.peers(host) if p["peer_id"] == peer_id), None)
 
 
-async def _references() -> list[str]:
+def _homed_variant(engine, home: str, other: str) -> int:
+    """The first variant of the second system prompt whose placement home is ``home``."""
+    salt = model_salt(engine.model_id)
+    for variant in range(SYSTEM2_VARIANTS):
+        hashes = block_hashes(engine.encode_chat(_system2(variant)), salt)
+        key = placement_key(hashes, RouterConfig().placement_blocks)
+        if rendezvous_rank(key, home) > rendezvous_rank(key, other):
+            return variant
+    raise AssertionError(f"none of {SYSTEM2_VARIANTS} variants is placed on {home}")
+
+
+async def _references(holder_id: str, entry_id: str) -> tuple[str, str, int]:
+    """The target's answers to both prompts, and the variant of the second one to use."""
     async with open_engine(load_model(None), torch_threads=1) as engine:
+        variant = _homed_variant(engine, holder_id, entry_id)
         out = []
-        for messages in (MESSAGES, MESSAGES2):
+        for messages in (MESSAGES, _messages2(variant)):
             ids = engine.encode_chat(messages)
             params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0)
             out.append(engine.decode((await engine.generate(ids, params)).tokens))
-        return out
+        return out[0], out[1], variant
 
 
 @pytest.mark.slow
@@ -150,7 +175,7 @@ def test_default_flags_across_nats_form_one_swarm_and_route_to_the_prefix(testbe
         view, rtt = _view_of(swarm, entry, ids[holder]), _rtt(swarm, entry, ids[holder])
         raise AssertionError(f"{exc}: view {view}, rtt {rtt}\n{logs()}") from None
     body = {"messages": MESSAGES, "max_tokens": NEW_TOKENS, "temperature": 0}
-    expected, expected2 = trio.run(_references)
+    expected, expected2, variant = trio.run(_references, ids[holder], ids[entry])
     headers, reply = swarm.request(entry, "/v1/chat/completions", body)
     assert reply["choices"][0]["message"]["content"] == expected
     if headers["x-p2pnode-served-by"] != ids[holder]:
@@ -164,17 +189,16 @@ def test_default_flags_across_nats_form_one_swarm_and_route_to_the_prefix(testbe
         _wait(holder_trusted, 120, f"{entry} trusting {holder} after its challenges", logs())
         # The entry now holds that prompt itself. A second system prompt, used twice on the
         # holder (it then advertises it), is what the entry lacks and the holder has.
-        body = {"messages": MESSAGES2, "max_tokens": NEW_TOKENS, "temperature": 0}
+        body = {"messages": _messages2(variant), "max_tokens": NEW_TOKENS, "temperature": 0}
         expected = expected2
         blocks_before = _view_of(swarm, entry, ids[holder]).get("blocks", 0)
-        primes = [
-            swarm.request(holder, "/v1/chat/completions", {"messages": SYSTEM2, "max_tokens": 2})
-            for _ in range(2)
-        ]
+        prime = {"messages": _system2(variant), "max_tokens": 2}
+        primes = [swarm.request(holder, "/v1/chat/completions", prime) for _ in range(2)]
         served = [h["x-p2pnode-served-by"] for h, _ in primes]
         if served != [ids[holder]] * 2:
             decisions = swarm.get(holder, "/console/api/decisions?limit=2")
-            raise AssertionError(f"primes served by {served}, decisions {decisions}")
+            learned = swarm.status(holder)["routing"]["learned"]
+            raise AssertionError(f"primes served by {served}: {decisions}, learned {learned}")
         _wait(
             lambda: _view_of(swarm, entry, ids[holder]).get("blocks", 0) >= blocks_before + 40,
             60,
