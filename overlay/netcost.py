@@ -17,11 +17,20 @@ any sample, one round trip).
 Peers report their own engine time, so a peer could claim a long one to look near. The
 measured network cost is therefore never taken below one round trip, and the coefficients are
 clamped to physical ranges (at least one round trip, at most ``MAX_ROUND_TRIPS``).
+
+Nor is it taken above ``MAX_ROUND_TRIPS`` round trips plus the request at
+``MIN_BANDWIDTH_BPS``: a first token later than that is a starved CPU (this node's event loop,
+or the peer's outside its engine), not the network: one such sample on a loaded machine once put
+a 10 s bias on a 21 ms link. A peer's bias also fades towards zero with the time since its last
+sample (``bias_half_life_s``): a high estimate keeps forwards, and so fresh samples, away from
+that peer, and must not keep it out for good.
 """
 
 from __future__ import annotations
 
 import math
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 MB = 1e6
@@ -35,6 +44,7 @@ MIN_BANDWIDTH_BPS = 1e4
 class _PeerNet:
     bias_s: float = 0.0
     samples: int = 0
+    at: float = 0.0  # clock of the last sample
 
 
 @dataclass
@@ -46,12 +56,15 @@ class NetCostConfig:
     prior_weight: float = 4.0
     forgetting: float = 0.98  # per observation: the last ~50 forwards dominate
     bias_alpha: float = 0.2
+    bias_half_life_s: float = 300.0
 
     def __post_init__(self) -> None:
         if not (self.prior_round_trips >= 1 and self.prior_bandwidth_Bps > 0):
             raise ValueError("a forward costs at least one round trip and bandwidth is > 0")
         if not (0 < self.forgetting <= 1 and 0 < self.bias_alpha <= 1 and self.prior_weight > 0):
             raise ValueError("forgetting and bias_alpha in (0, 1], prior_weight > 0")
+        if self.bias_half_life_s <= 0:
+            raise ValueError("bias_half_life_s must be > 0")
 
 
 class ForwardCost:
@@ -60,8 +73,11 @@ class ForwardCost:
     _REF_RTT_S = 0.05
     _REF_MB = 0.004
 
-    def __init__(self, config: NetCostConfig | None = None) -> None:
+    def __init__(
+        self, config: NetCostConfig | None = None, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.config = cfg = config or NetCostConfig()
+        self._clock = clock
         self._theta0 = (cfg.prior_round_trips, MB / cfg.prior_bandwidth_Bps)
         # Normal equations of the weighted fit: a (2x2), b (2), with the prior as a ridge.
         self._lam = (cfg.prior_weight * self._REF_RTT_S**2, cfg.prior_weight * self._REF_MB**2)
@@ -87,8 +103,11 @@ class ForwardCost:
     def estimate(self, peer_id: str, rtt_s: float, request_bytes: float) -> float:
         base = self._theta[0] * rtt_s + self._theta[1] * request_bytes / MB
         peer = self._peers.get(peer_id)
-        bias = 0.0 if peer is None else peer.bias_s
-        return max(rtt_s, base + bias)
+        return max(rtt_s, base + (0.0 if peer is None else self._bias(peer)))
+
+    def _bias(self, peer: _PeerNet) -> float:
+        age = max(0.0, self._clock() - peer.at)
+        return peer.bias_s * 0.5 ** (age / self.config.bias_half_life_s)
 
     def spread_s(self, rtt_s: float) -> float:
         """One standard deviation of the network cost: the round-trip-sized variance a forward's
@@ -110,8 +129,9 @@ class ForwardCost:
         """One finished forward: the origin's time to first token and the serving engine's."""
         if not all(math.isfinite(v) and v >= 0 for v in (rtt_s, first_token_s, engine_s)):
             return
-        y = max(rtt_s, first_token_s - engine_s)
         x = (rtt_s, request_bytes / MB)
+        ceiling = MAX_ROUND_TRIPS * rtt_s + x[1] * MB / MIN_BANDWIDTH_BPS
+        y = min(ceiling, max(rtt_s, first_token_s - engine_s))
         predicted = self.estimate(peer_id, rtt_s, request_bytes)
         g = self.config.forgetting
         self._sq_resid = g * self._sq_resid + (y - predicted) ** 2
@@ -126,7 +146,8 @@ class ForwardCost:
         peer = self._peers.setdefault(peer_id, _PeerNet())
         shared = self._theta[0] * x[0] + self._theta[1] * x[1]
         a = self.config.bias_alpha
-        peer.bias_s = (1 - a) * peer.bias_s + a * (y - shared)
+        peer.bias_s = (1 - a) * self._bias(peer) + a * (y - shared)
+        peer.at = self._clock()
         peer.samples += 1
 
     def forget_peer(self, peer_id: str) -> None:
@@ -153,5 +174,5 @@ class ForwardCost:
             "round_trips": round(self._theta[0], 3),
             "bandwidth_Bps": round(self.bandwidth_Bps),
             "spread_s": round(self.spread_s(0.0), 4) if self._resid_weight >= 1 else None,
-            "peer_bias_s": {p: round(v.bias_s, 4) for p, v in self._peers.items()},
+            "peer_bias_s": {p: round(self._bias(v), 4) for p, v in self._peers.items()},
         }

@@ -17,7 +17,8 @@ Contract:
   WAN delays) peers get few of them, where it wins by a prefill they get them at once.
   Earned time lapses ``wanted_for_s`` after the last want.
 - ``peers()``: the peers a challenge may go to now: with time earned, serving the model, up,
-  usable, on probation, and idle both by their digest and by what this node already sent.
+  usable, on probation, with a free slot by their digest (``FREE_SLOT_WAIT_S``) and nothing
+  of ours in flight there.
 - ``know(prompt, params, tokens)``: a greedy answer this node computed itself becomes a known
   answer (the caller never passes private requests).
 - A challenge is an ordinary forward (``forward_request``) with the timeouts real forwards
@@ -29,7 +30,7 @@ from __future__ import annotations
 import math
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +44,12 @@ from p2pnode.overlay.forward import ForwardConfig, ForwardFailed, ForwardRequest
 from p2pnode.overlay.router import Router, RoutingDecision
 from p2pnode.overlay.trust import TrustBook
 from p2pnode.overlay.views import PeerViews
+
+# A challenge goes to a peer, and this node answers one, only while a new request there would
+# start at once (a free batch slot, no prefill queued ahead): it then shares decode steps with
+# the client work running, and never makes a client's request wait for a slot. Waiting for an
+# empty engine instead held trust back by tens of seconds on a busy LAN trial.
+FREE_SLOT_WAIT_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -77,6 +84,7 @@ class ProbationChallenges:
         trust: TrustBook,
         forward_config: ForwardConfig,
         answer: AnswerFn | None = None,
+        idle: Callable[[], bool] | None = None,
         challenge_config: ChallengeConfig | None = None,
         config: ProbationConfig | None = None,
         registry: CollectorRegistry | None = None,
@@ -101,6 +109,7 @@ class ProbationChallenges:
             ),
             afford=self.affords,
             answer=answer,
+            idle=idle,
             config=challenge_config,
             registry=registry,
         )
@@ -160,7 +169,7 @@ class ProbationChallenges:
                 and self._auditor.on_probation(p)
                 and self._trust.usable(p)
                 and not view.load.push_back
-                and view.load.queue_depth == 0
+                and view.load.est_wait_s <= FREE_SLOT_WAIT_S
                 and self._router.inflight(p) == 0
                 and self._router.is_up(p)
             ):

@@ -48,7 +48,7 @@ from p2pnode.overlay.forward import (
 from p2pnode.overlay.limits import PeerLimiter
 from p2pnode.overlay.peers import PeerState
 from p2pnode.overlay.privacy import AdvertiseGate
-from p2pnode.overlay.probation import ProbationChallenges
+from p2pnode.overlay.probation import FREE_SLOT_WAIT_S, ProbationChallenges
 from p2pnode.overlay.router import (
     LOCAL,
     CandidateEstimate,
@@ -219,6 +219,7 @@ class RoutedService:
                 trust=self.trust,
                 forward_config=self.forward_config,
                 answer=self._own_answer if engine is not None else None,
+                idle=lambda: engine is not None and engine.estimated_wait_s() <= FREE_SLOT_WAIT_S,
                 challenge_config=challenge_config,
                 registry=registry,
             )
@@ -523,10 +524,10 @@ class RoutedService:
             self.gate.note_request(block_hashes(prompt, self.salt))
 
     async def _own_answer(self, prompt: list[int], max_tokens: int) -> list[int] | None:
-        """This node's greedy answer to a prefix challenge, or None while its engine has work
-        (a challenge never delays a client's request)."""
+        """This node's greedy answer to a prefix challenge, or None while a new request would
+        wait for a slot here (a challenge never makes a client's request wait)."""
         e = self.engine
-        if e is None or e.queue_depth > 0:
+        if e is None or e.estimated_wait_s() > FREE_SLOT_WAIT_S:
             return None
         tokens: list[int] = []
         stream = e.stream(prompt, SamplingParams(max_tokens=max_tokens))

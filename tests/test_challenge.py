@@ -143,7 +143,7 @@ async def test_a_prefix_challenge_cuts_the_known_prompt_just_past_what_the_peer_
     trust = TrustBook()
     ch = Challenger(
         send=send, peers=lambda: ["p"], held=lambda _peer, _blocks: 160, trust=trust,
-        mismatch=lambda *_: None, answer=answer,
+        mismatch=lambda *_: None, answer=answer, idle=lambda: not busy["now"],
         config=ChallengeConfig(max_tokens=2, max_overhang=15), rng=random.Random(3),
     )  # fmt: skip
     ch.known.add(prompt, [9, 9], blocks=[1])
@@ -152,7 +152,7 @@ async def test_a_prefix_challenge_cuts_the_known_prompt_just_past_what_the_peer_
     assert trust.audited_ok("p") == 5
     for cut in sent:  # never more than 15 tokens the peer must prefill and cache
         assert cut == prompt[: len(cut)] and 161 <= len(cut) <= 175
-    assert asked == sent  # each cut prompt answered here first
+    assert asked == sent  # each cut prompt answered here too
     busy["now"] = True  # our engine has client work: no challenge, nothing sent
     assert await ch.challenge("p") is None and len(sent) == 5
 

@@ -41,7 +41,7 @@ from p2pnode.overlay.digest import (
     seal_digest,
 )
 from p2pnode.overlay.forward import ForwardConfig
-from p2pnode.overlay.netcost import ForwardCost
+from p2pnode.overlay.netcost import ForwardCost, NetCostConfig
 from p2pnode.overlay.node import OverlayConfig, open_overlay_node
 from p2pnode.overlay.router import LOCAL, LocalState, PushBack, Router, RouterConfig
 from p2pnode.overlay.service import RoutedService
@@ -578,6 +578,22 @@ def test_forward_cost_is_learned_from_observed_forwards() -> None:
     # A peer claiming a huge engine time cannot look closer than one round trip.
     cost.observe("liar", 0.1, 1000, 0.3, 10.0)
     assert cost.estimate("liar", 0.1, 1000) >= 0.1
+
+
+def test_a_starved_first_token_is_not_taken_for_the_network_and_a_peer_bias_fades() -> None:
+    now = [0.0]
+    cost = ForwardCost(NetCostConfig(bias_half_life_s=60.0), clock=lambda: now[0])
+    # A first token 10 s late on a 20 ms link: the origin's loop or the peer's CPU was
+    # starved. It counts as at most 20 round trips plus the request at 80 kbit/s.
+    cost.observe("p", 0.02, 4000, 10.2, 0.2)
+    ceiling = 20 * 0.02 + 4000 / 1e4
+    assert cost.estimate("p", 0.02, 4000) <= ceiling
+    high = cost.estimate("p", 0.02, 4000)
+    assert high > cost.estimate("q", 0.02, 4000)  # still above a peer never measured
+    now[0] = 600.0  # ten half-lives with no forward there: back near the shared model
+    assert cost.estimate("p", 0.02, 4000) - cost.estimate("q", 0.02, 4000) < 0.01 * (
+        high - cost.estimate("q", 0.02, 4000)
+    )
 
 
 def test_push_back_hysteresis() -> None:
