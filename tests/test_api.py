@@ -20,7 +20,7 @@ import trio
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from p2pnode.bootstrap.api import TextAssembler, build_app, serve_api
+from p2pnode.bootstrap.api import ApiEngine, ApiService, TextAssembler, build_app, serve_api
 from p2pnode.identity import NodeKey
 from p2pnode.inference.blockhash import BLOCK_SIZE, block_hashes
 from p2pnode.inference.engine import Engine, open_engine
@@ -374,6 +374,15 @@ async def test_metrics_count_requests_and_tokens(loaded) -> None:
         assert metric(after, "p2pnode_peers", state="up") == 0
         assert metric(after, "p2pnode_engine_queue_depth") == 0
         assert metric(after, "p2pnode_prefix_cache_tokens") > 0
+
+
+async def test_engine_and_service_offer_what_the_api_calls(loaded) -> None:
+    # The API's seams are Protocols; this checks them by name, so an engine or service that
+    # drops or renames a member the API calls fails here rather than in a request.
+    async with api_nodes(loaded) as (a,):
+        assert isinstance(a.engine, ApiEngine)
+        assert isinstance(a.service, ApiService)
+        assert not isinstance(a.service, ApiEngine)
 
 
 async def test_answer_can_be_served_by_a_peer(loaded) -> None:

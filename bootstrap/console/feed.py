@@ -30,7 +30,7 @@ from p2pnode.inference.blockhash import BLOCK_SIZE
 SUBSCRIBER_BUFFER = 64  # decisions a slow event-stream reader may lag; older ones are dropped
 
 
-class _Outcome(Protocol):  # the API's per-request outcome (bootstrap/api.py)
+class _Outcome(Protocol):  # the API's per-request outcome (bootstrap/api/_bodies.py)
     routed: Any
     tokens: list[int]
     total_s: float
