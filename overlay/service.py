@@ -73,6 +73,15 @@ class Attempt:
     tokens: int
     seconds: float
 
+    def as_dict(self) -> dict[str, str | int | float]:
+        """As the API's routing summary and the console show it."""
+        return {
+            "target": self.target,
+            "outcome": self.outcome,
+            "tokens": self.tokens,
+            "seconds": round(self.seconds, 4),
+        }
+
 
 @dataclass
 class RoutedResult:

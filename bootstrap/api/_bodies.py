@@ -70,15 +70,7 @@ def routing_summary(result: RoutedResult) -> dict[str, Any]:
         "chosen": d.chosen,
         "reason": d.reason,
         "fell_back": len(result.attempts) > 1,
-        "attempts": [
-            {
-                "target": a.target,
-                "outcome": a.outcome,
-                "tokens": a.tokens,
-                "seconds": round(a.seconds, 4),
-            }
-            for a in result.attempts
-        ],
+        "attempts": [a.as_dict() for a in result.attempts],
     }
 
 

@@ -321,15 +321,7 @@ class ConsoleFeed:
             "margin_s": round(d.margin_s, 6),
             "local_total_s": None if d.local_total_s is None else round(d.local_total_s, 6),
             "candidates": [candidate_record(c, d.prompt_tokens, d.chosen) for c in d.candidates],
-            "attempts": [
-                {
-                    "target": a.target,
-                    "outcome": a.outcome,
-                    "tokens": a.tokens,
-                    "seconds": round(a.seconds, 4),
-                }
-                for a in result.attempts
-            ],
+            "attempts": [a.as_dict() for a in result.attempts],
             "served_by": result.served_by,
             "served_locally": result.served_locally,
             "cached_tokens": result.cached_tokens,
