@@ -238,6 +238,124 @@ class _Committed:
             self.on_commit(new)
 
 
+@dataclass
+class _Part:
+    """The block being drafted, ONE token per worker call so that a verdict that kills it is
+    seen within one draft step, not one block."""
+
+    base: int
+    size: int
+    tokens: list[int] = field(default_factory=list)
+    rows: list[torch.Tensor] = field(default_factory=list)  # the draft's q rows, when sampling
+
+
+@dataclass
+class _Flight:
+    """The blocks in flight, shared by the drafting loop and the verdict receiver.
+
+    Blocks numbered below ``live_from`` build on tokens the verifier did not commit (dead);
+    ``dirty``: the draft no longer extends the committed tokens, the drafter resyncs it first.
+    With lead, the first block after a reset is lengthened by ``overlap``: about as many tokens
+    as the verifier commits on its own before that block arrives (measured on earlier first
+    blocks, ``firsts``), so that ``gamma`` of its drafts still reach past the leads."""
+
+    committed: _Committed
+    stats: SpecStats
+    vocab: int | None
+    lead: bool
+    sent: deque[Block] = field(default_factory=deque)  # sent, not answered yet, in order
+    number: int = 0
+    live_from: int = 0
+    live_stale: int = 0
+    dirty: bool = False
+    firsts: set[int] = field(default_factory=set)
+    overlap: float = 0.0
+
+    def live(self) -> int:
+        return sum(b.number >= self.live_from for b in self.sent)
+
+    def ends_at(self, draft_len: int) -> bool:
+        """A live block in flight ends where the draft does: its bonus token comes next. (After
+        the verifier's own tokens ran past the blocks in flight, nothing is left to guess.)"""
+        last = next((b for b in reversed(self.sent) if b.number >= self.live_from), None)
+        return last is not None and last.base_len + len(last.tokens) == draft_len
+
+    def resync(self, draft: DraftRunner) -> None:
+        c = self.committed.tokens
+        if draft.follows(c):
+            return
+        if c[: len(draft.tokens)] != draft.tokens:  # a wrong token in the draft: all dead
+            self.live_from = self.number
+        self.dirty = True  # (else the verifier's own tokens ran ahead of the draft: catch up)
+
+    def launch(self, draft: DraftRunner, part: _Part, first: bool) -> Block:
+        """The block drafted on ``part.base``, numbered and counted as in flight."""
+        rows = part.rows
+        block = Block(
+            self.number,
+            part.base,
+            draft.tokens[part.base - 1],
+            tuple(part.tokens),
+            torch.cat(rows) if rows else None,
+        )
+        self.sent.append(block)  # before the send: a verdict may arrive during it
+        if first and self.lead:
+            self.firsts.add(block.number)
+        self.number += 1
+        self.stats.blocks_sent += 1
+        return block
+
+    def take(self, res: BlockResult) -> None:
+        """A verdict on the oldest block in flight (an impossible one is a ``BadVerdict``: the
+        edge then fails over, see edge.py)."""
+        if not self.sent or res.number != self.sent[0].number:
+            raise BadVerdict(f"verifier answered block {res.number}, which is not in flight")
+        block, alive = self.sent.popleft(), res.number >= self.live_from
+        stats, c = self.stats, self.committed
+        if res.stale:
+            stats.blocks_stale += 1
+            self.live_stale += alive
+            if self.live_stale >= MAX_LIVE_STALE:
+                raise BadVerdict(f"{self.live_stale} live blocks in a row called stale")
+            return
+        self.live_stale = 0 if alive else self.live_stale
+        problem = verdict_problem(
+            block_len=len(block.tokens),
+            base_len=block.base_len,
+            accepted=res.accepted,
+            next_token=res.next_token,
+            committed_len=res.committed_len,
+            vocab_size=self.vocab,
+            lead=self.lead,
+        )
+        base = block.base_len
+        if problem is None and (base > len(c.tokens) or c.tokens[base - 1] != block.base_token):
+            problem = "a verdict on a block whose base was never committed"
+        if problem is not None:
+            raise BadVerdict(f"verifier answered block {res.number} impossibly: {problem}")
+        if block.number in self.firsts:
+            self.firsts.discard(block.number)
+            led = min(len(c.tokens) - base, len(block.tokens))
+            self.overlap += 0.5 * (led - self.overlap)
+        c.place(base, [*block.tokens[: res.accepted], res.next_token])
+        if res.committed_len != len(c.tokens):
+            raise BadVerdict(f"verifier says {res.committed_len} committed, sent {len(c.tokens)}")
+        if not alive:
+            stats.blocks_stale += 1
+            return
+        stats.blocks_verified += 1
+        stats.drafted += len(block.tokens)
+        stats.accepted += res.accepted
+        stats.rejections += res.accepted < len(block.tokens)
+
+    def take_lead(self, ev: Lead) -> None:
+        c = self.committed
+        if not self.lead or ev.position != len(c.tokens):
+            raise BadVerdict(f"unexpected lead token at {ev.position} ({len(c.tokens)} committed)")
+        c.place(ev.position, [ev.token])
+        self.stats.lead_tokens += 1
+
+
 async def speculative_generate(
     draft: DraftModel,
     transport: VerifierTransport,
@@ -263,106 +381,58 @@ async def speculative_generate(
     vocab = getattr(getattr(draft.model, "config", None), "vocab_size", None)
     d = DraftRunner(draft, options, top_k=probs_top_k, seed=options.seed)
     d.tokens = list(prompt)
-    c = _Committed(prompt, vocab, on_commit)
-    sent: deque[Block] = deque()  # every block sent and not answered yet, in order
-    # Shared between the drafting loop (owns ``d``) and the receiver task (owns the verdicts).
-    # Blocks numbered below ``live_from`` build on tokens the verifier did not commit (dead);
-    # ``dirty``: ``d`` no longer extends the committed tokens; the drafter resyncs it first.
-    st = {"number": 0, "live_from": 0, "live_stale": 0, "dirty": False}
-    # With lead, the first block after a reset is lengthened by ``overlap``: about as many
-    # tokens as the verifier commits on its own before that block arrives (measured on earlier
-    # first blocks), so that ``gamma`` of its drafts still reach past the leads to be verified.
-    firsts: set[int] = set()
-    overlap = [0.0]
-    wake = [trio.Event()]
+    fl = _Flight(_Committed(prompt, vocab, on_commit), stats, vocab, lead > 0)
+    changed = _Signal()
     failure: list[Exception] = []
 
     def done() -> bool:
-        return _finished(c.tokens[len(prompt) :], max_new_tokens, eos)
-
-    def live() -> int:
-        return sum(b.number >= st["live_from"] for b in sent)
-
-    def ends_at_draft() -> bool:
-        """A live block in flight ends where the draft does: its bonus token comes next. (After
-        the verifier's own tokens ran past the blocks in flight, nothing is left to guess.)"""
-        last = next((b for b in reversed(sent) if b.number >= st["live_from"]), None)
-        return last is not None and last.base_len + len(last.tokens) == len(d.tokens)
-
-    def notify() -> None:
-        wake[0].set()
-        wake[0] = trio.Event()
-
-    def resync() -> None:
-        if d.follows(c.tokens):
-            return
-        if c.tokens[: len(d.tokens)] != d.tokens:  # a wrong token in d: every block is dead
-            st["live_from"] = st["number"]
-        st["dirty"] = True  # (else the verifier's own tokens ran ahead of the draft: catch up)
-
-    def take(res: BlockResult) -> None:
-        if not sent or res.number != sent[0].number:
-            raise BadVerdict(f"verifier answered block {res.number}, which is not in flight")
-        block, alive = sent.popleft(), res.number >= st["live_from"]
-        # Trust hook: reject impossible verdicts (the edge then fails over, see edge.py).
-        if res.stale:
-            stats.blocks_stale += 1
-            st["live_stale"] += alive
-            if st["live_stale"] >= MAX_LIVE_STALE:
-                raise BadVerdict(f"{st['live_stale']} live blocks in a row called stale")
-            return
-        st["live_stale"] = 0 if alive else st["live_stale"]
-        problem = verdict_problem(
-            block_len=len(block.tokens),
-            base_len=block.base_len,
-            accepted=res.accepted,
-            next_token=res.next_token,
-            committed_len=res.committed_len,
-            vocab_size=vocab,
-            lead=lead > 0,
-        )
-        base = block.base_len
-        if problem is None and (base > len(c.tokens) or c.tokens[base - 1] != block.base_token):
-            problem = "a verdict on a block whose base was never committed"
-        if problem is not None:
-            raise BadVerdict(f"verifier answered block {res.number} impossibly: {problem}")
-        if block.number in firsts:
-            firsts.discard(block.number)
-            led = min(len(c.tokens) - base, len(block.tokens))
-            overlap[0] += 0.5 * (led - overlap[0])
-        c.place(base, [*block.tokens[: res.accepted], res.next_token])
-        if res.committed_len != len(c.tokens):
-            raise BadVerdict(f"verifier says {res.committed_len} committed, sent {len(c.tokens)}")
-        if not alive:
-            stats.blocks_stale += 1
-            return
-        stats.blocks_verified += 1
-        stats.drafted += len(block.tokens)
-        stats.accepted += res.accepted
-        stats.rejections += res.accepted < len(block.tokens)
-
-    def take_lead(ev: Lead) -> None:
-        if lead == 0 or ev.position != len(c.tokens):
-            raise BadVerdict(f"unexpected lead token at {ev.position} ({len(c.tokens)} committed)")
-        c.place(ev.position, [ev.token])
-        stats.lead_tokens += 1
+        return _finished(fl.committed.tokens[len(prompt) :], max_new_tokens, eos)
 
     async def receiver() -> None:
         try:
             while not done():
                 msg = await transport.receive_result()
                 if isinstance(msg, Lead):
-                    take_lead(msg)
+                    fl.take_lead(msg)
                 else:
-                    take(msg)
-                resync()
-                notify()
+                    fl.take(msg)
+                fl.resync(d)
+                changed.fire()
         except Exception as exc:  # handed to the drafting loop, which raises it
             failure.append(exc)
-            notify()
+            changed.fire()
 
     async def draft_one(argmax: bool = False) -> tuple[list[int], torch.Tensor | None]:
         return await trio.to_thread.run_sync(lambda: d.extend(1, argmax=argmax))
+
+    async def drafter(max_block: int) -> None:
+        part: _Part | None = None
+        first = True
+        while not done() and not failure:
+            if fl.dirty:
+                d.reset_to(fl.committed.tokens)
+                fl.dirty, part, first = False, None, True
+            full = fl.live() >= depth or len(d.tokens) - len(prompt) >= max_new_tokens
+            if full and part is None:  # a block being drafted is always finished
+                await changed.wait()
+                continue
+            if part is None:
+                if fl.ends_at(len(d.tokens)):  # guess the bonus of the block in flight
+                    await draft_one(argmax=True)
+                    if fl.dirty:
+                        continue
+                extra = min(round(fl.overlap), MAX_OVERLAP) if first and lead else 0
+                part = _Part(len(d.tokens), max(gamma, min(gamma + extra, max_block)))
+            toks, q = await draft_one()
+            if fl.dirty:
+                continue
+            part.tokens.extend(toks)
+            if q is not None:
+                part.rows.append(q)
+            if len(part.tokens) >= part.size:
+                block = fl.launch(d, part, first)
+                part, first = None, False
+                await transport.send_block(block)
 
     try:
         opened: list[Exception] = []
@@ -377,51 +447,8 @@ async def speculative_generate(
         max_block = getattr(transport, "max_block", None) or gamma + MAX_OVERLAP
         async with trio.open_nursery() as nursery:
             nursery.start_soon(receiver)
-            # The block being drafted: (base_len, tokens, q rows), drafted ONE token per worker
-            # call so a verdict that kills it is seen within one draft step, not one block.
             try:
-                part: tuple[int, list[int], list[torch.Tensor]] | None = None
-                size, first = gamma, True
-                while not done() and not failure:
-                    if st["dirty"]:
-                        d.reset_to(c.tokens)
-                        st["dirty"], part, first = False, None, True
-                    full = live() >= depth or len(d.tokens) - len(prompt) >= max_new_tokens
-                    if full and part is None:  # a block being drafted is always finished
-                        await wake[0].wait()
-                        continue
-                    if part is None:
-                        if ends_at_draft():  # guess the bonus of the block in flight, build on it
-                            await draft_one(argmax=True)
-                            if st["dirty"]:
-                                continue
-                        part = (len(d.tokens), [], [])
-                        extra = min(round(overlap[0]), MAX_OVERLAP) if first and lead else 0
-                        size = max(gamma, min(gamma + extra, max_block))
-                    toks, q = await draft_one()
-                    if st["dirty"]:
-                        continue
-                    part[1].extend(toks)
-                    if q is not None:
-                        part[2].append(q)
-                    if len(part[1]) < size:
-                        continue
-                    base, toks, rows = part
-                    block = Block(
-                        st["number"],
-                        base,
-                        d.tokens[base - 1],
-                        tuple(toks),
-                        torch.cat(rows) if rows else None,
-                    )
-                    sent.append(block)  # before the send: a verdict may arrive during it
-                    if first and lead:
-                        firsts.add(block.number)
-                    first = False
-                    st["number"] += 1
-                    stats.blocks_sent += 1
-                    part = None
-                    await transport.send_block(block)
+                await drafter(max_block)
             except Exception as exc:  # raised below, outside the nursery: no ExceptionGroup
                 failure.append(exc)
             nursery.cancel_scope.cancel()
@@ -431,7 +458,21 @@ async def speculative_generate(
         with trio.CancelScope(shield=True):
             await transport.close()
     stats.seconds = time.perf_counter() - started
-    return SpecResult(_trim(c.tokens[len(prompt) :], max_new_tokens, eos), stats)
+    return SpecResult(_trim(fl.committed.tokens[len(prompt) :], max_new_tokens, eos), stats)
+
+
+class _Signal:
+    """Wakes whoever waits for a change of the flight (a verdict, a lead token, a failure)."""
+
+    def __init__(self) -> None:
+        self._event = trio.Event()
+
+    def fire(self) -> None:
+        self._event.set()
+        self._event = trio.Event()
+
+    async def wait(self) -> None:
+        await self._event.wait()
 
 
 async def remote_generate(
