@@ -45,7 +45,7 @@ import math
 import random
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 from prometheus_client import CollectorRegistry, Counter
@@ -62,6 +62,10 @@ from p2pnode.overlay.digest import (
 )
 from p2pnode.overlay.limits import LimitExceeded, PeerLimiter, remote_peer
 from p2pnode.overlay.views import ApplyResult, PeerViews
+
+if TYPE_CHECKING:
+    from p2pnode.identity import NodeKey
+    from p2pnode.overlay.seams import OverlayHost
 
 log = logging.getLogger("p2pnode.overlay.antientropy")
 
@@ -152,8 +156,8 @@ class AntiEntropy:
 
     def __init__(
         self,
-        node: Any,
-        key: Any,
+        node: OverlayHost,
+        key: NodeKey,
         views: PeerViews,
         *,
         builders: dict[str, DigestBuilder] | None = None,

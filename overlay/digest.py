@@ -34,7 +34,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from p2pnode.inference.blockhash import (
     BLOCK_HASH_VERSION,
@@ -43,6 +43,9 @@ from p2pnode.inference.blockhash import (
     BlockRemoved,
     BlockStored,
 )
+
+if TYPE_CHECKING:
+    from p2pnode.identity import NodeKey
 
 DIGEST_FORMAT = 1
 DIGEST_KIND = "digest"
@@ -309,7 +312,7 @@ def digest_from_payload(
     )
 
 
-def seal_digest(key: Any, digest: Digest, *, now: float | None = None) -> bytes:
+def seal_digest(key: NodeKey, digest: Digest, *, now: float | None = None) -> bytes:
     """Sign ``digest`` with the node key (an ``identity.NodeKey``); raises DigestError if too big."""
     from p2pnode.identity import seal
 

@@ -22,7 +22,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
@@ -31,6 +31,9 @@ from p2pnode.inference.serving import ServingEngine
 from p2pnode.overlay import wire
 from p2pnode.overlay.digest import MAX_MODEL_ID_LEN
 from p2pnode.overlay.limits import LimitExceeded, PeerLimiter, remote_peer
+
+if TYPE_CHECKING:
+    from p2pnode.overlay.seams import OverlayHost
 
 log = logging.getLogger("p2pnode.overlay.forward")
 
@@ -275,7 +278,7 @@ class ForwardOutcome:
 
 
 async def forward_request(
-    node: Any,
+    node: OverlayHost,
     peer_id: str,
     request: ForwardRequest,
     *,

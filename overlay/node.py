@@ -84,6 +84,7 @@ from p2pnode.overlay.hello import (
 from p2pnode.overlay.host import make_host, parse_multiaddr
 from p2pnode.overlay.limits import PeerLimiter, remote_peer
 from p2pnode.overlay.peers import PeerState, PeerTable
+from p2pnode.overlay.seams import StreamHandler
 
 __all__ = [
     "PING_PROTOCOL",
@@ -131,7 +132,6 @@ RECORD_RETRY_CAP_INTERVALS = 4
 # Background work is not urgent: a slow answer is still progress, a cancelled one is waste.
 # So its limits are this many `connect_timeout`s, far above a healthy loopback (~10-60 ms).
 BACKGROUND_TIMEOUT_FACTOR = 5.0
-StreamHandler = Callable[[INetStream], Awaitable[None]]
 
 
 @dataclass

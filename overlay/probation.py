@@ -32,7 +32,7 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry
 
@@ -44,6 +44,9 @@ from p2pnode.overlay.forward import ForwardConfig, ForwardFailed, ForwardRequest
 from p2pnode.overlay.router import Router, RoutingDecision
 from p2pnode.overlay.trust import TrustBook
 from p2pnode.overlay.views import PeerViews
+
+if TYPE_CHECKING:
+    from p2pnode.overlay.seams import OverlayHost
 
 # A challenge goes to a peer, and this node answers one, only while a new request there would
 # start at once (a free batch slot, no prefill queued ahead): it then shares decode steps with
@@ -75,7 +78,7 @@ class ProbationChallenges:
     def __init__(
         self,
         *,
-        node: Any,
+        node: OverlayHost,
         model_id: str,
         salt: bytes,
         views: PeerViews,

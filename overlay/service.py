@@ -21,7 +21,7 @@ import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 from prometheus_client import CollectorRegistry, Counter
@@ -62,6 +62,10 @@ from p2pnode.overlay.router import (
 from p2pnode.overlay.sessions import SessionTurns
 from p2pnode.overlay.trust import TrustBook
 from p2pnode.overlay.views import PeerViews
+
+if TYPE_CHECKING:
+    from p2pnode.identity import NodeKey
+    from p2pnode.overlay.seams import OverlayHost
 
 log = logging.getLogger("p2pnode.overlay.service")
 
@@ -133,8 +137,8 @@ class RoutedService:
 
     def __init__(
         self,
-        node: Any,
-        key: Any,
+        node: OverlayHost,
+        key: NodeKey,
         engine: ServingEngine | None,
         *,
         model_id: str | None = None,

@@ -37,6 +37,7 @@ from p2pnode.overlay import (
     parse_multiaddr,
     record_key,
 )
+from p2pnode.overlay.seams import OverlayHost
 from p2pnode.overlay.wire import PROTOCOL_LIMITS, FrameTooLarge, read_frame, write_frame
 
 CONTROL = "/p2pnode/control/1"
@@ -202,6 +203,9 @@ async def test_eight_nodes_with_one_bootstrap_each_discover_all_and_find_provide
         status = nodes[0].status()
         assert status["peer_counts"]["up"] == 7 and len(status["peers"]) == 7
         assert all(row["rtt_ms"] is not None for row in status["peers"])
+        # What the services of a served model rely on (overlay/seams.py), on a real node.
+        assert all(isinstance(node, OverlayHost) for node in nodes)
+        assert not isinstance(object(), OverlayHost)
 
 
 async def test_dht_refuses_tampered_forged_replayed_and_foreign_records(overlay_network) -> None:
