@@ -5,7 +5,8 @@ transformers' own "sdpa" path repeats the K/V heads (``repeat_kv``: a copy of th
 KV, 3x its size for SmolLM2's 9 query / 3 KV heads) whenever an attention mask is present,
 which is every cached prefill, verify block and batched decode step. torch's SDPA takes
 ``enable_gqa=True`` with a mask as well; the result is the same attention (float rounding
-only). ``use(model)`` switches a loaded model to it; other models keep their own.
+only). A boolean mask is passed on as additive 0 / -inf scores (the same mask; faster in
+torch's CPU kernel). ``use(model)`` switches a loaded model to it; other models keep their own.
 """
 
 from __future__ import annotations
