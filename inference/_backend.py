@@ -22,7 +22,7 @@ import torch
 
 from p2pnode.inference import _fastpath, _kernels
 from p2pnode.inference._backend_protocol import Backend
-from p2pnode.inference._kvslab import Slab
+from p2pnode.inference._kvslab import Slab, SlabPool
 from p2pnode.inference.emulated import EmulatedBackend, EmulatedLogits
 
 __all__ = ["Backend", "EmulatedBackend", "HFBackend", "emulated_logits"]
@@ -71,9 +71,10 @@ class HFBackend:
         dtype_size = next(model.parameters()).element_size()
         self.kv_bytes_per_token = self.num_layers * 2 * self.kv_heads * self.head_dim * dtype_size
         self._batch: _Batch | None = None
+        self._pool = SlabPool()
 
     def _slab(self, batch: int, capacity: int) -> Slab:
-        return Slab(
+        return self._pool.slab(
             self.num_layers, self.kv_heads, self.head_dim, batch, capacity + _SLACK, self.dtype
         )
 
@@ -175,17 +176,26 @@ class HFBackend:
         self._batch = _Batch(list(states), slab, pads, mask)
         for r, s in enumerate(states):
             s.row = r
+            if s.slab is not None:
+                self._pool.give(s.slab)
             s.slab = None
+        if old is not None:  # every row of it was detached or copied above
+            self._pool.give(old.slab)
 
     def export_kv(self, state: _HFState, begin: int, end: int) -> torch.Tensor:
-        return self._rows(state, begin, end).contiguous()
+        # Always a copy (``contiguous`` would return a view of an exactly full slab): the
+        # slab's tensor goes back to the pool when the state is freed.
+        return self._rows(state, begin, end).clone(memory_format=torch.contiguous_format)
 
     def free(self, state: _HFState) -> None:
         state.freed = True
+        if state.slab is not None:
+            self._pool.give(state.slab)
         state.slab = None
         b = self._batch
         if b is not None and all(s.freed for s in b.rows):
             self._batch = None
+            self._pool.give(b.slab)
 
 
 def emulated_logits(

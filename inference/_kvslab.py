@@ -13,6 +13,11 @@ Contract:
   radix nodes' spans without concatenating them first. ``rows(b, begin, end)`` is a view in
   the radix layout, ``export(b, begin, end)`` a contiguous copy of it.
 - ``crop(n)`` drops the last ``n`` positions (no copy).
+- ``SlabPool``: finished sequences' slab tensors, handed to the next sequence of a fitting
+  shape instead of a fresh allocation (bounded in bytes). A fresh tensor of a cache hit's size
+  (58 MB for 1,000 cached tokens) takes a page fault per 4 KB page on its first write: 25 of
+  the 30 ms that loading 1,000 cached tokens took here; into a reused tensor, 4-8 ms.
+  Only the owner of a slab that nothing else reads may give it back.
 """
 
 from __future__ import annotations
@@ -76,9 +81,18 @@ class Slab:
         batch: int = 1,
         capacity: int = _MIN_CAPACITY,
         dtype: torch.dtype = torch.float32,
+        kv: torch.Tensor | None = None,
     ) -> None:
+        """``kv``: a tensor to reuse (``SlabPool``), of this shape with at least ``capacity``
+        positions; its contents are ignored."""
         shape = (num_layers, 2, batch, kv_heads, max(capacity, 1), head_dim)
-        self.kv = torch.empty(shape, dtype=dtype)
+        if kv is None:
+            kv = torch.empty(shape, dtype=dtype)
+        elif kv.dtype != dtype or kv.shape[:4] + kv.shape[5:] != shape[:4] + shape[5:]:
+            raise ValueError(f"a reused KV tensor {tuple(kv.shape)} does not fit {shape}")
+        elif kv.shape[4] < shape[4] or not kv.is_contiguous():
+            raise ValueError(f"a reused KV tensor has {kv.shape[4]} positions, needs {shape[4]}")
+        self.kv = kv
         self.layers = [_SlabLayer(self, i) for i in range(num_layers)]
         self.cache = Cache(layers=self.layers)
 
@@ -133,3 +147,48 @@ class Slab:
 
     def crop(self, n: int) -> None:
         self.cache.crop(-n)
+
+
+class SlabPool:
+    """See the module contract. ``max_bytes`` bounds what the pool holds; a tensor is reused
+    for a request of up to its own capacity and at least half of it (more would waste it)."""
+
+    def __init__(self, max_bytes: int = 256 * 1024 * 1024) -> None:
+        self.max_bytes = max_bytes
+        self._free: list[torch.Tensor] = []
+
+    @property
+    def held_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._free)
+
+    def slab(
+        self,
+        num_layers: int,
+        kv_heads: int,
+        head_dim: int,
+        batch: int,
+        capacity: int,
+        dtype: torch.dtype = torch.float32,
+    ) -> Slab:
+        capacity = max(capacity, 1)
+        want = (num_layers, 2, batch, kv_heads)
+        fitting = [
+            (t.shape[4], i)
+            for i, t in enumerate(self._free)
+            if t.dtype == dtype
+            and tuple(t.shape[:4]) == want
+            and t.shape[5] == head_dim
+            and capacity <= t.shape[4] <= 2 * capacity
+        ]
+        kv = self._free.pop(min(fitting)[1]) if fitting else None  # the smallest that fits
+        return Slab(num_layers, kv_heads, head_dim, batch, capacity, dtype, kv=kv)
+
+    def give(self, slab: Slab) -> None:
+        """Keep ``slab``'s tensor for reuse (the slab must not be used again)."""
+        t = slab.kv
+        size = t.numel() * t.element_size()
+        if size > self.max_bytes or not t.is_contiguous():
+            return
+        while self._free and self.held_bytes + size > self.max_bytes:
+            self._free.pop(0)  # the oldest first
+        self._free.append(t)

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from p2pnode.inference import _kernels
-from p2pnode.inference._kvslab import Slab, _SlabLayer
+from p2pnode.inference._kvslab import Slab, SlabPool, _SlabLayer
 
 lib = _kernels.library()
 needs_lib = pytest.mark.skipif(
@@ -57,9 +57,19 @@ def test_int4_kernel_matches_the_dequantized_matmul() -> None:
     q = torch.randint(0, 16, (12, 128), dtype=torch.int32)
     scales = torch.rand(12, 2) + 0.1  # group 64
     deq = (q.float() - 8) * scales.repeat_interleave(64, dim=1)
-    x = torch.randn(5, 128)
+    x = torch.randn(9, 128)
     y = _kernels.int4_matmul(_kernels.pack_int4(q), scales, x, 64)
     assert (y - x @ deq.t()).abs().max() <= 1e-4 * (x @ deq.t()).abs().max()
+    # A row's bits do not depend on how many rows came with it (9 rows run as 5 + 4).
+    for rows in (slice(0, 1), slice(4, 9), slice(8, 9)):
+        assert torch.equal(
+            _kernels.int4_matmul(_kernels.pack_int4(q), scales, x[rows], 64), y[rows]
+        )
+    # A group size other than 64 takes the kernel's general loop.
+    scales32 = torch.rand(12, 4) + 0.1
+    deq32 = (q.float() - 8) * scales32.repeat_interleave(32, dim=1)
+    y32 = _kernels.int4_matmul(_kernels.pack_int4(q), scales32, x, 32)
+    assert (y32 - x @ deq32.t()).abs().max() <= 1e-4 * (x @ deq32.t()).abs().max()
 
 
 def test_kernels_off_switch_falls_back_to_f_linear() -> None:
@@ -95,6 +105,26 @@ def test_slab_writes_in_place_grows_crops_and_loads_spans() -> None:
     other.load_parts([full[..., :4, :], full[..., 4:, :]])
     assert other.length == 6 and torch.equal(other.export(0, 0, 6), full)
     assert torch.equal(other.cache.layers[1].values[0], full[1, 1])
+
+
+def test_slab_pool_reuses_a_given_back_tensor_only_where_it_fits() -> None:
+    pool = SlabPool(max_bytes=2 * 2 * 2 * 1 * 100 * 4 * 4)  # room for two 100-position slabs
+    first = pool.slab(2, 1, 4, 1, 100)
+    storage = first.kv.data_ptr()
+    pool.give(first)
+    assert pool.slab(2, 1, 4, 2, 60).kv.data_ptr() != storage  # another batch size
+    assert pool.slab(2, 1, 4, 1, 101).kv.data_ptr() != storage  # too few positions
+    assert pool.slab(2, 1, 4, 1, 40).kv.data_ptr() != storage  # would waste over half of it
+    again = pool.slab(2, 1, 4, 1, 60)
+    assert again.kv.data_ptr() == storage and again.length == 0 and again.capacity == 100
+    again.cache.update(torch.ones(1, 1, 3, 4), torch.ones(1, 1, 3, 4), 0)
+    assert again.length == 3
+    assert pool.slab(2, 1, 4, 1, 60).kv.data_ptr() != storage  # taken: not handed out twice
+    for _ in range(3):
+        pool.give(Slab(2, 1, 4, 1, 100))
+    assert pool.held_bytes <= pool.max_bytes
+    with pytest.raises(ValueError, match="positions"):
+        Slab(2, 1, 4, 1, 200, kv=torch.empty(2, 2, 1, 1, 100, 4))
 
 
 def _tiny_llama():
