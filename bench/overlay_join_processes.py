@@ -4,7 +4,9 @@ Starts `p2pnode bootstrap` and N `p2pnode join` processes on 127.0.0.1 (`--compu
 the default: light emulated engines, as trials run them; `none`: no engine), all knowing only
 the bootstrap, and measures the time from launching the joiners until every joiner's /peers
 lists every other joiner as "up", and, with engines, until every joiner holds a cache view of
-every other one (what a routing trial waits for). Also the RSS of each joiner at the end.
+every other one (what a routing trial waits for). Also the RSS of each joiner at the end, and
+with `--idle S` the CPU the converged swarm burns while idle for S seconds (% of one core per
+node: what many nodes on few cores leave for serving requests).
 Prints and writes bench/results/overlay_join_processes[-N].json.
 Run: `python bench/overlay_join_processes.py [--nodes 16] [--compute none]`.
 """
@@ -58,12 +60,28 @@ def _rss_mb(pid: int) -> float | None:
     return None
 
 
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of one process so far (0 once it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nodes", type=int, default=16)
     parser.add_argument("--timeout", type=float, default=180.0)
     parser.add_argument("--compute", choices=["emulated", "none"], default="emulated")
     parser.add_argument("--gossip-interval", type=float, default=None)
+    parser.add_argument("--ping-interval", type=float, default=None)
+    parser.add_argument(
+        "--idle",
+        type=float,
+        default=0.0,
+        help="after convergence, measure the swarm's CPU for this many idle seconds",
+    )
     parser.add_argument(
         "--no-fork",
         action="store_true",
@@ -75,6 +93,8 @@ def main() -> None:
         if args.compute == "emulated"
         else ["--model", "none"]
     )
+    if args.ping_interval is not None:
+        engine += ["--ping-interval", str(args.ping_interval)]
     if args.gossip_interval is not None:
         engine += ["--gossip-interval", str(args.gossip_interval)]
     root = Path(tempfile.mkdtemp(prefix="p2pnode-join-bench-"))
@@ -96,6 +116,7 @@ def main() -> None:
         ids = {info["peer_id"] for info in infos}
         full_view_at: dict[str, float] = {}
         cache_view_at: dict[str, float] = {}
+        seen_up: dict[str, int] = {}  # most other joiners a node listed as up (partial runs)
         want_views = args.compute == "emulated"
         with httpx.Client(timeout=3) as client:
             while time.monotonic() < deadline and (
@@ -107,6 +128,7 @@ def main() -> None:
                         if me not in full_view_at:
                             peers = client.get(info["api"] + "/peers").json()
                             up = {p["peer_id"] for p in peers if p["state"] == "up"}
+                            seen_up[me] = max(seen_up.get(me, 0), len(up & ids))
                             if ids - {me} <= up:
                                 full_view_at[me] = time.monotonic() - launched
                         if want_views and me not in cache_view_at:
@@ -117,6 +139,12 @@ def main() -> None:
                         pass  # a node still starting its API: asked again next round
                 time.sleep(0.2)
             rss = [_rss_mb(p.pid) for p in procs[1:]]
+        idle_cpu = None
+        if args.idle > 0:
+            before = sum(_cpu_s(p.pid) for p in procs[1:])
+            time.sleep(args.idle)
+            spent = sum(_cpu_s(p.pid) for p in procs[1:]) - before
+            idle_cpu = round(100 * spent / args.idle / args.nodes, 2)
         result = {
             "nodes": args.nodes,
             "processes": args.nodes + 1,
@@ -133,6 +161,8 @@ def main() -> None:
             )
             if full_view_at
             else None,
+            "up_peers_min": min(seen_up.values(), default=0),
+            "up_peers_median": sorted(seen_up.values())[len(seen_up) // 2] if seen_up else 0,
             "compute": args.compute,
             "forked": zygote is not None,
             "all_started_to_full_view_s": round(max(full_view_at.values()) - started, 2)
@@ -142,6 +172,9 @@ def main() -> None:
             if want_views and len(cache_view_at) == len(infos)
             else None,
             "rss_mb_max": max((r for r in rss if r is not None), default=None),
+            "idle_s": args.idle or None,
+            "idle_cpu_pct_per_node": idle_cpu,
+            "load_avg_1m_after_idle": os.getloadavg()[0] if args.idle > 0 else None,
             "rss_mb_mean": round(sum(r for r in rss if r) / max(1, sum(1 for r in rss if r)), 1),
         }
         print(json.dumps(result, indent=2))

@@ -21,9 +21,10 @@ Contract:
   connected go to discovery, which dials it. The DHT fetch and lookups remain the fallback.
 - Liveness: any frame received on a peer's connection counts as a sign of life (stamped on the
   secured connection's reads), so busy peers are never probed. A peer silent for
-  `ping_interval` gets one 32-byte echo probe on a persistent /p2pnode/ping/1 stream (opened
-  once per connection; a late echo is still used, never a reason to reopen). A probe missed
-  is one with no echo AND no frame at all from the peer within the RTO = srtt + 4 * rttvar of
+  `ping_interval` (or longer with many peers: at most `PROBE_BUDGET_PER_S` probes per second
+  in all, so the interval is at least connected peers / that budget) gets one 32-byte echo
+  probe on a persistent /p2pnode/ping/1 stream (opened once per connection; a late echo is
+  still used, never a reason to reopen). A probe missed is one with no echo AND no frame at all from the peer within the RTO = srtt + 4 * rttvar of
   that peer (RFC 6298), clamped to [`ping_timeout`, `RTO_CEILING` * `ping_timeout`]; the next
   probe follows at once; a miss while our own loop lagged more than RTO/2 is excused (silence
   proves nothing when we did not run). 1 missed probe -> suspect, 2 -> down; after
@@ -56,7 +57,7 @@ from libp2p.abc import IHost, INetConn, INetStream, INetwork, INotifee
 from libp2p.custom_types import TProtocol
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
-from libp2p.pubsub.gossipsub import PROTOCOL_ID_V11, PROTOCOL_ID_V12, GossipSub
+from libp2p.pubsub.gossipsub import PROTOCOL_ID_V11, PROTOCOL_ID_V12
 from libp2p.pubsub.pubsub import Pubsub
 from libp2p.tools.anyio_service import background_trio_service
 from multiaddr import Multiaddr
@@ -84,6 +85,7 @@ from p2pnode.overlay.hello import (
 from p2pnode.overlay.host import make_host, parse_multiaddr
 from p2pnode.overlay.limits import PeerLimiter, remote_peer
 from p2pnode.overlay.peers import PeerState, PeerTable
+from p2pnode.overlay.tuning import QuietGossipSub
 
 __all__ = [
     "PING_PROTOCOL",
@@ -111,6 +113,14 @@ CLOSE_AFTER_EXTRA_MISSES = 4
 RELAYED_TIMEOUT_FACTOR = 3.0
 # Idle peers get an RTT sample at least this many ping intervals apart (the router uses it).
 RTT_REFRESH_INTERVALS = 10
+# Probes of idle links a node sends per second at most, all peers together: the silence that
+# triggers a probe grows past `ping_interval` to (connected peers / this) seconds. At 63 peers
+# and 1 s, probes were the largest single cost of 64 nodes on 2 cores (4,000 probes/s in all),
+# and starved nodes then missed real frames. Detection of a hung peer slows in proportion
+# (~4 s + 2 RTO at 64 peers); a closed or killed one is still seen at once.
+PROBE_BUDGET_PER_S = 16.0
+# A connection's kind (direct or relayed) is looked up again this often while probing it.
+KIND_REFRESH_S = 30.0
 # One Kademlia bucket: below this many peers a self lookup already returns the whole network.
 KAD_BUCKET_SIZE = 20
 # Background work (discovery dials, record fetches) runs this many at a time per node: each is
@@ -156,7 +166,11 @@ class OverlayConfig:
     bootstrap_backoff: float = 0.2  # first retry delay; doubles per attempt
     require_bootstrap: bool = False
     discovery_interval: float = 0.5  # while the view grows
-    discovery_max_interval: float = 10.0  # once it is stable
+    # Once the view is stable. Each round is a DHT walk (new negotiated streams to several
+    # peers, and work for them): at 10 s, lookups were the largest idle cost of 16 nodes on 2
+    # cores. New peers do not wait for it: an inbound connection or a gossiped record of an
+    # unknown peer wakes discovery at once. (libp2p's own table refresh runs every 10 min.)
+    discovery_max_interval: float = 60.0
     peer_grace_period: float = 60.0
     record_refresh: float = 600.0
     max_peers: int = 128  # stop dialing discovered peers beyond this many connections
@@ -187,6 +201,8 @@ class _Probe:
     sent_at: float = -math.inf  # monotonic time of the last probe sent
     last_sample: float = -math.inf  # monotonic time of the last RTT sample
     misses: int = 0
+    relayed: bool = False  # how the connection runs, looked up again every KIND_REFRESH_S
+    kind_at: float = -math.inf
 
 
 class _RxStamp:
@@ -472,18 +488,24 @@ class OverlayNode:
 
     # -- dialing ------------------------------------------------------------------------
 
-    async def _dial(self, info: PeerInfo) -> None:
+    async def _dial(self, info: PeerInfo, *, background: float = 1.0) -> None:
+        """Connect to `info` within `background` x `connect_timeout`. Discovery dials take
+        `BACKGROUND_TIMEOUT_FACTOR`, bootstrap retries grow towards it: 64 nodes joining on 2 cores took more than
+        `connect_timeout` per handshake, and cutting them short threw the work of both sides
+        away and made every retry slower still (measured: ~900 handshakes torn down, a
+        median of 15 of 63 peers connected after 200 s)."""
         pid = _peer_str(info.peer_id)
         self._last_dial[pid] = trio.current_time()
         if pid in self.refused:
             raise PeerUnreachable(f"peer {pid} was refused: {self.refused[pid]}")
+        limit = self.config.connect_timeout * background
         try:
-            with trio.fail_after(self.config.connect_timeout):
+            with trio.fail_after(limit):
                 await self.host.connect(info)
         except trio.TooSlowError:
             raise PeerUnreachable(
                 f"dialing {info.peer_id} at {[str(a) for a in info.addrs]} timed out "
-                f"after {self.config.connect_timeout:.1f}s"
+                f"after {limit:.1f}s"
             ) from None
         except Exception as exc:
             raise PeerUnreachable(
@@ -496,8 +518,10 @@ class OverlayNode:
         delay = self.config.bootstrap_backoff
         last = ""
         for attempt in range(1, self.config.bootstrap_attempts + 1):
+            # Like TCP's SYN retries: a busy bootstrap gets longer, an absent one fails soon.
+            factor = min(2.0 ** (attempt - 1), BACKGROUND_TIMEOUT_FACTOR)
             try:
-                await self._dial(info)
+                await self._dial(info, background=factor)
                 return True
             except PeerUnreachable as exc:
                 last = str(exc)
@@ -768,7 +792,7 @@ class OverlayNode:
                     return  # it dialed us while this dial waited for its turn
                 self.counters["dials"] += 1
                 try:
-                    await self._dial(info)
+                    await self._dial(info, background=BACKGROUND_TIMEOUT_FACTOR)
                 except PeerUnreachable as exc:
                     logger.debug("discovered peer unreachable: %s", exc)
 
@@ -859,17 +883,19 @@ class OverlayNode:
         nursery.start_soon(self._keep_probe_stream, peer, probe)
         while self._probing(peer, probe):
             now = time.monotonic()
+            interval = max(cfg.ping_interval, len(self._probes) / PROBE_BUDGET_PER_S)
             due = min(
-                max(self._last_rx.get(peer, -math.inf), probe.sent_at) + cfg.ping_interval,
-                probe.last_sample + RTT_REFRESH_INTERVALS * cfg.ping_interval,
+                max(self._last_rx.get(peer, -math.inf), probe.sent_at) + interval,
+                probe.last_sample + RTT_REFRESH_INTERVALS * interval,
             )
             if probe.misses == 0 and now < due:
                 await trio.sleep(due - now)
                 continue
             # A relayed link crosses a third node's event loop and two more hops.
-            floor = cfg.ping_timeout * (
-                RELAYED_TIMEOUT_FACTOR if self.connection_kind(pid) == "relayed" else 1.0
-            )
+            if now - probe.kind_at > KIND_REFRESH_S:
+                probe.relayed = self.connection_kind(pid) == "relayed"
+                probe.kind_at = now
+            floor = cfg.ping_timeout * (RELAYED_TIMEOUT_FACTOR if probe.relayed else 1.0)
             rto = self.peers.rto(pid, floor, RTO_CEILING * floor)
             started = time.monotonic()
             if probe.stream is not None:
@@ -1112,7 +1138,7 @@ async def open_overlay_node(config: OverlayConfig) -> AsyncIterator[OverlayNode]
         health_check_interval=config.health_check_interval,
         max_connections=config.max_peers,
     )
-    gossipsub = GossipSub(
+    gossipsub = QuietGossipSub(
         protocols=[PROTOCOL_ID_V12, PROTOCOL_ID_V11],
         degree=6,
         degree_low=4,
