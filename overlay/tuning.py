@@ -10,7 +10,15 @@ our messages but libp2p's bookkeeping around each RPC:
   already accepted from that peer, byte for byte, proves nothing new: ``install`` remembers it
   and re-checks it only every ``RECORD_RECHECK_S`` (so address TTLs still get refreshed).
 - The sender rebuilds that record's address set for every RPC (``host.get_addrs()``: relay
-  and address-book work, ~8 %); it is cached per host for ``LOCAL_RECORD_CACHE_S``.
+  and address-book work, ~8 %); it is cached per host for ``LOCAL_RECORD_CACHE_S``, and only
+  while it is still the host's newest record: libp2p refuses the WHOLE RPC when its record is
+  older (lower seq) than one already stored for that peer, and identify and the DHT issue
+  newer records on their own (a relay reservation adds a circuit address and pushes identify
+  at once). A cached older record sent after that lost a NAT'd node's subscription at its
+  relayed peer for good (the hello and a SUBSCRIBE are sent once): no digest of it arrived.
+- For the same reason a receiver keeps an RPC whose record is valid, signed by the sender,
+  but older than the one stored (it ignores the record, not the RPC): identify and pubsub run
+  on different streams, so a record issued between two RPCs can overtake the earlier one.
 - yamux (``PY_YAMUX_RELEASE_ON_READ``, on by default there) sends a WINDOW_UPDATE frame for
   every read, and gossipsub reads each RPC's varint length a byte at a time: 2-3 extra
   encrypted frames per RPC. Off, yamux credits the window in half-window batches, as go-yamux
@@ -33,6 +41,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from libp2p.peer.envelope import consume_envelope
+from libp2p.peer.id import ID
 from libp2p.pubsub import gossipsub as _gossipsub_mod
 from libp2p.pubsub import pubsub as _pubsub_mod
 from libp2p.pubsub.gossipsub import GossipSub
@@ -41,6 +51,7 @@ __all__ = [
     "IDONTWANT_MIN_BYTES",
     "LOCAL_RECORD_CACHE_S",
     "RECORD_RECHECK_S",
+    "SUPERSEDED_RECORDS",
     "QuietGossipSub",
     "install",
 ]
@@ -53,6 +64,12 @@ LOCAL_RECORD_CACHE_S = 1.0
 IDONTWANT_MIN_BYTES = 1024
 # Accepted (host, peer, record bytes) entries kept (one or two per peer in practice).
 MAX_REMEMBERED_RECORDS = 8192
+
+# The domain libp2p signs peer records under (libp2p.pubsub.utils uses the same literal).
+PEER_RECORD_DOMAIN = "libp2p-peer-record"
+# RPCs kept although their record was older than the stored one (process-wide, for tests and
+# diagnostics: a count that grows says records overtake each other between streams).
+SUPERSEDED_RECORDS = [0]
 
 _installed = False
 
@@ -70,6 +87,9 @@ def _memo_consume(real: Callable[..., bool]) -> Callable[..., bool]:
             accepted.move_to_end(key)
             return True
         ok = real(msg, host, peer_id)
+        if not ok and _superseded(msg, host, peer_id):
+            SUPERSEDED_RECORDS[0] += 1
+            return True  # the RPC stands; the newer record already stored stays
         if ok:
             accepted[key] = now
             accepted.move_to_end(key)
@@ -81,17 +101,37 @@ def _memo_consume(real: Callable[..., bool]) -> Callable[..., bool]:
     return consume
 
 
+def _superseded(msg: Any, host: Any, peer_id: Any) -> bool:
+    """The RPC's record is valid and the sender's own, but older than the one stored."""
+    try:
+        envelope, record = consume_envelope(msg.senderRecord, PEER_RECORD_DOMAIN)
+        if record.peer_id != peer_id or ID.from_pubkey(envelope.public_key) != peer_id:
+            return False
+        stored = host.get_peerstore().get_peer_record(peer_id)
+        return stored is not None and stored.record().seq > record.seq
+    except Exception:  # not an envelope, bad signature: refused as libp2p refuses it
+        return False
+
+
 def _cached_local_record(real: Callable[..., tuple[bytes, bool]]) -> Callable[..., Any]:
-    cache: dict[int, tuple[float, Any, bytes]] = {}
+    cache: dict[int, tuple[float, Any, Any, bytes]] = {}
 
     def env(host: Any) -> tuple[bytes, bool]:
         now = time.monotonic()
         hit = cache.get(id(host))
+        current = host.get_peerstore().get_local_record()
         # The host object itself is kept in the entry: an id is only unique while it lives.
-        if hit is not None and hit[1] is host and now - hit[0] < LOCAL_RECORD_CACHE_S:
-            return hit[2], False
+        # The record must still be the host's newest (identify or the DHT may have issued one).
+        if (
+            hit is not None
+            and hit[1] is host
+            and current is not None
+            and hit[2] is current
+            and now - hit[0] < LOCAL_RECORD_CACHE_S
+        ):
+            return hit[3], False
         data, fresh = real(host)
-        cache[id(host)] = (now, host, data)
+        cache[id(host)] = (now, host, host.get_peerstore().get_local_record(), data)
         if len(cache) > 1024:  # hosts of finished tests in one process
             for key in list(cache)[:512]:
                 del cache[key]
