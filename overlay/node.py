@@ -72,6 +72,7 @@ from p2pnode.identity import (
 )
 from p2pnode.overlay._errors import BadMultiaddr, BootstrapFailed, PeerUnreachable
 from p2pnode.overlay.addrs import AddressBook, classify, dial_order
+from p2pnode.overlay.connmgr import TRIM_EVERY_S, ConnLimits, ConnManager
 from p2pnode.overlay.dht import OverlayDHT
 from p2pnode.overlay.hello import (
     DEFAULT_NETWORK,
@@ -138,10 +139,20 @@ GOSSIPED_ADDR_TTL = 600
 MAX_PENDING_RECORDS = 1024
 # Record fetch retries back off up to this many discovery intervals.
 RECORD_RETRY_CAP_INTERVALS = 4
+# Two peers that discover each other at once: the larger id waits this long for the smaller
+# one's dial (one connection per peer: libp2p closes one of two under its streams).
+TIE_BREAK_WAIT_S = 3.0
+# A public node waits this long for a NAT'd candidate to dial it directly (the NAT'd side can;
+# the public side could only open a circuit through a relay, a slower path for good).
+PRIVATE_PEER_WAIT_S = 8.0
 # Background work is not urgent: a slow answer is still progress, a cancelled one is waste.
 # So its limits are this many `connect_timeout`s, far above a healthy loopback (~10-60 ms).
 BACKGROUND_TIMEOUT_FACTOR = 5.0
 StreamHandler = Callable[[INetStream], Awaitable[None]]
+# Streams every connection keeps open for good: they never make a peer busy for the trim.
+IDLE_PROTOCOLS = frozenset(
+    {PROTOCOL_ID_V11, PROTOCOL_ID_V12, TProtocol("/meshsub/1.0.0"), TProtocol(PING_PROTOCOL)}
+)
 
 
 @dataclass
@@ -174,6 +185,13 @@ class OverlayConfig:
     peer_grace_period: float = 60.0
     record_refresh: float = 600.0
     max_peers: int = 128  # stop dialing discovered peers beyond this many connections
+    # Bounded connections (overlay/connmgr.py): above `conn_high` connected peers the node
+    # closes all but `conn_low` (bootstrap, relays, busy and new ones kept; then a few random
+    # long links and the nearest by RTT); discovery dials new peers only below `conn_low`,
+    # and explores one untried peer now and then below `conn_high`. 0 = unbounded.
+    conn_low: int = 16
+    conn_high: int = 24
+    conn_grace: float = 30.0  # a new connection is never closed this young
     version: str = VERSION
 
 
@@ -274,6 +292,12 @@ class OverlayNode:
         self._published_view = 0
         self._last_dial: dict[str, float] = {}
         self._first_seen: dict[str, float] = {}
+        self._next_round_by = math.inf  # trio time a deferred candidate needs a round by
+        # Bounded connections (overlay/connmgr.py): off unless `conn_high` > 0.
+        self.connmgr = ConnManager(
+            ConnLimits(low=config.conn_low, high=config.conn_high, grace_s=config.conn_grace)
+        )
+        self.connmgr.protect(self._bootstrap_ids)
         self._bootstrap_infos: list[PeerInfo] = []
         self.announced = trio.Event()
         self.address_book = AddressBook(announce=list(config.announce))
@@ -386,6 +410,7 @@ class OverlayNode:
             "models": list(self.config.models),
             "uptime_s": round(time.time() - self.started_at, 3),
             "connected": len(self.host.get_connected_peers()),
+            "connections": self.connmgr.status(len(self.host.get_connected_peers())),
             "peer_counts": counts,
             "peers": [
                 {**entry, "connection": self.connection_kind(entry["peer_id"])}
@@ -419,6 +444,7 @@ class OverlayNode:
             self._spawn(self._check_network, peer)
         self._stamp_reads(conn)
         self.peers.observe(pid)
+        self.connmgr.note_connected(pid)
         pending = self._pending_records.pop(pid, None)
         if pending is not None:
             self.peers.set_record(pending)
@@ -484,6 +510,7 @@ class OverlayNode:
         self._probes.pop(peer, None)
         self._last_rx.pop(peer, None)
         self._observed_rx.pop(peer, None)
+        self.connmgr.note_disconnected(_peer_str(peer))
         self.peers.mark_down(_peer_str(peer), "connection closed")
 
     # -- dialing ------------------------------------------------------------------------
@@ -613,6 +640,7 @@ class OverlayNode:
             # Growth = peers we had never heard of; reconnects of known ones do not count.
             before = len(self.peers)
             self._wake_discovery = trio.Event()
+            self._next_round_by = math.inf
             try:
                 await self._discover_once()
             except Exception as exc:  # one bad round must not take the node down
@@ -627,9 +655,12 @@ class OverlayNode:
                 # The closest-peer set changed a lot since we stored our records there.
                 await self.publish_record()
                 await self._provide_all()
-            # Rounds stay `base` apart however many new peers connect meanwhile.
+            # Rounds stay `base` apart however many new peers connect meanwhile; a candidate
+            # that waits its turn (`_dial_wait`) gets a round when its wait is over.
             await trio.sleep(base)
-            with trio.move_on_after(max(0.0, interval - base)):
+            wait = max(0.0, interval - base)
+            wait = min(wait, max(0.0, self._next_round_by - trio.current_time()))
+            with trio.move_on_after(wait):
                 await self._wake_discovery.wait()
 
     def _known_addrs(self, peer: ID) -> list[Multiaddr]:
@@ -755,27 +786,39 @@ class OverlayNode:
 
     async def _dial_candidates(self, candidates: set[ID]) -> None:
         now = trio.current_time()
-        budget = self.config.max_peers - len(self.host.get_connected_peers())
-        todo = []
+        connected = len(self.host.get_connected_peers())
+        mgr = self.connmgr
+        budget = self.config.max_peers - connected
+        limit = mgr.dial_budget(connected)
+        if limit >= 0:
+            budget = min(budget, limit)
+        may_redial = mgr.may_redial(connected)
+        todo: list[PeerInfo] = []
         for peer in candidates:
             pid = _peer_str(peer)
             if pid in self.refused:
                 continue
+            if mgr.was_pruned(pid) and not may_redial:
+                continue  # we closed it for a nearer one: not again while we have enough
             # Redial a peer we recently failed to reach only every few seconds.
             known = pid in self.peers or pid in self._pending_records
             if now - self._last_dial.get(pid, -1e9) < 5.0 and known:
                 continue
-            # Two peers discovering each other dial at once, and with one connection per
-            # peer libp2p closes one of the two under the streams already opened on it. So
-            # the larger id waits a few seconds for the smaller one to dial first.
-            first_seen = self._first_seen.setdefault(pid, now)
-            if pid < self.peer_id and now - first_seen < 3.0:
-                continue
             addrs = self._known_addrs(peer) or self._record_addrs(pid)
-            if addrs:
-                todo.append(PeerInfo(peer, addrs))
+            if not addrs:
+                continue
+            wait = self._dial_wait(pid, addrs)
+            first_seen = self._first_seen.setdefault(pid, now)
+            if now - first_seen < wait:
+                self._defer_discovery(first_seen + wait)
+                continue
+            todo.append(PeerInfo(peer, addrs))
+        if mgr.enabled:
+            # Untried peers first (a trim keeps the nearest of those it has seen), then the
+            # nearest of the known ones.
+            todo.sort(key=lambda i: (_peer_str(i.peer_id) in mgr.tried, self._rtt_of(i)))
         # Peers we lost: try them again (a SIGCONT-ed or restarted node comes back).
-        for pid in self.peers.peer_ids(PeerState.DOWN):
+        for pid in self.peers.peer_ids(PeerState.DOWN) if may_redial else []:
             peer = ID.from_base58(pid)
             entry = self.peers.get(pid)
             down_for = time.monotonic() - (entry.changed_at if entry else time.monotonic())
@@ -799,6 +842,30 @@ class OverlayNode:
         async with trio.open_nursery() as nursery:
             for info in todo[: max(budget, 0)]:
                 nursery.start_soon(one, info)
+
+    def _dial_wait(self, pid: str, addrs: Sequence[Multiaddr]) -> float:
+        """How long after first seeing a candidate we wait before dialing it. Two peers that
+        discover each other dial at once, and with one connection per peer libp2p closes one
+        of the two under the streams already opened on it: so the larger id waits a few
+        seconds for the smaller one. Except across a NAT: a NAT'd node (its addresses are
+        circuits) reaches a public one directly, while the public one could only open a
+        circuit through a relay; so the NAT'd side dials at once and the public side waits
+        longer for it."""
+        we_private = self.address_book.reachability == "private"
+        they_private = any(classify(a) == "circuit" for a in addrs)
+        if we_private and not they_private:
+            return 0.0
+        if they_private and not we_private:
+            return PRIVATE_PEER_WAIT_S
+        return TIE_BREAK_WAIT_S if pid < self.peer_id else 0.0
+
+    def _defer_discovery(self, at: float) -> None:
+        """A candidate waits until `at` (trio time): the next round must not come later."""
+        self._next_round_by = min(self._next_round_by, at)
+
+    def _rtt_of(self, info: PeerInfo) -> float:
+        entry = self.peers.get(_peer_str(info.peer_id))
+        return math.inf if entry is None or entry.rtt_ms is None else entry.rtt_ms
 
     async def _fetch_missing_records(self) -> None:
         limit = BACKGROUND_TIMEOUT_FACTOR * self.config.connect_timeout
@@ -994,6 +1061,50 @@ class OverlayNode:
         except Exception as exc:
             logger.debug("ping stream to %s ended: %r", peer, exc)
 
+    # -- bounded connections (overlay/connmgr.py) -------------------------------------------
+
+    def _bootstrap_ids(self) -> set[str]:
+        return {_peer_str(i.peer_id) for i in self._bootstrap_infos}
+
+    def _busy(self, pid: str) -> bool:
+        """A stream other than the persistent ones (gossipsub, pings) is open to the peer: a
+        forward, a digest pull, a circuit we relay. Closing it now would cut that short."""
+        try:
+            conns = self.host.get_network().get_connections(ID.from_base58(pid))
+        except Exception:
+            return False
+        for conn in conns:
+            for stream in conn.get_streams():
+                if stream.get_protocol() not in IDLE_PROTOCOLS:
+                    return True
+        return False
+
+    def _rtt_ms(self, pid: str) -> float | None:
+        entry = self.peers.get(pid)
+        return None if entry is None else entry.rtt_ms
+
+    async def trim_connections(self) -> list[str]:
+        """Close the connections the connection manager drops now (none at or below its high
+        watermark); returns those peers, marked down as pruned."""
+        connected = [_peer_str(p) for p in self.host.get_connected_peers()]
+        drop = self.connmgr.plan_trim(self.peer_id, connected, self._rtt_ms, self._busy)
+        for pid in drop:
+            with trio.move_on_after(2), suppress(Exception):
+                await self.host.disconnect(ID.from_base58(pid))
+            self.peers.mark_down(pid, "pruned: connection limit")
+        if drop:
+            self.counters["pruned"] += len(drop)
+            logger.debug("pruned %d connections (had %d)", len(drop), len(connected))
+        return drop
+
+    async def _trim_loop(self) -> None:
+        while self.connmgr.enabled:
+            await trio.sleep(TRIM_EVERY_S)
+            try:
+                await self.trim_connections()
+            except Exception as exc:  # one bad round must not take the node down
+                logger.warning("connection trim failed: %r", exc)
+
     async def _maintenance_loop(self) -> None:
         last_publish = trio.current_time()
         while True:
@@ -1173,6 +1284,7 @@ async def open_overlay_node(config: OverlayConfig) -> AsyncIterator[OverlayNode]
                     nursery.start_soon(node._records_loop)
                     nursery.start_soon(node._records_gossip_loop)
                     nursery.start_soon(node._maintenance_loop)
+                    nursery.start_soon(node._trim_loop)
                     try:
                         yield node
                     finally:
