@@ -2,9 +2,14 @@
 
 Starts `p2pnode bootstrap` and N `p2pnode join` processes on 127.0.0.1 (`--compute emulated`,
 the default: light emulated engines, as trials run them; `none`: no engine), all knowing only
-the bootstrap, and measures the time from launching the joiners until every joiner's /peers
-lists every other joiner as "up", and, with engines, until every joiner holds a cache view of
-every other one (what a routing trial waits for). Also the RSS of each joiner at the end, and
+the bootstrap, and measures the time from launching the joiners until
+- ready: the overlay counts as formed for a trial (``testnet.launch.formation_missing``: every
+  joiner sees all others up, or with bounded connections its low watermark of them less one;
+  the up links make one graph; with engines, each holds a cache view of every peer it sees up);
+- full view: every joiner's /peers lists every other joiner as "up" (a full mesh: with more
+  joiners than `--max-connections`, never, by design);
+- cache views (with engines): every joiner holds a cache view of every other one, which
+  gossip brings over the bounded mesh too. Also the RSS of each joiner at the end, and
 with `--idle S` the CPU the converged swarm burns while idle for S seconds (% of one core per
 node: what many nodes on few cores leave for serving requests).
 Prints and writes bench/results/overlay_join_processes[-N].json.
@@ -25,6 +30,7 @@ from pathlib import Path
 
 import httpx
 
+from p2pnode.testnet.launch import formation_missing
 from p2pnode.testnet.zygote import Zygote
 
 
@@ -76,6 +82,8 @@ def main() -> None:
     parser.add_argument("--compute", choices=["emulated", "none"], default="emulated")
     parser.add_argument("--gossip-interval", type=float, default=None)
     parser.add_argument("--ping-interval", type=float, default=None)
+    parser.add_argument("--min-connections", type=int, default=None)
+    parser.add_argument("--max-connections", type=int, default=None)
     parser.add_argument(
         "--idle",
         type=float,
@@ -97,6 +105,9 @@ def main() -> None:
         engine += ["--ping-interval", str(args.ping_interval)]
     if args.gossip_interval is not None:
         engine += ["--gossip-interval", str(args.gossip_interval)]
+    for flag in ("min_connections", "max_connections"):
+        if getattr(args, flag) is not None:
+            engine += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
     root = Path(tempfile.mkdtemp(prefix="p2pnode-join-bench-"))
     # SIGTERM (e.g. `timeout`) unwinds through the finally below, which stops every node
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -118,27 +129,50 @@ def main() -> None:
         cache_view_at: dict[str, float] = {}
         seen_up: dict[str, int] = {}  # most other joiners a node listed as up (partial runs)
         want_views = args.compute == "emulated"
+        ready_at: float | None = None
+        not_ready: list[str] = ["not checked yet"]
+        order = [info["peer_id"] for info in infos]
+        names = [f"n{i}" for i in range(len(infos))]
+        bounded = args.max_connections != 0 and args.nodes > (args.max_connections or 24)
+
+        def done() -> bool:
+            views_done = not want_views or len(cache_view_at) == len(infos)
+            # A bounded swarm never reaches a full mesh: ready and cache views are its goals.
+            mesh_done = bounded or len(full_view_at) == len(infos)
+            return ready_at is not None and views_done and mesh_done
+
         with httpx.Client(timeout=3) as client:
-            while time.monotonic() < deadline and (
-                len(full_view_at) < len(infos) or (want_views and len(cache_view_at) < len(infos))
-            ):
+            while time.monotonic() < deadline and not done():
+                statuses: list[dict | None] = []
                 for info in infos:
                     me = info["peer_id"]
                     try:
-                        if me not in full_view_at:
-                            peers = client.get(info["api"] + "/peers").json()
-                            up = {p["peer_id"] for p in peers if p["state"] == "up"}
-                            seen_up[me] = max(seen_up.get(me, 0), len(up & ids))
-                            if ids - {me} <= up:
-                                full_view_at[me] = time.monotonic() - launched
-                        if want_views and me not in cache_view_at:
-                            status = client.get(info["api"] + "/status").json()
-                            if ids - {me} <= set(status["routing"]["views"]):
-                                cache_view_at[me] = time.monotonic() - launched
-                    except httpx.HTTPError:
-                        pass  # a node still starting its API: asked again next round
+                        status = client.get(info["api"] + "/status").json()
+                    except (httpx.HTTPError, ValueError):
+                        statuses.append(None)  # a node still starting its API: asked again
+                        continue
+                    statuses.append(status)
+                    up = {p["peer_id"] for p in status["peers"] if p["state"] == "up"}
+                    seen_up[me] = max(seen_up.get(me, 0), len(up & ids))
+                    if me not in full_view_at and ids - {me} <= up:
+                        full_view_at[me] = time.monotonic() - launched
+                    views = set((status.get("routing") or {}).get("views") or {})
+                    if want_views and me not in cache_view_at and ids - {me} <= views:
+                        cache_view_at[me] = time.monotonic() - launched
+                if ready_at is None:
+                    not_ready = formation_missing(names, order, statuses, want_views)
+                    if not not_ready:
+                        ready_at = time.monotonic() - launched
                 time.sleep(0.2)
             rss = [_rss_mb(p.pid) for p in procs[1:]]
+            final = []
+            for info in infos:
+                try:
+                    final.append(client.get(info["api"] + "/status").json())
+                except (httpx.HTTPError, ValueError):
+                    final.append(None)
+        connected = sorted(s["connected"] for s in final if s)
+        pruned = sum(s["connections"]["pruned"] for s in final if s)
         idle_cpu = None
         if args.idle > 0:
             before = sum(_cpu_s(p.pid) for p in procs[1:])
@@ -152,6 +186,18 @@ def main() -> None:
             "load_avg_1m_at_start": load_at_start,
             "load_avg_1m_at_end": os.getloadavg()[0],
             "all_started_s": round(started, 2),
+            "join_to_ready_s": None if ready_at is None else round(ready_at, 2),
+            "not_ready": not_ready[:5] if ready_at is None else [],
+            "connections_min_median_max": [
+                connected[0],
+                connected[len(connected) // 2],
+                connected[-1],
+            ]
+            if connected
+            else None,
+            "pruned_connections": pruned,
+            "min_connections": args.min_connections,
+            "max_connections": args.max_connections,
             "nodes_with_full_view": len(full_view_at),
             "join_to_full_view_s": round(max(full_view_at.values()), 2)
             if len(full_view_at) == len(infos)

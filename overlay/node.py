@@ -512,6 +512,10 @@ class OverlayNode:
         self._observed_rx.pop(peer, None)
         self.connmgr.note_disconnected(_peer_str(peer))
         self.peers.mark_down(_peer_str(peer), "connection closed")
+        if not self.connmgr.may_redial(len(self.host.get_connected_peers())):
+            return
+        if self.connmgr.enabled:
+            self._wake_discovery.set()  # below the low watermark: refill now, not in a minute
 
     # -- dialing ------------------------------------------------------------------------
 
