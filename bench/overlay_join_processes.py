@@ -165,7 +165,15 @@ def main() -> None:
                         ready_at = time.monotonic() - launched
                 time.sleep(0.2)
             rss = [_rss_mb(p.pid) for p in procs[1:]]
-            final = []
+        idle_cpu = None
+        if args.idle > 0:
+            before = sum(_cpu_s(p.pid) for p in procs[1:])
+            time.sleep(args.idle)
+            spent = sum(_cpu_s(p.pid) for p in procs[1:]) - before
+            idle_cpu = round(100 * spent / args.idle / args.nodes, 2)
+        # Connections at the end (after --idle: what the trims left).
+        final = []
+        with httpx.Client(timeout=5) as client:
             for info in infos:
                 try:
                     final.append(client.get(info["api"] + "/status").json())
@@ -173,12 +181,6 @@ def main() -> None:
                     final.append(None)
         connected = sorted(s["connected"] for s in final if s)
         pruned = sum(s["connections"]["pruned"] for s in final if s)
-        idle_cpu = None
-        if args.idle > 0:
-            before = sum(_cpu_s(p.pid) for p in procs[1:])
-            time.sleep(args.idle)
-            spent = sum(_cpu_s(p.pid) for p in procs[1:]) - before
-            idle_cpu = round(100 * spent / args.idle / args.nodes, 2)
         result = {
             "nodes": args.nodes,
             "processes": args.nodes + 1,
