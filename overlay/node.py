@@ -145,6 +145,8 @@ TIE_BREAK_WAIT_S = 3.0
 # A public node waits this long for a NAT'd candidate to dial it directly (the NAT'd side can;
 # the public side could only open a circuit through a relay, a slower path for good).
 PRIVATE_PEER_WAIT_S = 8.0
+# Distinct peers remembered as seen (beyond it every peer counts as known).
+MAX_EVER_SEEN = 65536
 # Background work is not urgent: a slow answer is still progress, a cancelled one is waste.
 # So its limits are this many `connect_timeout`s, far above a healthy loopback (~10-60 ms).
 BACKGROUND_TIMEOUT_FACTOR = 5.0
@@ -292,6 +294,9 @@ class OverlayNode:
         self._published_view = 0
         self._last_dial: dict[str, float] = {}
         self._first_seen: dict[str, float] = {}
+        # Peers ever connected (bounded): "new peers appeared" for discovery and record gossip.
+        # The table's size is no measure: trimmed and forgotten peers come and go in it.
+        self._ever_seen: set[str] = set()
         self._next_round_by = math.inf  # trio time a deferred candidate needs a round by
         # Bounded connections (overlay/connmgr.py): off unless `conn_high` > 0.
         self.connmgr = ConnManager(
@@ -435,7 +440,9 @@ class OverlayNode:
         pid = _peer_str(peer)
         # Only a peer never seen before can teach discovery something; a flapping one would
         # otherwise trigger a round of DHT lookups per reconnect.
-        is_new = pid not in self.peers
+        is_new = pid not in self._ever_seen
+        if is_new and len(self._ever_seen) < MAX_EVER_SEEN:
+            self._ever_seen.add(pid)
         if pid in self.refused:
             self._spawn(self._drop, peer)
             return
@@ -642,7 +649,7 @@ class OverlayNode:
         interval = base
         while True:
             # Growth = peers we had never heard of; reconnects of known ones do not count.
-            before = len(self.peers)
+            before = len(self._ever_seen)
             self._wake_discovery = trio.Event()
             self._next_round_by = math.inf
             try:
@@ -650,7 +657,7 @@ class OverlayNode:
             except Exception as exc:  # one bad round must not take the node down
                 logger.warning("discovery round failed: %r", exc)
             self.counters["discovery_rounds"] += 1
-            if len(self.peers) > before:
+            if len(self._ever_seen) > before:
                 interval = base
             else:
                 interval = min(interval * 2, self.config.discovery_max_interval)
@@ -709,7 +716,7 @@ class OverlayNode:
                 await trio.sleep(RECORD_GOSSIP_INTERVAL)
                 # Again when new peers appeared, and when our record changed (a relay slot,
                 # a confirmed public address): peers holding the old one would keep it.
-                now = (len(self.peers), self._signed_record)
+                now = (len(self._ever_seen), self._signed_record)
                 if self._signed_record is None or now == published_for:
                     continue
                 try:
