@@ -141,6 +141,7 @@ def main() -> None:
             mesh_done = bounded or len(full_view_at) == len(infos)
             return ready_at is not None and views_done and mesh_done
 
+        last_progress = time.monotonic()
         with httpx.Client(timeout=3) as client:
             while time.monotonic() < deadline and not done():
                 statuses: list[dict | None] = []
@@ -163,6 +164,17 @@ def main() -> None:
                     not_ready = formation_missing(names, order, statuses, want_views)
                     if not not_ready:
                         ready_at = time.monotonic() - launched
+                if time.monotonic() - last_progress > 15:  # partial figures if it never ends
+                    last_progress = time.monotonic()
+                    conns = sorted(s["connected"] for s in statuses if s)
+                    print(
+                        f"{last_progress - launched:.0f} s: {len(conns)} answering, connected "
+                        f"{conns[:1] + conns[len(conns) // 2 : len(conns) // 2 + 1] + conns[-1:]}"
+                        f" (min/median/max), full views {len(full_view_at)}, cache views "
+                        f"{len(cache_view_at)}, ready: {not_ready[:2] or 'yes'}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                 time.sleep(0.2)
             rss = [_rss_mb(p.pid) for p in procs[1:]]
         idle_cpu = None
@@ -173,7 +185,7 @@ def main() -> None:
             idle_cpu = round(100 * spent / args.idle / args.nodes, 2)
         # Connections at the end (after --idle: what the trims left).
         final = []
-        with httpx.Client(timeout=5) as client:
+        with httpx.Client(timeout=2) as client:
             for info in infos:
                 try:
                     final.append(client.get(info["api"] + "/status").json())

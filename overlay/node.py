@@ -782,6 +782,13 @@ class OverlayNode:
         candidates: set[ID] = set(kad.routing_table.get_peer_ids())
         # Peers whose signed records arrived by gossip: their addresses are in the peerstore.
         candidates.update(ID.from_base58(pid) for pid in self._pending_records)
+        if self._enough_without_lookups(connected, candidates):
+            # Lookups (new negotiated streams to several peers, and work for them) were the
+            # largest idle cost of 16 node processes on 2 cores: a bounded node that holds its
+            # low watermark and still knows untried peers has nothing to learn from one.
+            self.counters["dht_lookups_skipped"] += 1
+            await self._dial_candidates(candidates - connected - {self.host.get_id()})
+            return
         with trio.move_on_after(BACKGROUND_TIMEOUT_FACTOR * self.config.connect_timeout):
             me = self.host.get_id()
             self.counters["dht_lookups"] += 1
@@ -794,6 +801,14 @@ class OverlayNode:
                     await kad.peer_routing.find_closest_peers_network(secrets.token_bytes(32))
                 )
         await self._dial_candidates(candidates - connected - {self.host.get_id()})
+
+    def _enough_without_lookups(self, connected: set[ID], candidates: set[ID]) -> bool:
+        mgr = self.connmgr
+        if not mgr.enabled or len(connected) < mgr.limits.low:
+            return False
+        return any(
+            _peer_str(p) not in mgr.tried for p in candidates - connected - {self.host.get_id()}
+        )
 
     async def _dial_candidates(self, candidates: set[ID]) -> None:
         now = trio.current_time()
