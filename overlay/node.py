@@ -558,6 +558,13 @@ class OverlayNode:
         for attempt in range(1, self.config.bootstrap_attempts + 1):
             # Like TCP's SYN retries: a busy bootstrap gets longer, an absent one fails soon.
             factor = min(2.0 ** (attempt - 1), BACKGROUND_TIMEOUT_FACTOR)
+            # libp2p refuses for 60 s to dial a peer whose addresses all failed once (its
+            # "negative cache"): a bootstrap too busy to finish one handshake in time then
+            # got no second try, and a starved joiner stayed alone for minutes (measured:
+            # 64 processes on 2 cores). These retries have their own backoff.
+            unblock = getattr(self.host.get_network(), "unblock_peer", None)
+            if unblock is not None:
+                unblock(info.peer_id)
             try:
                 await self._dial(info, background=factor)
                 return True

@@ -1,7 +1,8 @@
 """Will a trial fit in this machine's memory and CPU? Checked before any node starts.
 
 ``check_cpu(spec)`` -> ``Fit`` (in cores): what the trial's overlay costs while idle, every node
-connected to every other (each link gets liveness probes, gossip and DHT traffic), against
+connected to every other or to ``max_connections`` peers when that is less (each link gets
+liveness probes, gossip and DHT traffic), against
 ``os.cpu_count()``. It warns (the runner still starts) when the idle mesh alone would take more
 than ``MAX_IDLE_SHARE`` of the cores: then nodes are too starved to form the mesh in the
 trial's time, let alone serve. The per-link figure is one measurement on this machine
@@ -92,7 +93,9 @@ def check_cpu(spec: TrialSpec, cores: int | None = None) -> Fit:
     """The idle full mesh's CPU against this machine's cores (see the module doc)."""
     cores = (os.cpu_count() or 1) if cores is None else cores
     n = spec.node_count
-    links = n * (n - 1)
+    # Bounded connections (overlay/connmgr.py): each node holds at most max_connections.
+    bound = spec.node.max_connections or n - 1
+    links = n * min(n - 1, bound)
     need = links * IDLE_CORE_PER_LINK
     share = need / cores
     if share <= MAX_IDLE_SHARE:
@@ -104,7 +107,7 @@ def check_cpu(spec: TrialSpec, cores: int | None = None) -> Fit:
         False,
         need,
         float(cores),
-        f"{spec.name}: {n} nodes in a full mesh are {links} directed links, ~{need:.1f} cores "
+        f"{spec.name}: {n} nodes at up to {min(n - 1, bound)} connections each are {links} directed links, ~{need:.1f} cores "
         f"while idle at {100 * IDLE_CORE_PER_LINK:.2f} % of a core per link (measured with 16 "
         f"nodes), {100 * share:.0f} % of this machine's {cores} cores: the overlay is unlikely "
         f"to form within the trial, and figures would measure starvation, not routing; about "
