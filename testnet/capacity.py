@@ -101,7 +101,7 @@ def check_cpu(spec: TrialSpec, cores: int | None = None) -> Fit:
     if share <= MAX_IDLE_SHARE:
         return Fit(True, need, float(cores), f"idle mesh ~{need:.1f} of {cores} cores (estimate)")
     most = 1
-    while (most + 1) * most * IDLE_CORE_PER_LINK <= MAX_IDLE_SHARE * cores:
+    while (most + 1) * min(most, bound) * IDLE_CORE_PER_LINK <= MAX_IDLE_SHARE * cores:
         most += 1
     return Fit(
         False,
