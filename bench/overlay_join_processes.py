@@ -82,6 +82,9 @@ def main() -> None:
     parser.add_argument("--compute", choices=["emulated", "none"], default="emulated")
     parser.add_argument("--gossip-interval", type=float, default=None)
     parser.add_argument("--ping-interval", type=float, default=None)
+    parser.add_argument(
+        "--stagger", type=float, default=0.0, help="seconds between joiner starts (trials: 0.25)"
+    )
     parser.add_argument("--min-connections", type=int, default=None)
     parser.add_argument("--max-connections", type=int, default=None)
     parser.add_argument(
@@ -120,7 +123,9 @@ def main() -> None:
         launched = time.monotonic()
         deadline = launched + args.timeout
         homes = [root / f"n{i}" for i in range(args.nodes)]
-        for home in homes:
+        for k, home in enumerate(homes):
+            if k and args.stagger:
+                time.sleep(args.stagger)
             procs.append(spawn(["join", *engine, "--bootstrap", boot["addrs"][0]], home, zygote))
         infos = [runtime(home, deadline) for home in homes]
         started = time.monotonic() - launched
