@@ -15,6 +15,14 @@ Contract:
   `discovery_max_interval` while nothing new turns up); node-record fetches (per-peer backoff);
   liveness (below); pruning of peers down longer than `peer_grace_period`; republishing our
   node record every `record_refresh` s and whenever our view of the network has doubled.
+- Bounded connections (``overlay/connmgr.py``, ``conn_low``/``conn_high``): discovery dials
+  new peers only below the low watermark (then one untried peer now and then below the high
+  one), redials lost or trimmed peers only below the low one, and every ``TRIM_EVERY_S`` a
+  node above the high watermark closes all but the low one (``trim_connections``; those peers
+  are marked down, "pruned"). Two candidates that discover each other: the larger id waits
+  ``TIE_BREAK_WAIT_S`` for the smaller one's dial, except across a NAT: a NAT'd node dials a
+  public one at once, and a public node waits ``PRIVATE_PEER_WAIT_S`` for a NAT'd one (which
+  can reach it directly; it could only open a circuit).
 - Node records also travel over gossipsub (`RECORDS_TOPIC`): a node publishes its signed record
   every `RECORD_GOSSIP_INTERVAL` s while new peers keep appearing; receivers verify it (invalid
   ones are not forwarded) and keep the newest seq; the signed addresses of a peer not yet
