@@ -20,7 +20,8 @@ Contract:
   every protected, busy or young one (connected for less than ``grace_s``: its RTT is not
   measured yet, its hello may still run); then the ``long_links`` peers whose pair hash
   (``pair_rank``, the same seen from either end, so both ends tend to keep the same long links)
-  ranks highest; then the nearest by smoothed RTT (unmeasured last) until ``low`` are kept.
+  ranks highest; then the nearest by smoothed RTT class (a factor of ``RTT_CLASS_BASE``;
+  unmeasured last), ties by the pair hash, until ``low`` are kept.
 - ``ConnManager(limits)`` holds the node's side: ``note_connected``/``note_disconnected`` (the
   node's connection events), ``protect(fn)`` adds a source of peers never to trim (bootstrap,
   relays), ``dial_budget(connected)`` (new peers discovery may dial now: up to ``low`` at
@@ -61,6 +62,9 @@ EXPLORE_EVERY_S = 20.0
 # Trimmed peers remembered (not redialed while the node holds `low` connections) this long.
 PRUNED_MEMORY_S = 600.0
 MAX_REMEMBERED = 4096
+# RTTs within a factor of this rank as equally near (2 ms and 6 ms links alike; 2 ms and 40 ms
+# not): see select_keep.
+RTT_CLASS_BASE = 4.0
 
 
 @dataclass(frozen=True)
@@ -105,6 +109,12 @@ def pair_rank(a: str, b: str) -> int:
     return int.from_bytes(hashlib.blake2b(f"{lo}|{hi}".encode(), digest_size=8).digest(), "big")
 
 
+def _rtt_class(rtt_ms: float | None) -> float:
+    if rtt_ms is None:
+        return math.inf
+    return math.floor(math.log(max(rtt_ms, 1.0), RTT_CLASS_BASE))
+
+
 def select_keep(peers: Sequence[Candidate], limits: ConnLimits, self_id: str) -> set[str]:
     """The peers to keep of ``peers`` (see the module docstring)."""
     keep = {p.peer_id for p in peers if p.protected or p.busy or p.age_s < limits.grace_s}
@@ -112,9 +122,13 @@ def select_keep(peers: Sequence[Candidate], limits: ConnLimits, self_id: str) ->
     by_pair = sorted(rest, key=lambda p: pair_rank(self_id, p.peer_id), reverse=True)
     long_links = [p.peer_id for p in by_pair[: limits.long_links]]
     keep.update(long_links)
+    # Nearest first by RTT class (a factor of RTT_CLASS_BASE wide), then by the pair hash: both
+    # ends of a link rank it the same way within a class, so a link one end keeps is mostly one
+    # the other end keeps too. Ranked by exact RTT (noisy on busy cores), each end kept its own
+    # picks and closed the other's: a 64-node swarm trimmed itself to ~1 link per node.
     nearest = sorted(
         (p for p in rest if p.peer_id not in keep),
-        key=lambda p: (math.inf if p.rtt_ms is None else p.rtt_ms, p.peer_id),
+        key=lambda p: (_rtt_class(p.rtt_ms), -pair_rank(self_id, p.peer_id)),
     )
     room = max(0, limits.low - len(keep))
     keep.update(p.peer_id for p in nearest[:room])

@@ -40,7 +40,10 @@ def test_pair_rank_is_the_same_from_either_end() -> None:
 
 def test_trim_keeps_protected_busy_young_long_links_then_the_nearest() -> None:
     limits = ConnLimits(low=5, high=8, grace_s=30.0, long_links=1)
-    peers = [Candidate(f"p{i:02d}", rtt_ms=float(10 + i), age_s=100.0) for i in range(10)]
+    # One peer clearly nearer than the rest (RTTs rank by class, a factor of 4 wide).
+    peers = [
+        Candidate(f"p{i:02d}", rtt_ms=2.0 if i == 0 else 40.0 + i, age_s=100.0) for i in range(10)
+    ]
     peers += [
         Candidate("boot", rtt_ms=500.0, age_s=100.0, protected=True),
         Candidate("fwd", rtt_ms=400.0, age_s=100.0, busy=True),
@@ -56,6 +59,20 @@ def test_trim_keeps_protected_busy_young_long_links_then_the_nearest() -> None:
     nearest = sorted((p for p in rest if p.peer_id != longest), key=lambda p: p.rtt_ms)
     assert len(keep) == 5 and nearest[0].peer_id in keep
     assert all(p.peer_id not in keep for p in nearest[1:])
+
+
+def test_within_an_rtt_class_both_ends_rank_a_link_alike() -> None:
+    """Ties in RTT class go by the pair hash, the same from either end: a link one end keeps
+    is one the other end ranks the same way (exact, noisy RTTs made each end keep others)."""
+    limits = ConnLimits(low=3, high=4, grace_s=0.0, long_links=1)
+    ids = [f"n{i}" for i in range(8)]
+    keeps = {}
+    for me in ids:
+        # every RTT in one class, jittered differently at each end
+        peers = [Candidate(p, rtt_ms=4.0 + (hash((me, p)) % 7), age_s=60.0) for p in ids if p != me]
+        keeps[me] = select_keep(peers, limits, me)
+    mutual = sum(1 for a in ids for b in keeps[a] if a in keeps[b])
+    assert mutual >= len(ids) * 2  # most kept links are kept at both ends
 
 
 def test_nothing_is_trimmed_at_or_below_high_and_trimmed_peers_are_remembered() -> None:
