@@ -153,6 +153,8 @@ TIE_BREAK_WAIT_S = 3.0
 # A public node waits this long for a NAT'd candidate to dial it directly (the NAT'd side can;
 # the public side could only open a circuit through a relay, a slower path for good).
 PRIVATE_PEER_WAIT_S = 8.0
+# A node with no connection at all runs discovery (its bootstrap retries) at least this often.
+ISOLATED_RETRY_S = 5.0
 # Distinct peers remembered as seen (beyond it every peer counts as known).
 MAX_EVER_SEEN = 65536
 # Background work is not urgent: a slow answer is still progress, a cancelled one is waste.
@@ -676,6 +678,10 @@ class OverlayNode:
                 interval = base
             else:
                 interval = min(interval * 2, self.config.discovery_max_interval)
+            if not self.host.get_connected_peers():
+                # Alone (every link lost, the bootstrap unanswered): nothing will wake us, so
+                # no minute-long back-off (measured: 64 nodes on 2 cores, joiners left alone).
+                interval = min(interval, ISOLATED_RETRY_S)
             view = len(self.peers.up_peers())
             if self.announced.is_set() and view >= max(2, 2 * self._published_view):
                 # The closest-peer set changed a lot since we stored our records there.
