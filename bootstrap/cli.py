@@ -215,6 +215,18 @@ def _node_options(fn):
             help="Seconds between digest publications.",
         ),
         click.option(
+            "--min-connections",
+            type=int,
+            default=None,
+            help="Peers a trim keeps: the nearest, plus bootstrap and relays (default 16).",
+        ),
+        click.option(
+            "--max-connections",
+            type=int,
+            default=None,
+            help="Connected peers above which the node trims (default 24; 0: unbounded).",
+        ),
+        click.option(
             "--pushback-threshold",
             type=int,
             default=None,

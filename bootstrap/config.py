@@ -49,6 +49,10 @@ class NodeSettings:
     ping_timeout: float = 1.0
     connect_timeout: float = 3.0
     gossip_interval: float = 1.0
+    # Connections kept (overlay/connmgr.py): above max_connections the node closes all but
+    # min_connections, keeping the nearest peers, its bootstrap and relays. 0 = unbounded.
+    min_connections: int = 16
+    max_connections: int = 24
     pushback_threshold: int = 8
     log_level: str = "info"
     # "hf" runs the real model; "emulated" keeps the real radix tree but replaces each forward
@@ -126,6 +130,11 @@ class NodeSettings:
         for name in ("cache_budget_tokens", "max_batch", "pushback_threshold"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.max_connections and not 3 <= self.min_connections <= self.max_connections:
+            raise ConfigError(
+                f"connections: need 3 <= min_connections <= max_connections (0 = unbounded), "
+                f"got {self.min_connections} and {self.max_connections}"
+            )
         for name in ("ping_interval", "gossip_interval", "ping_timeout", "connect_timeout"):
             if not 0.05 <= getattr(self, name) <= 600:
                 raise ConfigError(f"{name} must be between 0.05 and 600 seconds")

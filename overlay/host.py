@@ -41,6 +41,7 @@ from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
 from libp2p.stream_muxer.yamux.yamux import Yamux
 
 from p2pnode.overlay._errors import BadMultiaddr, OverlayError
+from p2pnode.overlay.tuning import install as install_tuning
 
 if TYPE_CHECKING:
     from p2pnode.identity import NodeKey
@@ -120,6 +121,7 @@ def make_host(
             f"libp2p derives peer id {peer_id} from this key but NodeKey says {key.peer_id}; "
             "identity and overlay disagree on the peer id encoding"
         )
+    install_tuning()  # per-RPC costs of libp2p's pubsub and yamux (overlay/tuning.py)
     noise = NoiseTransport(key_pair, noise_privkey=create_x25519_key_pair().private_key)
     quiet_libp2p_logs()
     return new_host(

@@ -15,15 +15,24 @@ Contract:
   `discovery_max_interval` while nothing new turns up); node-record fetches (per-peer backoff);
   liveness (below); pruning of peers down longer than `peer_grace_period`; republishing our
   node record every `record_refresh` s and whenever our view of the network has doubled.
+- Bounded connections (``overlay/connmgr.py``, ``conn_low``/``conn_high``): discovery dials
+  new peers only below the low watermark (then one untried peer now and then below the high
+  one), redials lost or trimmed peers only below the low one, and every ``TRIM_EVERY_S`` a
+  node above the high watermark closes all but the low one (``trim_connections``; those peers
+  are marked down, "pruned"). Two candidates that discover each other: the larger id waits
+  ``TIE_BREAK_WAIT_S`` for the smaller one's dial, except across a NAT: a NAT'd node dials a
+  public one at once, and a public node waits ``PRIVATE_PEER_WAIT_S`` for a NAT'd one (which
+  can reach it directly; it could only open a circuit).
 - Node records also travel over gossipsub (`RECORDS_TOPIC`): a node publishes its signed record
   every `RECORD_GOSSIP_INTERVAL` s while new peers keep appearing; receivers verify it (invalid
   ones are not forwarded) and keep the newest seq; the signed addresses of a peer not yet
   connected go to discovery, which dials it. The DHT fetch and lookups remain the fallback.
 - Liveness: any frame received on a peer's connection counts as a sign of life (stamped on the
   secured connection's reads), so busy peers are never probed. A peer silent for
-  `ping_interval` gets one 32-byte echo probe on a persistent /p2pnode/ping/1 stream (opened
-  once per connection; a late echo is still used, never a reason to reopen). A probe missed
-  is one with no echo AND no frame at all from the peer within the RTO = srtt + 4 * rttvar of
+  `ping_interval` (or longer with many peers: at most `PROBE_BUDGET_PER_S` probes per second
+  in all, so the interval is at least connected peers / that budget) gets one 32-byte echo
+  probe on a persistent /p2pnode/ping/1 stream (opened once per connection; a late echo is
+  still used, never a reason to reopen). A probe missed is one with no echo AND no frame at all from the peer within the RTO = srtt + 4 * rttvar of
   that peer (RFC 6298), clamped to [`ping_timeout`, `RTO_CEILING` * `ping_timeout`]; the next
   probe follows at once; a miss while our own loop lagged more than RTO/2 is excused (silence
   proves nothing when we did not run). 1 missed probe -> suspect, 2 -> down; after
@@ -56,7 +65,7 @@ from libp2p.abc import IHost, INetConn, INetStream, INetwork, INotifee
 from libp2p.custom_types import TProtocol
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
-from libp2p.pubsub.gossipsub import PROTOCOL_ID_V11, PROTOCOL_ID_V12, GossipSub
+from libp2p.pubsub.gossipsub import PROTOCOL_ID_V11, PROTOCOL_ID_V12
 from libp2p.pubsub.pubsub import Pubsub
 from libp2p.tools.anyio_service import background_trio_service
 from multiaddr import Multiaddr
@@ -71,6 +80,7 @@ from p2pnode.identity import (
 )
 from p2pnode.overlay._errors import BadMultiaddr, BootstrapFailed, PeerUnreachable
 from p2pnode.overlay.addrs import AddressBook, classify, dial_order
+from p2pnode.overlay.connmgr import TRIM_EVERY_S, ConnLimits, ConnManager
 from p2pnode.overlay.dht import OverlayDHT
 from p2pnode.overlay.hello import (
     DEFAULT_NETWORK,
@@ -85,6 +95,7 @@ from p2pnode.overlay.host import make_host, parse_multiaddr
 from p2pnode.overlay.limits import PeerLimiter, remote_peer
 from p2pnode.overlay.peers import PeerState, PeerTable
 from p2pnode.overlay.seams import StreamHandler
+from p2pnode.overlay.tuning import QuietGossipSub
 
 __all__ = [
     "PING_PROTOCOL",
@@ -112,6 +123,14 @@ CLOSE_AFTER_EXTRA_MISSES = 4
 RELAYED_TIMEOUT_FACTOR = 3.0
 # Idle peers get an RTT sample at least this many ping intervals apart (the router uses it).
 RTT_REFRESH_INTERVALS = 10
+# Probes of idle links a node sends per second at most, all peers together: the silence that
+# triggers a probe grows past `ping_interval` to (connected peers / this) seconds. At 63 peers
+# and 1 s, probes were the largest single cost of 64 nodes on 2 cores (4,000 probes/s in all),
+# and starved nodes then missed real frames. Detection of a hung peer slows in proportion
+# (~4 s + 2 RTO at 64 peers); a closed or killed one is still seen at once.
+PROBE_BUDGET_PER_S = 16.0
+# A connection's kind (direct or relayed) is looked up again this often while probing it.
+KIND_REFRESH_S = 30.0
 # One Kademlia bucket: below this many peers a self lookup already returns the whole network.
 KAD_BUCKET_SIZE = 20
 # Background work (discovery dials, record fetches) runs this many at a time per node: each is
@@ -129,9 +148,23 @@ GOSSIPED_ADDR_TTL = 600
 MAX_PENDING_RECORDS = 1024
 # Record fetch retries back off up to this many discovery intervals.
 RECORD_RETRY_CAP_INTERVALS = 4
+# Two peers that discover each other at once: the larger id waits this long for the smaller
+# one's dial (one connection per peer: libp2p closes one of two under its streams).
+TIE_BREAK_WAIT_S = 3.0
+# A public node waits this long for a NAT'd candidate to dial it directly (the NAT'd side can;
+# the public side could only open a circuit through a relay, a slower path for good).
+PRIVATE_PEER_WAIT_S = 8.0
+# A node with no connection at all runs discovery (its bootstrap retries) at least this often.
+ISOLATED_RETRY_S = 5.0
+# Distinct peers remembered as seen (beyond it every peer counts as known).
+MAX_EVER_SEEN = 65536
 # Background work is not urgent: a slow answer is still progress, a cancelled one is waste.
 # So its limits are this many `connect_timeout`s, far above a healthy loopback (~10-60 ms).
 BACKGROUND_TIMEOUT_FACTOR = 5.0
+# Streams every connection keeps open for good: they never make a peer busy for the trim.
+IDLE_PROTOCOLS = frozenset(
+    {PROTOCOL_ID_V11, PROTOCOL_ID_V12, TProtocol("/meshsub/1.0.0"), TProtocol(PING_PROTOCOL)}
+)
 
 
 @dataclass
@@ -156,10 +189,21 @@ class OverlayConfig:
     bootstrap_backoff: float = 0.2  # first retry delay; doubles per attempt
     require_bootstrap: bool = False
     discovery_interval: float = 0.5  # while the view grows
-    discovery_max_interval: float = 10.0  # once it is stable
+    # Once the view is stable. Each round is a DHT walk (new negotiated streams to several
+    # peers, and work for them): at 10 s, lookups were the largest idle cost of 16 nodes on 2
+    # cores. New peers do not wait for it: an inbound connection or a gossiped record of an
+    # unknown peer wakes discovery at once. (libp2p's own table refresh runs every 10 min.)
+    discovery_max_interval: float = 60.0
     peer_grace_period: float = 60.0
     record_refresh: float = 600.0
     max_peers: int = 128  # stop dialing discovered peers beyond this many connections
+    # Bounded connections (overlay/connmgr.py): above `conn_high` connected peers the node
+    # closes all but `conn_low` (bootstrap, relays, busy and new ones kept; then a few random
+    # long links and the nearest by RTT); discovery dials new peers only below `conn_low`,
+    # and explores one untried peer now and then below `conn_high`. 0 = unbounded.
+    conn_low: int = 16
+    conn_high: int = 24
+    conn_grace: float = 30.0  # a new connection is never closed this young
     version: str = VERSION
 
 
@@ -187,6 +231,8 @@ class _Probe:
     sent_at: float = -math.inf  # monotonic time of the last probe sent
     last_sample: float = -math.inf  # monotonic time of the last RTT sample
     misses: int = 0
+    relayed: bool = False  # how the connection runs, looked up again every KIND_REFRESH_S
+    kind_at: float = -math.inf
 
 
 class _RxStamp:
@@ -258,6 +304,15 @@ class OverlayNode:
         self._published_view = 0
         self._last_dial: dict[str, float] = {}
         self._first_seen: dict[str, float] = {}
+        # Peers ever connected (bounded): "new peers appeared" for discovery and record gossip.
+        # The table's size is no measure: trimmed and forgotten peers come and go in it.
+        self._ever_seen: set[str] = set()
+        self._next_round_by = math.inf  # trio time a deferred candidate needs a round by
+        # Bounded connections (overlay/connmgr.py): off unless `conn_high` > 0.
+        self.connmgr = ConnManager(
+            ConnLimits(low=config.conn_low, high=config.conn_high, grace_s=config.conn_grace)
+        )
+        self.connmgr.protect(self._bootstrap_ids)
         self._bootstrap_infos: list[PeerInfo] = []
         self.announced = trio.Event()
         self.address_book = AddressBook(announce=list(config.announce))
@@ -370,6 +425,7 @@ class OverlayNode:
             "models": list(self.config.models),
             "uptime_s": round(time.time() - self.started_at, 3),
             "connected": len(self.host.get_connected_peers()),
+            "connections": self.connmgr.status(len(self.host.get_connected_peers())),
             "peer_counts": counts,
             "peers": [
                 {**entry, "connection": self.connection_kind(entry["peer_id"])}
@@ -394,7 +450,9 @@ class OverlayNode:
         pid = _peer_str(peer)
         # Only a peer never seen before can teach discovery something; a flapping one would
         # otherwise trigger a round of DHT lookups per reconnect.
-        is_new = pid not in self.peers
+        is_new = pid not in self._ever_seen
+        if is_new and len(self._ever_seen) < MAX_EVER_SEEN:
+            self._ever_seen.add(pid)
         if pid in self.refused:
             self._spawn(self._drop, peer)
             return
@@ -403,6 +461,7 @@ class OverlayNode:
             self._spawn(self._check_network, peer)
         self._stamp_reads(conn)
         self.peers.observe(pid)
+        self.connmgr.note_connected(pid)
         pending = self._pending_records.pop(pid, None)
         if pending is not None:
             self.peers.set_record(pending)
@@ -468,22 +527,33 @@ class OverlayNode:
         self._probes.pop(peer, None)
         self._last_rx.pop(peer, None)
         self._observed_rx.pop(peer, None)
+        self.connmgr.note_disconnected(_peer_str(peer))
         self.peers.mark_down(_peer_str(peer), "connection closed")
+        if not self.connmgr.may_redial(len(self.host.get_connected_peers())):
+            return
+        if self.connmgr.enabled:
+            self._wake_discovery.set()  # below the low watermark: refill now, not in a minute
 
     # -- dialing ------------------------------------------------------------------------
 
-    async def _dial(self, info: PeerInfo) -> None:
+    async def _dial(self, info: PeerInfo, *, background: float = 1.0) -> None:
+        """Connect to `info` within `background` x `connect_timeout`. Discovery dials take
+        `BACKGROUND_TIMEOUT_FACTOR`, bootstrap retries grow towards it: 64 nodes joining on 2 cores took more than
+        `connect_timeout` per handshake, and cutting them short threw the work of both sides
+        away and made every retry slower still (measured: ~900 handshakes torn down, a
+        median of 15 of 63 peers connected after 200 s)."""
         pid = _peer_str(info.peer_id)
         self._last_dial[pid] = trio.current_time()
         if pid in self.refused:
             raise PeerUnreachable(f"peer {pid} was refused: {self.refused[pid]}")
+        limit = self.config.connect_timeout * background
         try:
-            with trio.fail_after(self.config.connect_timeout):
+            with trio.fail_after(limit):
                 await self.host.connect(info)
         except trio.TooSlowError:
             raise PeerUnreachable(
                 f"dialing {info.peer_id} at {[str(a) for a in info.addrs]} timed out "
-                f"after {self.config.connect_timeout:.1f}s"
+                f"after {limit:.1f}s"
             ) from None
         except Exception as exc:
             raise PeerUnreachable(
@@ -496,8 +566,17 @@ class OverlayNode:
         delay = self.config.bootstrap_backoff
         last = ""
         for attempt in range(1, self.config.bootstrap_attempts + 1):
+            # Like TCP's SYN retries: a busy bootstrap gets longer, an absent one fails soon.
+            factor = min(2.0 ** (attempt - 1), BACKGROUND_TIMEOUT_FACTOR)
+            # libp2p refuses for 60 s to dial a peer whose addresses all failed once (its
+            # "negative cache"): a bootstrap too busy to finish one handshake in time then
+            # got no second try, and a starved joiner stayed alone for minutes (measured:
+            # 64 processes on 2 cores). These retries have their own backoff.
+            unblock = getattr(self.host.get_network(), "unblock_peer", None)
+            if unblock is not None:
+                unblock(info.peer_id)
             try:
-                await self._dial(info)
+                await self._dial(info, background=factor)
                 return True
             except PeerUnreachable as exc:
                 last = str(exc)
@@ -587,25 +666,33 @@ class OverlayNode:
         interval = base
         while True:
             # Growth = peers we had never heard of; reconnects of known ones do not count.
-            before = len(self.peers)
+            before = len(self._ever_seen)
             self._wake_discovery = trio.Event()
+            self._next_round_by = math.inf
             try:
                 await self._discover_once()
             except Exception as exc:  # one bad round must not take the node down
                 logger.warning("discovery round failed: %r", exc)
             self.counters["discovery_rounds"] += 1
-            if len(self.peers) > before:
+            if len(self._ever_seen) > before:
                 interval = base
             else:
                 interval = min(interval * 2, self.config.discovery_max_interval)
+            if not self.host.get_connected_peers():
+                # Alone (every link lost, the bootstrap unanswered): nothing will wake us, so
+                # no minute-long back-off (measured: 64 nodes on 2 cores, joiners left alone).
+                interval = min(interval, ISOLATED_RETRY_S)
             view = len(self.peers.up_peers())
             if self.announced.is_set() and view >= max(2, 2 * self._published_view):
                 # The closest-peer set changed a lot since we stored our records there.
                 await self.publish_record()
                 await self._provide_all()
-            # Rounds stay `base` apart however many new peers connect meanwhile.
+            # Rounds stay `base` apart however many new peers connect meanwhile; a candidate
+            # that waits its turn (`_dial_wait`) gets a round when its wait is over.
             await trio.sleep(base)
-            with trio.move_on_after(max(0.0, interval - base)):
+            wait = max(0.0, interval - base)
+            wait = min(wait, max(0.0, self._next_round_by - trio.current_time()))
+            with trio.move_on_after(wait):
                 await self._wake_discovery.wait()
 
     def _known_addrs(self, peer: ID) -> list[Multiaddr]:
@@ -650,7 +737,7 @@ class OverlayNode:
                 await trio.sleep(RECORD_GOSSIP_INTERVAL)
                 # Again when new peers appeared, and when our record changed (a relay slot,
                 # a confirmed public address): peers holding the old one would keep it.
-                now = (len(self.peers), self._signed_record)
+                now = (len(self._ever_seen), self._signed_record)
                 if self._signed_record is None or now == published_for:
                     continue
                 try:
@@ -716,6 +803,13 @@ class OverlayNode:
         candidates: set[ID] = set(kad.routing_table.get_peer_ids())
         # Peers whose signed records arrived by gossip: their addresses are in the peerstore.
         candidates.update(ID.from_base58(pid) for pid in self._pending_records)
+        if self._enough_without_lookups(connected, candidates):
+            # Lookups (new negotiated streams to several peers, and work for them) were the
+            # largest idle cost of 16 node processes on 2 cores: a bounded node that holds its
+            # low watermark and still knows untried peers has nothing to learn from one.
+            self.counters["dht_lookups_skipped"] += 1
+            await self._dial_candidates(candidates - connected - {self.host.get_id()})
+            return
         with trio.move_on_after(BACKGROUND_TIMEOUT_FACTOR * self.config.connect_timeout):
             me = self.host.get_id()
             self.counters["dht_lookups"] += 1
@@ -729,29 +823,49 @@ class OverlayNode:
                 )
         await self._dial_candidates(candidates - connected - {self.host.get_id()})
 
+    def _enough_without_lookups(self, connected: set[ID], candidates: set[ID]) -> bool:
+        mgr = self.connmgr
+        if not mgr.enabled or len(connected) < mgr.limits.low:
+            return False
+        return any(
+            _peer_str(p) not in mgr.tried for p in candidates - connected - {self.host.get_id()}
+        )
+
     async def _dial_candidates(self, candidates: set[ID]) -> None:
         now = trio.current_time()
-        budget = self.config.max_peers - len(self.host.get_connected_peers())
-        todo = []
+        connected = len(self.host.get_connected_peers())
+        mgr = self.connmgr
+        budget = self.config.max_peers - connected
+        limit = mgr.dial_budget(connected)
+        if limit >= 0:
+            budget = min(budget, limit)
+        may_redial = mgr.may_redial(connected)
+        todo: list[PeerInfo] = []
         for peer in candidates:
             pid = _peer_str(peer)
             if pid in self.refused:
                 continue
+            if mgr.was_pruned(pid) and not may_redial:
+                continue  # we closed it for a nearer one: not again while we have enough
             # Redial a peer we recently failed to reach only every few seconds.
             known = pid in self.peers or pid in self._pending_records
             if now - self._last_dial.get(pid, -1e9) < 5.0 and known:
                 continue
-            # Two peers discovering each other dial at once, and with one connection per
-            # peer libp2p closes one of the two under the streams already opened on it. So
-            # the larger id waits a few seconds for the smaller one to dial first.
-            first_seen = self._first_seen.setdefault(pid, now)
-            if pid < self.peer_id and now - first_seen < 3.0:
-                continue
             addrs = self._known_addrs(peer) or self._record_addrs(pid)
-            if addrs:
-                todo.append(PeerInfo(peer, addrs))
+            if not addrs:
+                continue
+            wait = self._dial_wait(pid, addrs)
+            first_seen = self._first_seen.setdefault(pid, now)
+            if now - first_seen < wait:
+                self._defer_discovery(first_seen + wait)
+                continue
+            todo.append(PeerInfo(peer, addrs))
+        if mgr.enabled:
+            # Untried peers first (a trim keeps the nearest of those it has seen), then the
+            # nearest of the known ones.
+            todo.sort(key=lambda i: (_peer_str(i.peer_id) in mgr.tried, self._rtt_of(i)))
         # Peers we lost: try them again (a SIGCONT-ed or restarted node comes back).
-        for pid in self.peers.peer_ids(PeerState.DOWN):
+        for pid in self.peers.peer_ids(PeerState.DOWN) if may_redial else []:
             peer = ID.from_base58(pid)
             entry = self.peers.get(pid)
             down_for = time.monotonic() - (entry.changed_at if entry else time.monotonic())
@@ -768,13 +882,37 @@ class OverlayNode:
                     return  # it dialed us while this dial waited for its turn
                 self.counters["dials"] += 1
                 try:
-                    await self._dial(info)
+                    await self._dial(info, background=BACKGROUND_TIMEOUT_FACTOR)
                 except PeerUnreachable as exc:
                     logger.debug("discovered peer unreachable: %s", exc)
 
         async with trio.open_nursery() as nursery:
             for info in todo[: max(budget, 0)]:
                 nursery.start_soon(one, info)
+
+    def _dial_wait(self, pid: str, addrs: Sequence[Multiaddr]) -> float:
+        """How long after first seeing a candidate we wait before dialing it. Two peers that
+        discover each other dial at once, and with one connection per peer libp2p closes one
+        of the two under the streams already opened on it: so the larger id waits a few
+        seconds for the smaller one. Except across a NAT: a NAT'd node (its addresses are
+        circuits) reaches a public one directly, while the public one could only open a
+        circuit through a relay; so the NAT'd side dials at once and the public side waits
+        longer for it."""
+        we_private = self.address_book.reachability == "private"
+        they_private = any(classify(a) == "circuit" for a in addrs)
+        if we_private and not they_private:
+            return 0.0
+        if they_private and not we_private:
+            return PRIVATE_PEER_WAIT_S
+        return TIE_BREAK_WAIT_S if pid < self.peer_id else 0.0
+
+    def _defer_discovery(self, at: float) -> None:
+        """A candidate waits until `at` (trio time): the next round must not come later."""
+        self._next_round_by = min(self._next_round_by, at)
+
+    def _rtt_of(self, info: PeerInfo) -> float:
+        entry = self.peers.get(_peer_str(info.peer_id))
+        return math.inf if entry is None or entry.rtt_ms is None else entry.rtt_ms
 
     async def _fetch_missing_records(self) -> None:
         limit = BACKGROUND_TIMEOUT_FACTOR * self.config.connect_timeout
@@ -859,17 +997,19 @@ class OverlayNode:
         nursery.start_soon(self._keep_probe_stream, peer, probe)
         while self._probing(peer, probe):
             now = time.monotonic()
+            interval = max(cfg.ping_interval, len(self._probes) / PROBE_BUDGET_PER_S)
             due = min(
-                max(self._last_rx.get(peer, -math.inf), probe.sent_at) + cfg.ping_interval,
-                probe.last_sample + RTT_REFRESH_INTERVALS * cfg.ping_interval,
+                max(self._last_rx.get(peer, -math.inf), probe.sent_at) + interval,
+                probe.last_sample + RTT_REFRESH_INTERVALS * interval,
             )
             if probe.misses == 0 and now < due:
                 await trio.sleep(due - now)
                 continue
             # A relayed link crosses a third node's event loop and two more hops.
-            floor = cfg.ping_timeout * (
-                RELAYED_TIMEOUT_FACTOR if self.connection_kind(pid) == "relayed" else 1.0
-            )
+            if now - probe.kind_at > KIND_REFRESH_S:
+                probe.relayed = self.connection_kind(pid) == "relayed"
+                probe.kind_at = now
+            floor = cfg.ping_timeout * (RELAYED_TIMEOUT_FACTOR if probe.relayed else 1.0)
             rto = self.peers.rto(pid, floor, RTO_CEILING * floor)
             started = time.monotonic()
             if probe.stream is not None:
@@ -967,6 +1107,50 @@ class OverlayNode:
                         probe.answered.set()
         except Exception as exc:
             logger.debug("ping stream to %s ended: %r", peer, exc)
+
+    # -- bounded connections (overlay/connmgr.py) -------------------------------------------
+
+    def _bootstrap_ids(self) -> set[str]:
+        return {_peer_str(i.peer_id) for i in self._bootstrap_infos}
+
+    def _busy(self, pid: str) -> bool:
+        """A stream other than the persistent ones (gossipsub, pings) is open to the peer: a
+        forward, a digest pull, a circuit we relay. Closing it now would cut that short."""
+        try:
+            conns = self.host.get_network().get_connections(ID.from_base58(pid))
+        except Exception:
+            return False
+        for conn in conns:
+            for stream in conn.get_streams():
+                if stream.get_protocol() not in IDLE_PROTOCOLS:
+                    return True
+        return False
+
+    def _rtt_ms(self, pid: str) -> float | None:
+        entry = self.peers.get(pid)
+        return None if entry is None else entry.rtt_ms
+
+    async def trim_connections(self) -> list[str]:
+        """Close the connections the connection manager drops now (none at or below its high
+        watermark); returns those peers, marked down as pruned."""
+        connected = [_peer_str(p) for p in self.host.get_connected_peers()]
+        drop = self.connmgr.plan_trim(self.peer_id, connected, self._rtt_ms, self._busy)
+        for pid in drop:
+            with trio.move_on_after(2), suppress(Exception):
+                await self.host.disconnect(ID.from_base58(pid))
+            self.peers.mark_down(pid, "pruned: connection limit")
+        if drop:
+            self.counters["pruned"] += len(drop)
+            logger.debug("pruned %d connections (had %d)", len(drop), len(connected))
+        return drop
+
+    async def _trim_loop(self) -> None:
+        while self.connmgr.enabled:
+            await trio.sleep(TRIM_EVERY_S)
+            try:
+                await self.trim_connections()
+            except Exception as exc:  # one bad round must not take the node down
+                logger.warning("connection trim failed: %r", exc)
 
     async def _maintenance_loop(self) -> None:
         last_publish = trio.current_time()
@@ -1112,7 +1296,7 @@ async def open_overlay_node(config: OverlayConfig) -> AsyncIterator[OverlayNode]
         health_check_interval=config.health_check_interval,
         max_connections=config.max_peers,
     )
-    gossipsub = GossipSub(
+    gossipsub = QuietGossipSub(
         protocols=[PROTOCOL_ID_V12, PROTOCOL_ID_V11],
         degree=6,
         degree_low=4,
@@ -1147,6 +1331,7 @@ async def open_overlay_node(config: OverlayConfig) -> AsyncIterator[OverlayNode]
                     nursery.start_soon(node._records_loop)
                     nursery.start_soon(node._records_gossip_loop)
                     nursery.start_soon(node._maintenance_loop)
+                    nursery.start_soon(node._trim_loop)
                     try:
                         yield node
                     finally:

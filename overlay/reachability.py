@@ -54,7 +54,8 @@ DIALBACK_PROTOCOL = "/p2pnode/dialback/1"
 DIALBACK_LIMIT = 8 * 1024
 MAX_DIALS = 8
 DIAL_TIMEOUT_S = 3.0
-REQUEST_TIMEOUT_S = 2 * MAX_DIALS * DIAL_TIMEOUT_S
+GREETING_FACTOR = 4.0  # see probe_listener
+REQUEST_TIMEOUT_S = MAX_DIALS * (1 + GREETING_FACTOR) * DIAL_TIMEOUT_S
 SERVERS_PER_ROUND = 3
 RECHECK_S = 300.0
 MULTISTREAM_GREETING = b"/multistream/1.0.0\n"
@@ -72,13 +73,22 @@ class DialbackReply:
 
 
 async def probe_listener(ip: str, port: int, limit_s: float = DIAL_TIMEOUT_S) -> bool:
-    """Does a libp2p listener answer at ip:port? (it greets with the multistream header)"""
+    """Does a libp2p listener answer at ip:port? (it greets with the multistream header)
+
+    The TCP connect gets ``limit_s``; once the port accepted, the greeting gets
+    ``GREETING_FACTOR`` times longer: a listener whose process is starved (64 nodes on 2
+    cores) greets late, and a late greeting counted as "unreachable" made public nodes call
+    themselves private and reserve relay slots they never needed."""
+    stream = None
     with trio.move_on_after(limit_s):
         try:
             stream = await trio.open_tcp_stream(ip, port)
         except OSError:
             return False
-        try:
+    if stream is None:
+        return False  # no TCP connection within limit_s
+    try:
+        with trio.move_on_after(limit_s * GREETING_FACTOR):
             data = b""
             while len(data) < 1 + len(MULTISTREAM_GREETING):
                 chunk = await stream.receive_some(64)
@@ -86,11 +96,11 @@ async def probe_listener(ip: str, port: int, limit_s: float = DIAL_TIMEOUT_S) ->
                     break
                 data += chunk
             return MULTISTREAM_GREETING in data
-        except (OSError, trio.BrokenResourceError):
-            return False
-        finally:
-            await stream.aclose()
-    return False
+        return False
+    except (OSError, trio.BrokenResourceError):
+        return False
+    finally:
+        await stream.aclose()
 
 
 def _observed_ip(stream: Any) -> str | None:

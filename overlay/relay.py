@@ -191,6 +191,15 @@ class RelayService:
         self._kept: set[str] = set()  # relays we keep a reservation task for
         self._kept_since: dict[str, float] = {}
         self._need_relay = trio.Event()
+        # A bounded node (overlay/connmgr.py) never closes a link a circuit depends on.
+        connmgr = getattr(node, "connmgr", None)
+        if connmgr is not None:
+            connmgr.protect(self.circuit_peers)
+
+    def circuit_peers(self) -> set[str]:
+        """Relays we hold a slot on, and peers holding a slot on us."""
+        held = {str(p) for p in self.protocol.resource_manager._reservations}
+        return set(self.reservations) | self._kept | held
 
     @property
     def serving(self) -> bool:

@@ -1,4 +1,12 @@
-"""Will a trial fit in this machine's memory? Checked before any node starts.
+"""Will a trial fit in this machine's memory and CPU? Checked before any node starts.
+
+``check_cpu(spec)`` -> ``Fit`` (in cores): what the trial's overlay costs while idle, every node
+connected to every other or to ``max_connections`` peers when that is less (each link gets
+liveness probes, gossip and DHT traffic), against
+``os.cpu_count()``. It warns (the runner still starts) when the idle mesh alone would take more
+than ``MAX_IDLE_SHARE`` of the cores: then nodes are too starved to form the mesh in the
+trial's time, let alone serve. The per-link figure is one measurement on this machine
+(``IDLE_CORE_PER_LINK``), so the check is an estimate, said as such.
 
 ``check_memory(spec)`` -> ``Fit``: the memory the trial's processes need (per node process,
 by compute mode, plus the bootstrap, the fork server and the driver) against ``MemAvailable``
@@ -16,6 +24,7 @@ Per-process figures (unique memory, PSS, measured on the 2-core development mach
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +35,13 @@ REAL_NODE_MB = 1300.0
 OVERHEAD_MB = 700.0
 # What the rest of the machine (other work, page cache) keeps; a trial never plans on it.
 RESERVE_FRACTION = 0.10
+# Idle CPU per directed link of a full mesh, in cores: 16 emulated node processes (240 links)
+# used 7.3 % of a core each while idle after reaching full views (1 s pings,
+# bench/overlay_join_processes.py --idle 60, 2 cores). 64 nodes (4,032 links) did not reach
+# full views in 240 s there (a median of 24 of 63 peers).
+IDLE_CORE_PER_LINK = 0.0049
+# 16 nodes (~59 % of 2 cores idle by the figure above) formed full views within 18-26 s.
+MAX_IDLE_SHARE = 0.75
 
 
 @dataclass(frozen=True)
@@ -70,4 +86,30 @@ def check_memory(spec: TrialSpec, available: float | None = None) -> Fit:
         f"(~{each:.0f} MB each + {OVERHEAD_MB:.0f} MB driver), but only {available:.0f} MB is "
         f"available ({100 * RESERVE_FRACTION:.0f} % kept free): at most {fits} such nodes fit "
         "now; free memory or use a spec with fewer nodes",
+    )
+
+
+def check_cpu(spec: TrialSpec, cores: int | None = None) -> Fit:
+    """The idle full mesh's CPU against this machine's cores (see the module doc)."""
+    cores = (os.cpu_count() or 1) if cores is None else cores
+    n = spec.node_count
+    # Bounded connections (overlay/connmgr.py): each node holds at most max_connections.
+    bound = spec.node.max_connections or n - 1
+    links = n * min(n - 1, bound)
+    need = links * IDLE_CORE_PER_LINK
+    share = need / cores
+    if share <= MAX_IDLE_SHARE:
+        return Fit(True, need, float(cores), f"idle mesh ~{need:.1f} of {cores} cores (estimate)")
+    most = 1
+    while (most + 1) * min(most, bound) * IDLE_CORE_PER_LINK <= MAX_IDLE_SHARE * cores:
+        most += 1
+    return Fit(
+        False,
+        need,
+        float(cores),
+        f"{spec.name}: {n} nodes at up to {min(n - 1, bound)} connections each are {links} directed links, ~{need:.1f} cores "
+        f"while idle at {100 * IDLE_CORE_PER_LINK:.2f} % of a core per link (measured with 16 "
+        f"nodes), {100 * share:.0f} % of this machine's {cores} cores: the overlay is unlikely "
+        f"to form within the trial, and figures would measure starvation, not routing; about "
+        f"{most} nodes fit in {100 * MAX_IDLE_SHARE:.0f} % of these cores (estimate)",
     )

@@ -9,9 +9,11 @@ Contract:
   spec's ``[node]`` settings, ``--backend`` from the compute mode and ``--routing`` or
   ``--no-routing`` by arm, and ``--adversary KIND --adversary-rate R`` for a node the spec's
   ``[[adversary]]`` names. It waits for every ``runtime.json`` and for the overlay to form
-  (every serving node sees every other one up in ``GET /status``, and for the routing arm
-  holds a cache view of each), all bounded by ``start_timeout_s`` (``LaunchError`` with the
-  tail of the failing node's log otherwise). Leaving the block (also on Ctrl-C or an error)
+  (``_mesh_missing``: every serving node sees every other one up in ``GET /status``, or with
+  bounded connections at least its low watermark of them less one, the up links make one
+  graph, and for the routing arm each node holds a cache view of every peer it sees up), all
+  bounded by ``start_timeout_s`` (``LaunchError`` with the tail of the failing node's log
+  otherwise). Leaving the block (also on Ctrl-C or an error)
   sends SIGTERM to every process, SIGKILL after ``STOP_GRACE_S``, and copies each node's log
   to ``workdir/<arm>/logs/``.
 - ``trial.apis`` (base URLs, node order), ``trial.peer_ids``, ``trial.nodes`` (``NodeProc``),
@@ -56,6 +58,11 @@ STOP_GRACE_S = 15.0
 # (testnet/node.py); the product's node assembly knows nothing of emulated WANs.
 NODE_CMD = (sys.executable, "-m", "p2pnode.testnet.node")
 POLL_S = 0.25
+# Trials of more nodes than this start them STAGGER_S apart: 64 joins at one instant all hit
+# the bootstrap's handshakes at once on 2 cores, and joiners whose dials timed out there stayed
+# alone for minutes.
+STAGGER_ABOVE = 16
+STAGGER_S = 0.25
 
 
 class LaunchError(RuntimeError):
@@ -258,21 +265,73 @@ class RunningTrial:
         return out
 
 
-def _mesh_missing(trial: RunningTrial, need_views: bool) -> list[str]:
-    """What is still missing for the overlay to count as formed (empty list: formed)."""
-    ids = set(trial.peer_ids)
-    missing = []
-    for node, status in zip(trial.nodes, trial.statuses(), strict=True):
-        if status is None:
-            missing.append(f"{node.name}: /status does not answer")
+def _wanted_up(status: dict[str, Any], others: int) -> int:
+    """Serving peers a node must see up for the overlay to count as formed: all of them, or
+    with bounded connections (``overlay/connmgr.py``) its low watermark less one (a trim keeps
+    that many, its bootstrap among them)."""
+    conns = status.get("connections") or {}
+    if not conns.get("enabled"):
+        return others
+    return min(others, max(1, int(conns.get("low", 0)) - 1))
+
+
+def _components(links: dict[str, set[str]]) -> int:
+    """Connected parts of the graph of up links among serving nodes (one: gossip can reach
+    every node; the bootstrap serves no model, so it forwards no digest and does not count)."""
+    seen: set[str] = set()
+    parts = 0
+    for start in links:
+        if start in seen:
             continue
-        others = ids - {node.peer_id}
+        parts += 1
+        todo = [start]
+        while todo:
+            node = todo.pop()
+            if node not in seen:
+                seen.add(node)
+                todo += [p for p in links.get(node, ()) if p not in seen]
+    return parts
+
+
+def _mesh_missing(trial: RunningTrial, need_views: bool) -> list[str]:
+    names = [node.name for node in trial.nodes]
+    return formation_missing(names, trial.peer_ids, trial.statuses(), need_views)
+
+
+def formation_missing(
+    names: Sequence[str],
+    peer_ids: Sequence[str],
+    statuses: Sequence[dict[str, Any] | None],
+    need_views: bool,
+) -> list[str]:
+    """What is still missing for the overlay of these serving nodes (their ``GET /status``)
+    to count as formed (empty list: formed): every node sees the peers it should up
+    (``_wanted_up``), the up links make one graph, and with ``need_views`` each node holds a
+    cache view of every peer it sees up (those its router can send work to; with all peers
+    connected: of every other node)."""
+    ids = set(peer_ids)
+    missing = []
+    links: dict[str, set[str]] = {}
+    for name, pid, status in zip(names, peer_ids, statuses, strict=True):
+        if status is None:
+            missing.append(f"{name}: /status does not answer")
+            continue
+        others = ids - {pid}
         up = {p.get("peer_id") for p in status.get("peers", []) if p.get("state") == "up"}
-        if not others <= up:
-            missing.append(f"{node.name} does not see {len(others - up)} peer(s) up")
+        up &= others
+        links[pid] = up
+        want = _wanted_up(status, len(others))
+        if len(up) < want:
+            missing.append(f"{name} sees {len(up)} of {want} wanted peer(s) up")
         views = (status.get("routing") or {}).get("views")
-        if need_views and isinstance(views, dict) and not others <= set(views):
-            missing.append(f"{node.name} holds no cache view of {len(others - set(views))}")
+        if need_views and isinstance(views, dict) and not up <= set(views):
+            missing.append(f"{name} holds no cache view of {len(up - set(views))}")
+    for pid, up in list(links.items()):  # links are symmetric; a status may lag one side
+        for other in up:
+            links.setdefault(other, set()).add(pid)
+    parts = _components(links)
+    if not missing and parts > 1:
+        missing.append(f"the up links make {parts} separate parts, not one overlay")
     return missing
 
 
@@ -406,6 +465,8 @@ def _serving_node(
         "--cache-budget-tokens", str(s.cache_budget_tokens),
         "--max-batch", str(s.max_batch),
         "--ping-interval", str(s.ping_interval),
+        "--min-connections", str(s.min_connections),
+        "--max-connections", str(s.max_connections),
         "--wan-spec", spec_path,
         "--region", region,
         "--log-level", log_level,
@@ -502,8 +563,10 @@ def launch_trial(
         addr = _prepare_bootstrap(bootstrap, default_port=bed is not None)
         trial.bootstrap_addr = addr
         _spawn(bootstrap)
-        for node in nodes:
+        for k, node in enumerate(nodes):
             node.args[1:1] = ["--bootstrap", addr]
+            if k and len(nodes) > STAGGER_ABOVE:
+                time.sleep(STAGGER_S)
             _spawn(node)
         _wait_runtime(bootstrap, deadline)
         for node in nodes:

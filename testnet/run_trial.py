@@ -46,7 +46,7 @@ import httpx
 import trio
 
 from p2pnode.testnet import chat, churn, driver, liars
-from p2pnode.testnet.capacity import check_memory
+from p2pnode.testnet.capacity import check_cpu, check_memory
 from p2pnode.testnet.launch import NODE_CMD, LaunchError, RunningTrial, launch_trial
 from p2pnode.testnet.report import check_consistency, write_report
 from p2pnode.testnet.spec import ARMS, SpecError, TrialSpec, builtin_spec_path, load_spec
@@ -447,6 +447,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"not started: {fit.message}", file=sys.stderr)
         return 2
     print(f"memory: {fit.message}", file=sys.stderr)
+    cpu = check_cpu(spec)
+    print(f"cpu: {'' if cpu.ok else 'WARNING: '}{cpu.message}", file=sys.stderr)
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
     out = Path(args.out) if args.out else Path("testnet/results") / f"{spec.name}-{stamp}"
     command = "python -m p2pnode.testnet.run_trial " + shlex.join(argv or sys.argv[1:])

@@ -36,6 +36,8 @@ Contract:
     max_batch = 4
     torch_threads = 1
     ping_interval = 1.0
+    min_connections = 16        # a node above max_connections trims to this many
+    max_connections = 24        # 0: every node connects to every other
 
     [workload]
     subjects = 8                # the first N subjects (sorted), or a list of names
@@ -139,6 +141,8 @@ class NodeSettingsSpec:
     max_batch: int = _JOIN.max_batch
     torch_threads: int = _JOIN.torch_threads
     ping_interval: float = _JOIN.ping_interval
+    min_connections: int = _JOIN.min_connections
+    max_connections: int = _JOIN.max_connections
 
 
 @dataclass(frozen=True)
@@ -417,7 +421,14 @@ def _node_settings(table: _Table) -> NodeSettingsSpec:
         max_batch=table.int_("max_batch", d.max_batch, 1, 1024),
         torch_threads=table.int_("torch_threads", d.torch_threads, 1, 256),
         ping_interval=table.float_("ping_interval", d.ping_interval, 0.05, 600.0),
+        min_connections=table.int_("min_connections", d.min_connections, 3, 100_000),
+        max_connections=table.int_("max_connections", d.max_connections, 0, 100_000),
     )
+    if out.max_connections and out.min_connections > out.max_connections:
+        raise SpecError(
+            f"[node] min_connections ({out.min_connections}) exceeds max_connections "
+            f"({out.max_connections}); 0 max_connections means unbounded"
+        )
     table.finish()
     return out
 

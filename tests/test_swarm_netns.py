@@ -199,8 +199,16 @@ def test_default_flags_across_nats_form_one_swarm_and_route_to_the_prefix(testbe
             decisions = swarm.get(holder, "/console/api/decisions?limit=2")
             learned = swarm.status(holder)["routing"]["learned"]
             raise AssertionError(f"primes served by {served}: {decisions}, learned {learned}")
+
+        # The digest that brings those blocks is sent while the second prime is still queued
+        # (its load then says a whole prefill of wait); the holder is idle once the primes
+        # returned, and the entry must have heard that too before the request is sent.
+        def entry_sees_the_idle_holder() -> bool:
+            view = _view_of(swarm, entry, ids[holder])
+            return view.get("blocks", 0) >= blocks_before + 40 and view.get("queue_depth") == 0
+
         _wait(
-            lambda: _view_of(swarm, entry, ids[holder]).get("blocks", 0) >= blocks_before + 40,
+            entry_sees_the_idle_holder,
             60,
             f"{entry} sees {holder}'s second prefix: {_view_of(swarm, entry, ids[holder])}",
             logs(),
