@@ -130,7 +130,7 @@ class ForwardCost:
         if not all(math.isfinite(v) and v >= 0 for v in (rtt_s, first_token_s, engine_s)):
             return
         x = (rtt_s, request_bytes / MB)
-        ceiling = MAX_ROUND_TRIPS * rtt_s + x[1] * MB / MIN_BANDWIDTH_BPS
+        ceiling = MAX_ROUND_TRIPS * rtt_s + request_bytes / MIN_BANDWIDTH_BPS
         y = min(ceiling, max(rtt_s, first_token_s - engine_s))
         predicted = self.estimate(peer_id, rtt_s, request_bytes)
         g = self.config.forgetting

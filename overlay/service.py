@@ -232,7 +232,7 @@ class RoutedService:
                 trust=self.trust,
                 forward_config=self.forward_config,
                 answer=self._own_answer if engine is not None else None,
-                idle=lambda: engine is not None and engine.estimated_wait_s() <= FREE_SLOT_WAIT_S,
+                idle=self._slot_free,
                 challenge_config=challenge_config,
                 registry=registry,
             )
@@ -536,11 +536,15 @@ class RoutedService:
         if self.gate is not None:
             self.gate.note_request(block_hashes(prompt, self.salt))
 
+    def _slot_free(self) -> bool:
+        """A new request would start here at once (the only time a challenge takes work)."""
+        return self.engine is not None and self.engine.estimated_wait_s() <= FREE_SLOT_WAIT_S
+
     async def _own_answer(self, prompt: list[int], max_tokens: int) -> list[int] | None:
         """This node's greedy answer to a prefix challenge, or None while a new request would
         wait for a slot here (a challenge never makes a client's request wait)."""
         e = self.engine
-        if e is None or e.estimated_wait_s() > FREE_SLOT_WAIT_S:
+        if e is None or not self._slot_free():
             return None
         tokens: list[int] = []
         stream = e.stream(prompt, SamplingParams(max_tokens=max_tokens))
