@@ -29,11 +29,12 @@ import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent
+# The stream-feed harness is the decoder fuzz tests' own (tests/testkit/streams.py).
+sys.path.insert(0, str(ROOT.parent / "tests"))
 RESULTS = ROOT / "results"
 CRASH_DIR = RESULTS / "fuzz_crashes"
 CORPUS_DIR = RESULTS / "fuzz_corpus"
@@ -83,7 +84,10 @@ class Harness:
         from p2pnode.overlay import antientropy, digest, forward, limits, views, wire
         from p2pnode.speculation import protocol, verify
 
+        from testkit import streams  # imported here, so atheris instruments the p2pnode it uses
+
         self.trio, self.identity, self.plaincbor = trio, identity, plaincbor
+        self.streams = streams
         self.wire, self.digest, self.views, self.limits = wire, digest, views, limits
         self.forward, self.ae, self.protocol, self.verify = forward, antientropy, protocol, verify
         self.now = time.time()
@@ -115,45 +119,11 @@ class Harness:
             self._model = load_model(None)
         return self._model
 
-    def frame(self, msg: Any, limit: int) -> bytes:
-        return self.wire.encode_frame(self.wire.to_wire(msg), limit=limit)
-
-    async def feed(self, handler: Callable[[Any], Any], data: bytes) -> tuple[bytes, Any]:
-        client, server = self.trio.testing.memory_stream_pair()
-        await client.send_all(data)
-        await client.send_eof()
-        raised = None
-        try:
-            await handler(server)
-        except Exception as exc:
-            raised = exc
-        await server.send_eof()
-        out = bytearray()
-        while chunk := await client.receive_some(1 << 16):
-            out += chunk
-        return bytes(out), raised
-
-    def frames(self, data: bytes, limit: int) -> list[object]:
-        out, pos = [], 0
-        while pos < len(data):
-            n = int.from_bytes(data[pos : pos + 4], "big")
-            out.append(self.wire.decode_frame(data[pos : pos + 4 + n], limit=limit))
-            pos += 4 + n
-        return out
-
-    def stub_node(self, stream: Any) -> Any:
-        class Node:
-            peer_id = "me"
-
-            async def open_stream(self, peer_id: str, protocol: str, **kw: Any) -> Any:
-                return stream
-
-        return Node()
-
     # -- seeds (valid inputs each target starts from)
 
     def seeds(self) -> list[bytes]:
         w, d, fwd, p, ae = self.wire, self.digest, self.forward, self.protocol, self.ae
+        frame = self.streams.frame_bytes
         sealed = self.digest.seal_digest(self.peer_key, self.valid_digest(), now=self.now)
         fl, vl, dl = (
             w.limit_for(x) for x in (fwd.FORWARD_PROTOCOL, p.VERIFY_PROTOCOL, ae.DIGEST_PROTOCOL)
@@ -167,7 +137,7 @@ class Harness:
         block = p.VerifyBlock(0, 3, 3, [4, 5])
         count, k, fps = d.encode_fingerprints(range(0, 1 << 32, 1 << 26), 32)
         by_target = {
-            "frame": [self.frame(req, fl), self.frame(block, vl)],
+            "frame": [frame(req, fl), frame(block, vl)],
             "envelope": [sealed],
             "node_record": [
                 self.identity.sign_node_record(
@@ -185,7 +155,7 @@ class Harness:
             "digest_bytes": [sealed],
             "digest_ingest": [sealed],
             "forward_messages": [
-                self.frame(m, fl)
+                frame(m, fl)
                 for m in (
                     req,
                     fwd.ForwardAccepted(0, 0),
@@ -194,20 +164,20 @@ class Harness:
                     fwd.ForwardError("busy", "x"),
                 )
             ],
-            "forward_handler": [self.frame(req, fl)],
+            "forward_handler": [frame(req, fl)],
             "forward_client": [
-                self.frame(fwd.ForwardAccepted(0, 0), fl)
-                + self.frame(fwd.ForwardTokens(0, [5, 6]), fl)
-                + self.frame(fwd.ForwardDone(2, "length", 0, 3, 0, 0), fl)
+                frame(fwd.ForwardAccepted(0, 0), fl)
+                + frame(fwd.ForwardTokens(0, [5, 6]), fl)
+                + frame(fwd.ForwardDone(2, "length", 0, 3, 0, 0), fl)
             ],
             "verify_messages": [
-                self.frame(block, vl),
-                self.frame(p.VerifyBlock(0, 3, 3, [4, 5], 2, bytes(16), bytes(16)), vl),
-                self.frame(vopen, vl),
+                frame(block, vl),
+                frame(p.VerifyBlock(0, 3, 3, [4, 5], 2, bytes(16), bytes(16)), vl),
+                frame(vopen, vl),
             ],
-            "verify_handler": [self.frame(vopen, vl) + self.frame(block, vl)],
-            "pull_server": [self.frame(ae.DigestPull(self.model_id, 7, 1), dl)],
-            "pull_client": [self.frame(ae.DigestReply(sealed), dl)],
+            "verify_handler": [frame(vopen, vl) + frame(block, vl)],
+            "pull_server": [frame(ae.DigestPull(self.model_id, 7, 1), dl)],
+            "pull_client": [frame(ae.DigestReply(sealed), dl)],
         }
         return by_target[self.name]
 
@@ -277,7 +247,7 @@ class Harness:
 
     def t_digest_ingest(self, data: bytes) -> str:
         ae = self.ae.AntiEntropy(
-            self.stub_node(None), self.key, self.views.PeerViews(), models=[self.model_id]
+            self.streams.StubNode("me"), self.key, self.views.PeerViews(), models=[self.model_id]
         )
 
         async def main() -> Any:
@@ -318,14 +288,14 @@ class Harness:
                 e.cost.prefill_s_per_token = e.cost.decode_s_per_token = e.cost.overhead_s = 0.0
                 server = f.ForwardServer(e, limiter=self.limits.PeerLimiter())
                 with self.trio.fail_after(30):
-                    out, raised = await self.feed(server.handle, data)
+                    out, raised = await self.streams.feed(server.handle, data)
                 if raised is not None and not isinstance(raised, wire.WireError):
                     raise raised
-                replies = [wire.from_wire(o) for o in self.frames(out, limit)]
+                replies = [wire.from_wire(o) for o in self.streams.read_frames(out, limit)]
                 assert e.queue_depth == 0, "engine slot leaked"
                 if check:
-                    out, raised = await self.feed(server.handle, seed)
-                    last = [wire.from_wire(o) for o in self.frames(out, limit)][-1]
+                    out, raised = await self.streams.feed(server.handle, seed)
+                    last = [wire.from_wire(o) for o in self.streams.read_frames(out, limit)][-1]
                     assert raised is None and isinstance(last, f.ForwardDone), "stopped serving"
                 return type(replies[-1]).__name__ if replies else "silent"
 
@@ -342,7 +312,7 @@ class Harness:
             try:
                 with self.trio.fail_after(30):
                     out = await f.forward_request(
-                        self.stub_node(client),
+                        self.streams.StubNode("me", client),
                         "peer",
                         req,
                         accept_timeout_s=5,
@@ -389,15 +359,15 @@ class Harness:
             async with self.trio.open_nursery() as nursery:
                 await nursery.start(verifier.run)
                 with self.trio.fail_after(60):
-                    out, raised = await self.feed(serve, data)
+                    out, raised = await self.streams.feed(serve, data)
                 if raised is not None:
                     raise raised
-                replies = [wire.from_wire(o) for o in self.frames(out, p.LIMIT)]
+                replies = [wire.from_wire(o) for o in self.streams.read_frames(out, p.LIMIT)]
                 assert not verifier.sessions, "session leaked"
                 assert limiter.usage("unknown-peer")["bytes"] == 0, "bytes leaked"
                 if check:
-                    out, raised = await self.feed(serve, seed)
-                    got = [wire.from_wire(o) for o in self.frames(out, p.LIMIT)]
+                    out, raised = await self.streams.feed(serve, seed)
+                    got = [wire.from_wire(o) for o in self.streams.read_frames(out, p.LIMIT)]
                     assert raised is None and isinstance(got[-1], p.VerifyResult), "stopped serving"
                 nursery.cancel_scope.cancel()
             return type(replies[-1]).__name__ if replies else "silent"
@@ -408,7 +378,7 @@ class Harness:
         builder = self.digest.DigestBuilder(self.key.peer_id, self.model_id, epoch=7)
         builder.sync(range(1 << 40, (1 << 40) + 50 * (1 << 33), 1 << 33))
         ae = self.ae.AntiEntropy(
-            self.stub_node(None),
+            self.streams.StubNode("me"),
             self.key,
             self.views.PeerViews(),
             builders={self.model_id: builder},
@@ -416,10 +386,10 @@ class Harness:
         limit = self.wire.limit_for(self.ae.DIGEST_PROTOCOL)
 
         async def main() -> str:
-            out, raised = await self.feed(ae._serve_pull, data)
+            out, raised = await self.streams.feed(ae._serve_pull, data)
             if raised is not None and not isinstance(raised, self.wire.WireError):
                 raise raised
-            replies = [self.wire.from_wire(o) for o in self.frames(out, limit)]
+            replies = [self.wire.from_wire(o) for o in self.streams.read_frames(out, limit)]
             return type(replies[-1]).__name__ if replies else "refused"
 
         return self.trio.run(main)
@@ -430,7 +400,10 @@ class Harness:
             await server.send_all(data)
             await server.send_eof()
             ae = self.ae.AntiEntropy(
-                self.stub_node(client), self.key, self.views.PeerViews(), models=[self.model_id]
+                self.streams.StubNode("me", client),
+                self.key,
+                self.views.PeerViews(),
+                models=[self.model_id],
             )
             try:
                 with self.trio.fail_after(30):

@@ -10,7 +10,7 @@ Needs an NVIDIA GPU and vLLM 0.33: `make gpu-check` builds .venv-gpu and runs th
         # the vLLM section on vLLM's CPU build (what `make test-vllm` checks, run from here)
 
 Checks (any failure -> exit 1, with the reason printed):
-1. the vLLM engine's tests of tests/test_vllm_cpu.py, unchanged (they pass on vLLM's CPU build):
+1. the tests of tests/inference/test_vllm_engine.py, unchanged (they pass on vLLM's CPU build):
    greedy output of vLLM in fp32 equal to our CPU engine's for 4 concurrent streams, queue
    depth and wait estimate, cost calibration, the CPU engine's validation errors, early close;
    KV events feeding a DigestBuilder whose cached lengths equal what was sent and vLLM's own
@@ -56,8 +56,10 @@ def figure(name: str, value: float, unit: str) -> None:
 
 
 def _vllm_tests():
-    """tests/test_vllm_cpu.py, the checks `make test-vllm` runs on vLLM's CPU build."""
-    path = Path(__file__).resolve().parents[1] / "tests" / "test_vllm_cpu.py"
+    """tests/inference/test_vllm_engine.py, the checks `make test-vllm` runs on vLLM's CPU build."""
+    tests = Path(__file__).resolve().parents[1] / "tests"
+    sys.path.insert(0, str(tests))  # the test module imports the tests' helpers (testkit)
+    path = tests / "inference" / "test_vllm_engine.py"
     spec = importlib.util.spec_from_file_location("vllm_cpu_tests", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module

@@ -1,10 +1,12 @@
-"""Shared fixtures.
+"""Shared fixtures (the helpers without a fixture are in the ``testkit`` package).
 
+- ``loaded``: the real default model (SmolLM2-135M, fp32), loaded once per run and shared by
+  every test that asks for it. Engines and verifiers only read its weights; a test that needs
+  other weights (a noisy copy, another dtype) makes its own copy or load and never changes this
+  one.
 - ``overlay_network(n, ...)`` starts n real overlay nodes on 127.0.0.1. The fixture returns an
   async context manager factory (not the nodes themselves): trio nurseries must be entered and
   exited in the same task, which a pytest-trio fixture task is not.
-- ``wait_until``: ``await wait_until(predicate, limit_s, what)`` polls a condition owned by other
-  tasks (no event to wait on), failing with ``what`` after ``limit_s``.
 - ``node_processes``: real ``p2pnode`` CLI processes (``NodeProcesses``), every one of them
   stopped when the test ends, also when it fails.
 """
@@ -21,11 +23,16 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import _testkit
 import pytest
 
 from p2pnode.identity import NodeKey
+from p2pnode.inference.models import LoadedModel, load_model
 from p2pnode.overlay.node import OverlayConfig, OverlayNode, open_overlay_node
+
+
+@pytest.fixture(scope="session")
+def loaded() -> LoadedModel:
+    return load_model(None)
 
 
 @contextlib.asynccontextmanager
@@ -106,8 +113,3 @@ def node_processes() -> Iterator[NodeProcesses]:
         yield procs
     finally:
         procs.stop()
-
-
-@pytest.fixture
-def wait_until() -> Callable[[Callable[[], bool], float, str], Any]:
-    return _testkit.wait_until

@@ -89,6 +89,8 @@ from p2pnode.speculation.protocol import (
 )
 from p2pnode.speculation.verify import BadBlock, BatchedVerifier
 
+from testkit.streams import BytesStream, StubNode, feed, frame_bytes, read_frames, run_now
+
 KEY = NodeKey.from_seed(b"\x07" * 32)
 NOW = time.time()
 LIMIT = 4096
@@ -187,37 +189,14 @@ def test_decode_frame_only_wire_errors(data: bytes) -> None:
         from_wire(obj, FuzzMsg)
 
 
-class _BytesStream:
-    """A libp2p-style stream over fixed bytes whose read(n) returns at most ``chunk`` bytes and
-    never suspends, so a coroutine over it completes in one ``send``: no event loop per example.
-    (The trio in-memory stream path is covered in test_wire.py.)"""
-
-    def __init__(self, data: bytes, chunk: int) -> None:
-        self.data, self.pos, self.chunk = data, 0, chunk
-
-    async def read(self, n: int) -> bytes:
-        out = self.data[self.pos : self.pos + min(n, self.chunk)]
-        self.pos += len(out)
-        return out
-
-
-def _run_now(coro: Any) -> Any:
-    try:
-        coro.send(None)
-    except StopIteration as done:
-        return done.value
-    coro.close()
-    raise AssertionError("read_frame suspended on a stream that never blocks")
-
-
 @FUZZ
 @given(inputs(VALID_FRAME), st.integers(1, 64))
 def test_read_frame_only_wire_errors(data: bytes, chunk: int) -> None:
-    stream = _BytesStream(data, chunk)
+    stream = BytesStream(data, chunk)
     # Bounded: every frame read consumes at least its 4-byte header.
     for _ in range(len(data) // 4 + 2):
         try:
-            if _run_now(read_frame(stream, limit=LIMIT)) is None:
+            if run_now(read_frame(stream, limit=LIMIT)) is None:
                 return
         except WireError:
             return
@@ -368,24 +347,10 @@ def test_open_digest_bytes_only_digest_errors(data: bytes) -> None:
     assert digest.model_id == MODEL_ID  # only an untouched envelope can pass the signature
 
 
-class _Node:
-    """The node attributes anti-entropy's ingest and pull use; ``open_stream`` hands out a
-    prepared in-memory stream holding a peer's (garbage) reply."""
-
-    def __init__(self, peer_id: str, reply: Any = None) -> None:
-        self.peer_id = peer_id
-        self.reply = reply
-
-    async def open_stream(self, peer_id: str, protocol: str, **kw: Any) -> Any:
-        if self.reply is None:
-            raise OSError("no stream prepared")
-        return self.reply
-
-
 @DIGEST_FUZZ
 @given(st.lists(inputs(VALID_DIGEST), min_size=1, max_size=3), st.sampled_from(["gossip", "pull"]))
 def test_ingest_garbage_never_raises_and_keeps_views_sane(datas: list[bytes], source: str) -> None:
-    ae = AntiEntropy(_Node("me"), KEY, PeerViews(), models=[MODEL_ID])
+    ae = AntiEntropy(StubNode("me"), KEY, PeerViews(), models=[MODEL_ID])
 
     async def main() -> None:  # ingest reads trio's clock
         for data in datas:
@@ -398,48 +363,11 @@ def test_ingest_garbage_never_raises_and_keeps_views_sane(datas: list[bytes], so
     assert sum(ae.drops.values()) + sum(ae.results.values()) <= len(datas)
 
 
-# -- in-memory stream harness
-
-
-async def _feed(handler: Any, data: bytes, timeout_s: float = 60.0) -> tuple[bytes, Any]:
-    """Run ``handler(stream)`` on the server end of a stream pair whose client end sent
-    ``data`` and closed; returns (what the handler wrote, the exception it raised or None)."""
-    client, server = trio.testing.memory_stream_pair()
-    await client.send_all(data)
-    await client.send_eof()
-    raised = None
-    with trio.fail_after(timeout_s):  # a hang fails the example with TooSlowError
-        try:
-            await handler(server)
-        except Exception as exc:
-            raised = exc
-    await server.send_eof()
-    out = bytearray()
-    while chunk := await client.receive_some(1 << 16):
-        out += chunk
-    return bytes(out), raised
-
-
-def _frames(data: bytes, limit: int) -> list[object]:
-    stream = _BytesStream(data, 1 << 20)
-    out = []
-    for _ in range(len(data) // 4 + 1):
-        obj = _run_now(read_frame(stream, limit=limit))
-        if obj is None:
-            return out
-        out.append(obj)
-    raise AssertionError("more frames than bytes")
-
-
-def _frame(msg: Any, limit: int) -> bytes:
-    return encode_frame(to_wire(msg), limit=limit)
-
-
 @st.composite
 def stream_inputs(draw: st.DrawFn, first: Any, rest: Any, limit: int) -> bytes:
     """Garbage for a handler: raw bytes, or a (mutated) first message then (mutated) others."""
     if draw(st.integers(0, 3)) == 0:
-        return draw(inputs(_frame(first, limit)))
+        return draw(inputs(frame_bytes(first, limit)))
     parts = []
     for i, msg in enumerate([first] + [rest] * draw(st.integers(0, 2))):
         wire_obj = draw(_wire_mutations(to_wire(msg))) if draw(st.booleans()) else to_wire(msg)
@@ -452,11 +380,9 @@ def stream_inputs(draw: st.DrawFn, first: Any, rest: Any, limit: int) -> bytes:
 
 
 @pytest.fixture(scope="module")
-def fuzz_model() -> Any:
-    from p2pnode.inference.models import load_model
-
+def fuzz_model(loaded: Any) -> Any:
     torch.set_num_threads(1)  # the verifier's forwards: 2 shared cores
-    return load_model(None)
+    return loaded
 
 
 # -- forwarding
@@ -496,8 +422,8 @@ async def _emulated(loaded: Any) -> Any:
 
 async def _valid_forward(server: ForwardServer, model_id: str) -> None:
     req = dataclasses.replace(FWD_REQUEST, model_id=model_id)
-    out, raised = await _feed(server.handle, _frame(req, FWD_LIMIT))
-    replies = [from_wire(f) for f in _frames(out, FWD_LIMIT)]
+    out, raised = await feed(server.handle, frame_bytes(req, FWD_LIMIT))
+    replies = [from_wire(f) for f in read_frames(out, FWD_LIMIT)]
     assert raised is None and isinstance(replies[-1], ForwardDone), replies
     assert replies[-1].n_tokens == 3
 
@@ -511,9 +437,9 @@ def test_forward_handler_with_garbage_then_serves_a_valid_request(fuzz_model: An
         async def main() -> None:
             async with _emulated(fuzz_model) as engine:
                 server = ForwardServer(engine, limiter=PeerLimiter())
-                out, raised = await _feed(server.handle, data)
+                out, raised = await feed(server.handle, data)
                 assert raised is None or isinstance(raised, WireError), repr(raised)
-                for obj in _frames(out, FWD_LIMIT):  # everything sent back is well formed
+                for obj in read_frames(out, FWD_LIMIT):  # everything sent back is well formed
                     from_wire(obj, ForwardAccepted, ForwardTokens, ForwardDone, ForwardError)
                 assert engine.queue_depth == 0
                 assert server.limiter.usage("unknown-peer")["bytes"] == 0
@@ -534,7 +460,7 @@ def test_forward_client_with_garbage_replies_only_forward_failed(data: bytes) ->
         with trio.fail_after(10):
             try:
                 out = await forward_request(
-                    _Node("me", client),
+                    StubNode("me", client),
                     "peer",
                     FWD_REQUEST,
                     accept_timeout_s=5,
@@ -606,7 +532,7 @@ def test_decode_q_only_bad_block(
 
 def test_verifier_handler_with_garbage_then_serves_a_valid_session(fuzz_model: Any) -> None:
     open_msg = dataclasses.replace(VERIFY_OPEN, model_id=fuzz_model.model_id)
-    valid = _frame(open_msg, VERIFY_LIMIT) + _frame(VERIFY_BLOCK, VERIFY_LIMIT)
+    valid = frame_bytes(open_msg, VERIFY_LIMIT) + frame_bytes(VERIFY_BLOCK, VERIFY_LIMIT)
 
     @settings(HANDLER, max_examples=12)  # ~0.3 s per real-model session on 1 thread
     @given(stream_inputs(open_msg, VERIFY_BLOCK, VERIFY_LIMIT))
@@ -622,9 +548,9 @@ def test_verifier_handler_with_garbage_then_serves_a_valid_session(fuzz_model: A
         async def main() -> None:
             async with trio.open_nursery() as nursery:
                 await nursery.start(verifier.run)
-                out, raised = await _feed(serve, data)
+                out, raised = await feed(serve, data)
                 assert raised is None, repr(raised)  # every failure becomes a refusal frame
-                for obj in _frames(out, VERIFY_LIMIT):
+                for obj in read_frames(out, VERIFY_LIMIT):
                     from_wire(obj, VerifyOpened, VerifyRefused, VerifyResult, VerifyError)
                 assert not verifier.sessions  # the session is always released
                 assert limiter.usage("unknown-peer") == {
@@ -632,8 +558,8 @@ def test_verifier_handler_with_garbage_then_serves_a_valid_session(fuzz_model: A
                     "sessions": 0,
                     "bytes": 0,
                 }
-                out, raised = await _feed(serve, valid)  # and the verifier still works
-                replies = [from_wire(f) for f in _frames(out, VERIFY_LIMIT)]
+                out, raised = await feed(serve, valid)  # and the verifier still works
+                replies = [from_wire(f) for f in read_frames(out, VERIFY_LIMIT)]
                 assert raised is None and isinstance(replies[0], VerifyOpened), replies
                 assert isinstance(replies[1], VerifyResult) and replies[1].accepted >= 0
                 nursery.cancel_scope.cancel()
@@ -653,7 +579,7 @@ async def test_verifier_handler_with_a_stalled_peer_ends_cleanly(
     verifier = BatchedVerifier(fuzz_model)
     limiter = PeerLimiter()
     client, server = trio.testing.memory_stream_pair()
-    await client.send_all(_frame(VERIFY_OPEN, VERIFY_LIMIT)[:10])  # header + part of the body
+    await client.send_all(frame_bytes(VERIFY_OPEN, VERIFY_LIMIT)[:10])  # header + part of the body
     with trio.fail_after(10):
         await serve_limited(server, verifier, limiter)
     assert not verifier.sessions and limiter.usage("unknown-peer")["bytes"] == 0
@@ -669,7 +595,7 @@ PULL = DigestPull(MODEL_ID, 7, 1)
 def _pull_server() -> AntiEntropy:
     builder = DigestBuilder(KEY.peer_id, MODEL_ID, epoch=7)
     builder.sync(range(1 << 40, (1 << 40) + 50 * (1 << 33), 1 << 33))
-    return AntiEntropy(_Node(KEY.peer_id), KEY, PeerViews(), builders={MODEL_ID: builder})
+    return AntiEntropy(StubNode(KEY.peer_id), KEY, PeerViews(), builders={MODEL_ID: builder})
 
 
 @HANDLER
@@ -678,12 +604,12 @@ def test_digest_pull_server_with_garbage_then_answers_a_valid_pull(data: bytes) 
     ae = _pull_server()
 
     async def main() -> None:
-        out, raised = await _feed(ae._serve_pull, data)
+        out, raised = await feed(ae._serve_pull, data)
         assert raised is None or isinstance(raised, WireError), repr(raised)
-        for obj in _frames(out, DIGEST_LIMIT):
+        for obj in read_frames(out, DIGEST_LIMIT):
             from_wire(obj, DigestReply, DigestUnavailable)
-        out, raised = await _feed(ae._serve_pull, _frame(DigestPull(MODEL_ID), DIGEST_LIMIT))
-        (reply,) = [from_wire(f, DigestReply) for f in _frames(out, DIGEST_LIMIT)]
+        out, raised = await feed(ae._serve_pull, frame_bytes(DigestPull(MODEL_ID), DIGEST_LIMIT))
+        (reply,) = [from_wire(f, DigestReply) for f in read_frames(out, DIGEST_LIMIT)]
         assert len(open_digest(reply.envelope, now=time.time()).added) == 50
 
     trio.run(main)
@@ -696,7 +622,7 @@ def test_digest_pull_client_with_garbage_replies_only_pull_failed(data: bytes) -
         client, server = trio.testing.memory_stream_pair()
         await server.send_all(data)
         await server.send_eof()
-        ae = AntiEntropy(_Node("me", client), KEY, PeerViews(), models=[MODEL_ID])
+        ae = AntiEntropy(StubNode("me", client), KEY, PeerViews(), models=[MODEL_ID])
         with trio.fail_after(10), contextlib.suppress(PullFailed):
             await ae.pull(PEER_KEY.peer_id, MODEL_ID)
         _check_view(ae.views)

@@ -26,11 +26,12 @@ from typing import Any
 
 import pytest
 import trio
-from _testkit import wait_until
 
 from p2pnode.inference._errors import EmptyPrompt, InvalidParams, InvalidToken, PromptTooLong
 from p2pnode.inference.blockhash import BLOCK_SIZE, AllBlocksCleared, BlockRemoved, block_hashes
 from p2pnode.inference.sampling import SamplingParams
+
+from testkit import wait_until
 
 pytestmark = [
     pytest.mark.vllm,
@@ -72,13 +73,6 @@ SYSTEM = (
         )
     )
 )
-
-
-@pytest.fixture(scope="module")
-def loaded() -> Any:
-    from p2pnode.inference.models import load_model
-
-    return load_model(None)
 
 
 def whole(n: int, block: int) -> int:

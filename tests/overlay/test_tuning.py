@@ -16,6 +16,8 @@ from multiaddr import Multiaddr
 from p2pnode.identity import NodeKey
 from p2pnode.overlay import tuning
 
+from testkit import wait_until
+
 
 def test_bad_sender_records_are_refused_every_time_and_absent_ones_pass() -> None:
     tuning.install()
@@ -38,7 +40,7 @@ def test_install_is_idempotent() -> None:
 
 
 async def test_a_record_issued_elsewhere_never_makes_pubsub_send_an_older_one(
-    overlay_network, wait_until, monkeypatch
+    overlay_network, monkeypatch
 ) -> None:
     """A relay reservation adds a circuit address and pushes identify (a newer record) at
     once; the cached record pubsub sends must follow it, and a SUBSCRIBE sent right after it

@@ -40,16 +40,9 @@ from p2pnode.overlay import (
 from p2pnode.overlay.seams import OverlayHost
 from p2pnode.overlay.wire import PROTOCOL_LIMITS, FrameTooLarge, read_frame, write_frame
 
+from testkit import wait_until
+
 CONTROL = "/p2pnode/control/1"
-
-
-async def wait_until(predicate, limit_s: float, step: float = 0.05) -> float:
-    """Poll `predicate` (peer tables have no events to wait on); seconds it took."""
-    started = time.monotonic()
-    with trio.fail_after(limit_s):
-        while not predicate():  # noqa: ASYNC110
-            await trio.sleep(step)
-    return time.monotonic() - started
 
 
 def missing_views(nodes) -> list[tuple[int, int, str]]:
@@ -183,8 +176,8 @@ async def test_eight_nodes_with_one_bootstrap_each_discover_all_and_find_provide
         8, chain=True, models=models, ping_interval=2.0, ping_timeout=3.0
     ) as nodes:
         try:
-            await wait_until(lambda: full_view(nodes), 45)
-        except trio.TooSlowError:
+            await wait_until(lambda: full_view(nodes), 45, "a full view")
+        except AssertionError:
             pytest.fail(f"no full view after 45 s; missing: {missing_views(nodes)}")
         with trio.fail_after(15):
             for node in nodes:
@@ -211,7 +204,7 @@ async def test_eight_nodes_with_one_bootstrap_each_discover_all_and_find_provide
 async def test_dht_refuses_tampered_forged_replayed_and_foreign_records(overlay_network) -> None:
     async with overlay_network(3) as nodes:
         owner, holder, attacker = nodes
-        await wait_until(lambda: full_view(nodes), 15)
+        await wait_until(lambda: full_view(nodes), 15, "a full view")
         with trio.fail_after(15):
             await owner.wait_announced()
         key = record_key(owner.peer_id)
@@ -242,11 +235,13 @@ async def test_dht_refuses_tampered_forged_replayed_and_foreign_records(overlay_
 
 async def test_node_closed_abruptly_is_marked_down_within_5s(overlay_network) -> None:
     async with overlay_network(3) as nodes:
-        await wait_until(lambda: full_view(nodes), 15)
+        await wait_until(lambda: full_view(nodes), 15, "a full view")
         victim = nodes[2]
         await victim.host.close()  # sockets gone without any goodbye from the overlay
         took = await wait_until(
-            lambda: all(n.peers.state(victim.peer_id) is PeerState.DOWN for n in nodes[:2]), 5
+            lambda: all(n.peers.state(victim.peer_id) is PeerState.DOWN for n in nodes[:2]),
+            5,
+            "the closed node marked down by both others",
         )
         assert took < 5.0
 
@@ -274,14 +269,18 @@ async def test_hung_then_killed_process_is_marked_down_within_5s(overlay_network
         try:
             with trio.fail_after(30):
                 child = (await trio.to_thread.run_sync(proc.stdout.readline)).strip()
-            await wait_until(lambda: node.peers.is_up(child), 10)
+            await wait_until(lambda: node.peers.is_up(child), 10, "the child process up")
             os.kill(proc.pid, signal.SIGSTOP)  # hung: the socket stays open, nothing answers
-            took = await wait_until(lambda: node.peers.state(child) is PeerState.DOWN, 5)
+            took = await wait_until(
+                lambda: node.peers.state(child) is PeerState.DOWN, 5, "the hung child marked down"
+            )
             assert took < 5.0
             os.kill(proc.pid, signal.SIGCONT)  # comes back: redialed by discovery (<= 10 s)
-            await wait_until(lambda: node.peers.is_up(child), 20)
+            await wait_until(lambda: node.peers.is_up(child), 20, "the resumed child up again")
             os.kill(proc.pid, signal.SIGKILL)
-            took = await wait_until(lambda: node.peers.state(child) is PeerState.DOWN, 5)
+            took = await wait_until(
+                lambda: node.peers.state(child) is PeerState.DOWN, 5, "the killed child marked down"
+            )
             assert took < 5.0
         finally:
             proc.kill()
@@ -299,8 +298,10 @@ async def test_own_stall_does_not_demote_a_healthy_peer(overlay_network) -> None
         try:
             with trio.fail_after(30):
                 child = (await trio.to_thread.run_sync(proc.stdout.readline)).strip()
-            await wait_until(lambda: node.peers.get(child) is not None, 10)
-            await wait_until(lambda: node.peers.get(child).rtt_ms is not None, 10)
+            await wait_until(lambda: node.peers.get(child) is not None, 10, "the child known")
+            await wait_until(
+                lambda: node.peers.get(child).rtt_ms is not None, 10, "an RTT to the child"
+            )
             states: list[PeerState] = []
             node.peers.add_listener(lambda p, old, new: states.append(new) if p == child else 0)
             time.sleep(3.0)  # noqa: ASYNC251  # deliberately block our own event loop
@@ -324,7 +325,9 @@ async def test_peer_sending_traffic_is_not_probed(overlay_network) -> None:
                 await write_frame(stream, request, limit=limit)
 
         server.set_stream_handler(CONTROL, echo)
-        await wait_until(lambda: client.peers.get(server.peer_id).rtt_ms is not None, 10)
+        await wait_until(
+            lambda: client.peers.get(server.peer_id).rtt_ms is not None, 10, "an RTT to the server"
+        )
         with trio.fail_after(20):
             stream = await client.open_stream(server.peer_id, CONTROL)
             before = client.counters["probes"]
@@ -366,7 +369,7 @@ async def test_rpc_over_custom_protocol_and_oversized_frame_refused(overlay_netw
             except Exception:  # reset by the server: refused
                 answer = None
             assert answer is None
-            await wait_until(lambda: bool(refused), 5)
+            await wait_until(lambda: bool(refused), 5, "the server refusing the oversized frame")
         with pytest.raises(PeerUnreachable):
             await client.open_stream(NodeKey.generate().peer_id, CONTROL, timeout=3)
 

@@ -22,7 +22,6 @@ from typing import Any
 import pytest
 import torch
 import trio
-from _testkit import wait_until
 from prometheus_client import CollectorRegistry
 
 from p2pnode.identity import NodeKey
@@ -38,15 +37,9 @@ from p2pnode.overlay.trust import TrustBook, TrustConfig, Verdict, verdict_probl
 from p2pnode.overlay.views import PeerViews
 from p2pnode.testnet.localcluster import emulated_routed_services, forge_liar
 
+from testkit import FakeClock, wait_until
+
 logging.getLogger("libp2p").setLevel(logging.ERROR)
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 # --------------------------------------------------------------------------- TrustBook
@@ -59,23 +52,23 @@ def test_three_complete_lies_demote_and_trust_recovers_slowly() -> None:
     for i in range(3):
         assert book.usable("liar"), i
         assert book.observe_claim("liar", 128, 0, prompt_tokens=144) is Verdict.FAILED
-        clock.t += 2.0  # requests a couple of seconds apart
+        clock.now += 2.0  # requests a couple of seconds apart
     assert not book.usable("liar") and book.demotions("liar") == 1
     assert book.score("liar") < book.config.min_score
     assert book.usable("bystander") and book.score("bystander") == 1.0
     # Debt ~3 decays to the readmission debt (log2(1 / 0.4) = 1.32) in ~1.2 half-lives.
-    clock.t += 1.1 * half_life
+    clock.now += 1.1 * half_life
     assert not book.usable("liar")
-    clock.t += 0.2 * half_life
+    clock.now += 0.2 * half_life
     assert book.usable("liar") and book.score("liar") >= book.config.readmit_score
     # On probation two more complete lies demote it again, and a repeat offender recovers
     # twice as slowly (debt 3.3 -> 1.3 at a doubled half-life: ~2.6 base half-lives).
     book.observe_claim("liar", 128, 0)
     book.observe_claim("liar", 128, 0)
     assert not book.usable("liar") and book.demotions("liar") == 2
-    clock.t += 2.4 * half_life
+    clock.now += 2.4 * half_life
     assert not book.usable("liar")
-    clock.t += 0.4 * half_life
+    clock.now += 0.4 * half_life
     assert book.usable("liar")
 
 
@@ -94,13 +87,13 @@ def test_honest_staleness_is_tolerated_and_systematic_lies_are_not() -> None:
     # age allows) stays trusted through 200 requests.
     for i in range(200):
         book.observe_claim("honest", 128, 0 if i % 10 == 9 else 128)
-        clock.t += 1.0
+        clock.now += 1.0
         assert book.usable("honest"), i
     assert book.score("honest") > 0.4
     # A liar that tells the truth every other time is still demoted, within 20 requests.
     for i in range(20):
         book.observe_claim("half_liar", 128, 0 if i % 2 else 128)
-        clock.t += 1.0
+        clock.now += 1.0
     assert not book.usable("half_liar")
     # A full miss from a view known to be 50 s old (its gossip was lost) weighs 5/50.
     book.observe_claim("old_view", 128, 0, view_age_s=50.0)
@@ -303,10 +296,9 @@ async def test_lying_peer_is_demoted_and_hit_rate_and_latency_recover(overlay_ne
 
 
 @pytest.fixture(scope="module")
-def target() -> Any:
-    from p2pnode.inference.models import load_model
-
-    return load_model(None)
+def target(loaded: Any) -> Any:
+    """The shared real model, here in its role: the target the drafts are checked against."""
+    return loaded
 
 
 async def _verifier_node(model_id: str, verifier: Any, stop: trio.Event, *, task_status) -> None:

@@ -22,7 +22,6 @@ from prometheus_client import CollectorRegistry
 
 from p2pnode.identity import NodeKey
 from p2pnode.inference.engine import open_engine
-from p2pnode.inference.models import load_model
 from p2pnode.overlay.antientropy import AntiEntropy, AntiEntropyConfig, PullFailed
 from p2pnode.overlay.digest import Digest, DigestError, LoadInfo, open_digest, seal_digest
 from p2pnode.overlay.forward import ForwardFailed, ForwardRequest, forward_request
@@ -37,30 +36,19 @@ from p2pnode.overlay.views import PeerViews
 from p2pnode.speculation.protocol import P2PVerifierTransport, serve_verifier
 from p2pnode.speculation.verify import BatchedVerifier, Block, PeerLimited, SamplingOptions
 
+from testkit import FakeClock
+
 logging.getLogger("libp2p").setLevel(logging.ERROR)
 # As in test_routing_cluster.py: on 2 busy cores a 1 s ping timeout marks healthy peers suspect
 # and libp2p's health monitor (2 s) drops healthy links, failing a test for no limits reason.
 CALM = {"ping_timeout": 5.0, "health_ping_timeout": 10.0}
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-@pytest.fixture(scope="module")
-def loaded() -> Any:
-    return load_model(None)
-
-
 # --------------------------------------------------------------------------- the limiter
 
 
 def test_token_bucket_refuses_past_the_burst_and_refills_at_the_rate() -> None:
-    clock = Clock()
+    clock = FakeClock(0.0)
     lim = PeerLimiter(LimitsConfig(forward=Budget(rate_per_s=2, burst=3)), clock=clock)
     for _ in range(3):
         lim.charge("A", "forward")

@@ -22,7 +22,6 @@ from typing import Any
 import pytest
 import torch
 import trio
-from _testkit import wait_until
 from prometheus_client import CollectorRegistry, generate_latest
 
 from p2pnode.inference.engine import open_engine
@@ -36,6 +35,8 @@ from p2pnode.overlay.service import RoutedService
 from p2pnode.overlay.trust import TrustBook
 from p2pnode.overlay.trust_store import load_trust, save_trust
 from p2pnode.testnet.adversary import make_adversary
+
+from testkit import wait_until
 
 logging.getLogger("libp2p").setLevel(logging.ERROR)
 
@@ -128,13 +129,6 @@ def test_trust_survives_a_restart_and_a_bad_file_is_set_aside(tmp_path) -> None:
 
 
 # --------------------------------------------------------------------------- real model
-
-
-@pytest.fixture(scope="module")
-def loaded() -> Any:
-    from p2pnode.inference.models import load_model
-
-    return load_model(None)
 
 
 QUESTIONS = [

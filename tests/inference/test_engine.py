@@ -25,7 +25,7 @@ from p2pnode.inference.blockhash import (
     cached_prefix_tokens,
     model_salt,
 )
-from p2pnode.inference.models import ShapeOnlyModel, load_model
+from p2pnode.inference.models import ShapeOnlyModel
 from p2pnode.inference.radix import RadixCache
 
 N_NEW = 8
@@ -37,9 +37,10 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def loaded():
+def loaded(loaded):
+    """The shared model (tests/conftest.py); these tests run torch on 2 threads."""
     torch.set_num_threads(2)
-    return load_model(None)
+    return loaded
 
 
 def hf_greedy(loaded, prompt: list[int], n: int) -> list[int]:

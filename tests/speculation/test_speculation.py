@@ -20,7 +20,6 @@ from p2pnode.bootstrap.metrics import NodeMetrics
 from p2pnode.identity import NodeKey
 from p2pnode.inference import _kernels
 from p2pnode.inference.blockhash import block_hashes, model_salt
-from p2pnode.inference.models import load_model
 from p2pnode.inference.sampling import probs_from_logits
 from p2pnode.overlay.antientropy import AntiEntropy, AntiEntropyConfig
 from p2pnode.overlay.node import OverlayConfig, open_overlay_node
@@ -68,8 +67,9 @@ PROMPTS = ["Explain why the sky is blue.", "Write a haiku about autumn.", "Hi"]
 
 
 @pytest.fixture(scope="module")
-def target():
-    return load_model(None)
+def target(loaded):
+    """The shared real model, here in its role: the target the drafts are checked against."""
+    return loaded
 
 
 @pytest.fixture(scope="module")

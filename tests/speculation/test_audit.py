@@ -14,7 +14,6 @@ import pytest
 import torch
 import trio
 
-from p2pnode.inference.models import load_model
 from p2pnode.inference.sampling import probs_from_logits
 from p2pnode.inference.scoring import ModelScorer
 from p2pnode.overlay.trust import TrustBook
@@ -31,8 +30,9 @@ BOUND = 1 / (1 + SAMPLED_Z_MAX**2)  # Cantelli: the false-alarm rate is at most 
 
 
 @pytest.fixture(scope="module")
-def target():
-    return load_model(None)
+def target(loaded):
+    """The shared real model, here in its role: the target the drafts are checked against."""
+    return loaded
 
 
 def _prompt(target, i: int) -> list[int]:

@@ -26,13 +26,6 @@ from p2pnode.testnet.browser import chromium, console_errors, missing_browser
 CHAT_TOKENS = 12
 
 
-@pytest.fixture(scope="module")
-def loaded():
-    from p2pnode.inference.models import load_model
-
-    return load_model(None)
-
-
 # --------------------------------------------------------------------------- JSON and SSE
 
 

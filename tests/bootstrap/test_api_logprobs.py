@@ -25,13 +25,6 @@ PROMPT = "The capital of France is"
 TOL = 1e-4
 
 
-@pytest.fixture(scope="module")
-def loaded():
-    from p2pnode.inference.models import load_model
-
-    return load_model(None)
-
-
 def reference(loaded: Any, prompt: list[int], tokens: list[int], top: int) -> list[TokenLogprob]:
     """Log-softmax of one uncached forward over prompt + tokens, at each generated token."""
     with torch.inference_mode():

@@ -18,9 +18,7 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
-import pytest
 import trio
-from _testkit import wait_until
 from prometheus_client import CollectorRegistry
 
 from p2pnode.bootstrap.api import DEFAULT_CHAT_MAX_TOKENS
@@ -33,6 +31,8 @@ from p2pnode.overlay.digest import Digest, fingerprint, seal_digest
 from p2pnode.overlay.forward import ForwardConfig
 from p2pnode.overlay.router import LOCAL
 from p2pnode.overlay.service import RoutedService
+
+from testkit import wait_until
 
 logging.getLogger("libp2p").setLevel(logging.ERROR)
 TRUSTED = AuditConfig(probation_answers=0)  # no probation hold
@@ -125,13 +125,6 @@ class Cluster:
     services: list[RoutedService]
     links: list[EmulatedLinks]
     gates: list[Gate]
-
-
-@pytest.fixture(scope="module")
-def loaded_model() -> Any:
-    from p2pnode.inference.models import load_model
-
-    return load_model(None)
 
 
 @contextlib.asynccontextmanager
@@ -232,9 +225,9 @@ def common_blocks(x: list[int], y: list[int]) -> int:
 
 
 async def test_prefix_cached_on_b_is_served_by_b_with_the_local_answer(
-    loaded_model: Any, overlay_network: Any
+    loaded: Any, overlay_network: Any
 ) -> None:
-    async with cluster(loaded_model, overlay_network) as c:
+    async with cluster(loaded, overlay_network) as c:
         a, b, cc, d = c.services
         earlier, request = chat(b, QUESTIONS[0]), chat(a, QUESTIONS[1])
         shared = common_blocks(earlier, request)
@@ -254,13 +247,13 @@ async def test_prefix_cached_on_b_is_served_by_b_with_the_local_answer(
 
 
 async def test_chat_without_max_tokens_goes_to_the_peer_holding_its_system_prompt(
-    loaded_model: Any, overlay_network: Any
+    loaded: Any, overlay_network: Any
 ) -> None:
     # No max_tokens: the default limit (1,024 tokens, ~100 s of decode at the pinned speed)
     # is paid wherever the request runs, so it must not drown the prefill a cached 300-token
     # system prompt saves.
     long_system = " ".join([SYSTEM] * 4)
-    async with cluster(loaded_model, overlay_network) as c:
+    async with cluster(loaded, overlay_network) as c:
         a, b, _, _ = c.services
         earlier = chat(b, QUESTIONS[0], system=long_system)
         request = chat(a, QUESTIONS[1], system=long_system)
@@ -277,9 +270,9 @@ async def test_chat_without_max_tokens_goes_to_the_peer_holding_its_system_promp
 
 
 async def test_large_injected_rtt_keeps_the_request_local(
-    loaded_model: Any, overlay_network: Any
+    loaded: Any, overlay_network: Any
 ) -> None:
-    async with cluster(loaded_model, overlay_network) as c:
+    async with cluster(loaded, overlay_network) as c:
         a, b = c.services[:2]
         earlier, request = chat(b, QUESTIONS[0]), chat(a, QUESTIONS[2])
         shared = common_blocks(earlier, request)
@@ -298,10 +291,8 @@ async def test_large_injected_rtt_keeps_the_request_local(
         assert reference.cached_tokens >= shared and res.tokens == reference.tokens
 
 
-async def test_stale_view_still_gives_the_right_answer(
-    loaded_model: Any, overlay_network: Any
-) -> None:
-    async with cluster(loaded_model, overlay_network) as c:
+async def test_stale_view_still_gives_the_right_answer(loaded: Any, overlay_network: Any) -> None:
+    async with cluster(loaded, overlay_network) as c:
         a, b = c.services[:2]
         earlier, request = chat(b, QUESTIONS[0]), chat(a, QUESTIONS[3])
         shared = common_blocks(earlier, request)
@@ -320,9 +311,9 @@ async def test_stale_view_still_gives_the_right_answer(
 
 
 async def test_peer_killed_mid_stream_completes_through_fallback(
-    loaded_model: Any, overlay_network: Any
+    loaded: Any, overlay_network: Any
 ) -> None:
-    async with cluster(loaded_model, overlay_network) as c:
+    async with cluster(loaded, overlay_network) as c:
         a, b, cc, _ = c.services
         request = chat(a, QUESTIONS[0])
         assert len(request) >= 66
@@ -357,11 +348,9 @@ async def test_peer_killed_mid_stream_completes_through_fallback(
         await wait_until(b_skipped, 15, "B skipped as down")
 
 
-async def test_peer_in_push_back_receives_nothing_new(
-    loaded_model: Any, overlay_network: Any
-) -> None:
+async def test_peer_in_push_back_receives_nothing_new(loaded: Any, overlay_network: Any) -> None:
     # Push-back at one request in the queue, so one long request makes B push back.
-    async with cluster(loaded_model, overlay_network, pushback_high=1) as c:
+    async with cluster(loaded, overlay_network, pushback_high=1) as c:
         a, b, cc, d = c.services
         earlier = chat(b, QUESTIONS[0])
         requests = [chat(a, q) for q in QUESTIONS[1:4]]
@@ -396,8 +385,8 @@ async def test_peer_in_push_back_receives_nothing_new(
         assert est is not None and est.skipped is None  # B is a candidate again
 
 
-async def test_forged_digests_are_ignored(loaded_model: Any, overlay_network: Any) -> None:
-    async with cluster(loaded_model, overlay_network) as c:
+async def test_forged_digests_are_ignored(loaded: Any, overlay_network: Any) -> None:
+    async with cluster(loaded, overlay_network) as c:
         a, b, _, d = c.services
         genuine = chat(b, QUESTIONS[0])
         await b.engine.generate(genuine, {"max_tokens": 1})

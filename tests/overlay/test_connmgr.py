@@ -16,13 +16,7 @@ from p2pnode.overlay.connmgr import (
     select_keep,
 )
 
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
+from testkit import FakeClock, wait_until
 
 
 def test_limits_are_checked() -> None:
@@ -76,7 +70,7 @@ def test_within_an_rtt_class_both_ends_rank_a_link_alike() -> None:
 
 
 def test_nothing_is_trimmed_at_or_below_high_and_trimmed_peers_are_remembered() -> None:
-    clock = Clock()
+    clock = FakeClock()
     mgr = ConnManager(ConnLimits(low=3, high=4, grace_s=10.0, long_links=1), clock=clock)
     mgr.protect(lambda: {"p0"})
     ids = [f"p{i}" for i in range(6)]
@@ -94,7 +88,7 @@ def test_nothing_is_trimmed_at_or_below_high_and_trimmed_peers_are_remembered() 
 
 
 def test_discovery_fills_to_low_then_explores_one_at_a_time_below_high() -> None:
-    clock = Clock()
+    clock = FakeClock()
     mgr = ConnManager(ConnLimits(low=4, high=6, long_links=1), clock=clock)
     assert mgr.dial_budget(1) == 3
     assert mgr.may_redial(3) and not mgr.may_redial(4)
@@ -121,9 +115,7 @@ def _one_component(nodes) -> bool:
 
 
 @pytest.mark.slow
-async def test_bounded_nodes_trim_and_gossip_still_reaches_every_node(
-    overlay_network, wait_until
-) -> None:
+async def test_bounded_nodes_trim_and_gossip_still_reaches_every_node(overlay_network) -> None:
     """Real nodes with low=3/high=4 out of 7: each ends with at most `high` connections, the
     overlay stays one graph, and a message published at one node reaches all of them."""
     limits = {"conn_low": 3, "conn_high": 4, "conn_grace": 0.0}

@@ -9,7 +9,7 @@ Answers are kept to a few tokens: CPU decode is ~60 ms/token and the 2 cores are
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,16 +30,11 @@ from p2pnode.overlay.audit import AuditConfig
 from p2pnode.overlay.node import OverlayConfig, OverlayNode, open_overlay_node
 from p2pnode.overlay.service import RoutedService
 
+from testkit import wait_until
+
 N = 6  # tokens per answer
 PROMPT = "The capital of France is"
 CHAT = [{"role": "user", "content": "Say hello in one short sentence."}]
-
-
-@pytest.fixture(scope="module")
-def loaded():
-    from p2pnode.inference.models import load_model
-
-    return load_model(None)
 
 
 @dataclass
@@ -99,12 +94,6 @@ async def api_nodes(loaded, n: int = 1) -> AsyncIterator[list[ApiNode]]:
 async def reference(engine: Engine, prompt_ids: list[int], n: int = N) -> str:
     result = await engine.generate(prompt_ids, SamplingParams(max_tokens=n, temperature=0.0))
     return engine.decode(result.tokens)
-
-
-async def wait_until(predicate: Callable[[], bool], limit_s: float) -> None:
-    with trio.fail_after(limit_s):
-        while not predicate():  # noqa: ASYNC110 (state owned by other parts has no event)
-            await trio.sleep(0.05)
 
 
 def metric(text: str, sample_name: str, **labels: str) -> float:
@@ -239,10 +228,14 @@ async def test_streaming_chunks_concatenate_to_the_answer(loaded) -> None:
         async with stream:
             async for _ in stream:
                 break
-        await wait_until(lambda: a.engine.queue_depth == 0, 10)
+        await wait_until(
+            lambda: a.engine.queue_depth == 0, 10, "the abandoned stream's engine slot freed"
+        )
         labels = {"endpoint": "/v1/completions", "status": "499"}
         await wait_until(
-            lambda: a.registry.get_sample_value("p2pnode_api_requests_total", labels) == 1, 5
+            lambda: a.registry.get_sample_value("p2pnode_api_requests_total", labels) == 1,
+            5,
+            "the abandoned request counted with status 499",
         )
 
 
@@ -389,7 +382,9 @@ async def test_answer_can_be_served_by_a_peer(loaded) -> None:
     async with api_nodes(loaded, 2) as (a, b):
         # Until B's RTT is measured the router assumes a distant peer (1 s).
         await wait_until(
-            lambda: getattr(a.node.peers.get(b.node.peer_id), "rtt_ms", None) is not None, 10
+            lambda: getattr(a.node.peers.get(b.node.peer_id), "rtt_ms", None) is not None,
+            10,
+            "an RTT to node b",
         )
         system = [{"role": "system", "content": "You are a terse assistant. " * 50}]
         system_ids = b.engine.encode_chat(system)
@@ -406,6 +401,7 @@ async def test_answer_can_be_served_by_a_peer(loaded) -> None:
                 >= full_blocks
             ),
             10,
+            "node a's view of the prefix node b holds",
         )
         messages = system + [{"role": "user", "content": "Name one prime number."}]
         raw = await a.client.chat.completions.with_raw_response.create(

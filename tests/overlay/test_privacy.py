@@ -13,7 +13,6 @@ import httpx
 import openai
 import pytest
 import trio
-from _testkit import wait_until
 from click.testing import CliRunner
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
@@ -30,6 +29,8 @@ from p2pnode.overlay.digest import DigestBuilder, fingerprint
 from p2pnode.overlay.node import OverlayConfig, open_overlay_node
 from p2pnode.overlay.privacy import AdvertiseGate
 from p2pnode.overlay.service import RoutedService
+
+from testkit import wait_until
 
 logging.getLogger("libp2p").setLevel(logging.ERROR)
 
@@ -108,13 +109,6 @@ async def test_requests_without_the_bearer_token_get_401() -> None:
 
 
 # --------------------------------------------------------------------------- private requests
-
-
-@pytest.fixture(scope="module")
-def loaded() -> Any:
-    from p2pnode.inference.models import load_model
-
-    return load_model(None)
 
 
 @contextlib.asynccontextmanager

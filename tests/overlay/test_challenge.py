@@ -40,6 +40,8 @@ from p2pnode.overlay.trust import TrustBook
 from p2pnode.overlay.views import PeerViews
 from p2pnode.testnet.adversary import make_adversary
 
+from testkit import wait_until
+
 logging.getLogger("libp2p").setLevel(logging.ERROR)
 
 
@@ -292,7 +294,7 @@ async def _emulated(prefill_s: float = 0.001) -> AsyncIterator[Any]:
 
 
 async def test_peers_pass_or_fail_probation_on_known_answers_without_client_forwards(
-    overlay_network: Any, wait_until: Any
+    overlay_network: Any,
 ) -> None:
     async with (
         overlay_network(3, **CALM) as nodes,

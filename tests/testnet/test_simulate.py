@@ -171,7 +171,9 @@ def test_the_simulator_agrees_with_a_real_trial_of_the_same_spec() -> None:
     from p2pnode.testnet.simspec import compare, shipped_calibration, simulate_spec
     from p2pnode.testnet.spec import builtin_spec_path, load_spec
 
-    ref = json.loads((Path(__file__).parent / "data" / "simcheck_paper-lan-zipf.json").read_text())
+    ref = json.loads(
+        (Path(__file__).parents[1] / "data" / "simcheck_paper-lan-zipf.json").read_text()
+    )
     sim = simulate_spec(
         load_spec(builtin_spec_path("paper-lan-zipf")), calibration=shipped_calibration()
     )

@@ -47,7 +47,7 @@ from p2pnode.inference.vllm_events import (
 from p2pnode.overlay.digest import DigestBuilder, fingerprint
 
 MODEL_ID = "SmolLM2-135M-Instruct@0123456789abcdef"
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 # ------------------------------------------------------------------ vLLM-shaped payloads
 
@@ -460,13 +460,6 @@ def test_fuzzed_payloads_only_raise_our_errors(payload: bytes) -> None:
 # ------------------------------------------------------------------ against the CPU engine
 
 
-@pytest.fixture(scope="module")
-def loaded():
-    from p2pnode.inference.models import load_model
-
-    return load_model(None)
-
-
 async def test_digest_from_vllm_events_matches_the_cpu_engines(loaded) -> None:
     from p2pnode.inference.engine import open_engine
 
@@ -524,8 +517,8 @@ _IMPORT_ALL = textwrap.dedent(
         for info in pkgutil.iter_modules(pkg.__path__, pkg.__name__ + "."):
             importlib.import_module(info.name)
             names.append(info.name)
-    for path in sorted(Path(sys.argv[1]).glob("test_*.py")):
-        spec = importlib.util.spec_from_file_location("cpu_suite_" + path.stem, path)
+    for path in sorted(Path(sys.argv[1]).rglob("test_*.py")):
+        spec = importlib.util.spec_from_file_location("cpu_suite_" + path.parent.name + "_" + path.stem, path)
         module = importlib.util.module_from_spec(spec)
         sys.modules[spec.name] = module  # as pytest's importlib mode does
         spec.loader.exec_module(module)

@@ -29,7 +29,6 @@ import pytest
 import trio
 
 from p2pnode.identity import NodeKey
-from p2pnode.inference.models import load_model
 from p2pnode.overlay._errors import BadMultiaddr, OverlayError
 from p2pnode.overlay.forward import ForwardRequest, forward_request
 from p2pnode.overlay.node import PING_LENGTH, PING_PROTOCOL, OverlayConfig, open_overlay_node
@@ -136,7 +135,7 @@ async def _wait(predicate, limit_s: float, what: str, log: Path | None = None) -
 
 
 @pytest.mark.slow
-async def test_node_without_inbound_route_is_reached_through_relay(nat_namespace, tmp_path):
+async def test_node_without_inbound_route_is_reached_through_relay(nat_namespace, tmp_path, loaded):
     relay_key, public_key = NodeKey.generate(), NodeKey.generate()
     relay_cfg = OverlayConfig(
         key=relay_key, listen_addrs=[f"/ip4/{HOST_IP}/tcp/0", "/ip4/127.0.0.1/tcp/0"]
@@ -183,7 +182,7 @@ async def test_node_without_inbound_route_is_reached_through_relay(nat_namespace
                 await _wait(lambda: _rtt(public, nat_id) is not None, 10, "no ping RTT", log)
                 # 6. inference over the relay: B serves a forwarded request with the real model,
                 #    token for token the target's greedy output
-                ref = target_generate(load_model(None), PROMPT, 4)
+                ref = target_generate(loaded, PROMPT, 4)
                 request = ForwardRequest(model_id=record.models[0], prompt=PROMPT, max_tokens=4)
                 out = await forward_request(
                     public,
