@@ -5,7 +5,7 @@
 - ``testkit.streams``: feed bytes to a stream handler and read back its frames (the decoder
   fuzz tests and ``bench/fuzz_long.py``).
 - ``testkit.routing``: digests, prompts and load figures of a made-up model, for router tests.
-- ``testkit.cluster``: a few real overlay nodes on 127.0.0.1 in a full mesh.
+- ``testkit.cluster``: ``overlay_nodes(n)``, real overlay nodes on 127.0.0.1 in a full mesh.
 
 The real model is a fixture (``loaded``, one load per run) in ``tests/conftest.py``. Only
 tests and benchmarks import this package, never ``p2pnode``.
