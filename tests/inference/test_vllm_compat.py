@@ -1,6 +1,6 @@
 """The vLLM build differences (``_vllm_compat``) and ``--engine`` / ``backend`` settings.
 
-No vLLM needed: these run in the normal suite (the vLLM engine itself: test_vllm_cpu.py).
+No vLLM needed: these run in the normal suite (the vLLM engine itself: test_vllm_engine.py).
 """
 
 from __future__ import annotations

@@ -249,7 +249,7 @@ def _spawn_vllm_node(home: Path, bootstrap: str) -> subprocess.Popen:
         *("--gossip-interval", "0.2", "--ping-timeout", "5", "--api-port", "0"),
         *("--listen", "/ip4/127.0.0.1/tcp/0", "--home", str(home)),
         # About KV events reaching the digest, not the privacy threshold (a block shown once
-        # two requests used it: tests/test_privacy.py): show every block at once.
+        # two requests used it: tests/overlay/test_privacy.py): show every block at once.
         *("--advertise-min-uses", "1"),
     ]
     return subprocess.Popen(

@@ -535,7 +535,7 @@ def test_importing_every_module_and_the_cpu_tests_never_imports_vllm(tmp_path: P
     # one is not installed (on a GPU node the real one would be found the same way).
     (tmp_path / "vllm").mkdir()
     (tmp_path / "vllm" / "__init__.py").write_text("IMPORTED_BY_ACCIDENT = True\n")
-    # The tests' own helper module (tests/_testkit.py) is on pytest's path; give it here too.
+    # The tests' own helper package (tests/testkit/) is on pytest's path; give it here too.
     path = os.pathsep.join([str(tmp_path), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])
     env = dict(os.environ, PYTHONPATH=path)
     proc = subprocess.run(

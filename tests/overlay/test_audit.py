@@ -4,7 +4,7 @@ and liars of three kinds on a real 5-node loopback cluster with the real model.
 
 The cluster's engines share one loaded model (the engine never writes weights); their cost
 models are pinned and frozen so the routers' choices follow the advertised speeds, not the CPU
-noise of a shared machine (as in test_routing_cluster.py). The "other model" liar serves a copy
+noise of a shared machine (as in tests/system/test_routing_cluster.py). The "other model" liar serves a copy
 of the model with noisy weights: a stand-in for a different fine-tune under the same id (the
 machine has one model).
 """
@@ -248,7 +248,7 @@ async def liar_cluster(loaded: Any, overlay_network: Any) -> AsyncIterator[dict[
                     antientropy_config=AE_CONFIG,
                     forward_config=FORWARD_CONFIG,
                     # The held path alone: known-answer challenges would catch some liars
-                    # before a client request reaches them (tests/test_challenge.py).
+                    # before a client request reaches them (tests/overlay/test_challenge.py).
                     challenge_config=ChallengeConfig(enabled=False),
                     registry=registry,
                 )

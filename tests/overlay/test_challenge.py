@@ -1,7 +1,7 @@
 """Probation by known answers (overlay/challenge.py) and the probation hold in the router.
 
 Unit tests drive ``KnownAnswers`` and ``Challenger`` with an in-memory ``send`` (the forward
-itself is tested in test_routing_cluster.py); the cluster test runs real libp2p hosts on
+itself is tested in tests/system/test_routing_cluster.py); the cluster test runs real libp2p hosts on
 127.0.0.1 with emulated engines (deterministic answers, no torch): an honest peer leaves
 probation without one client request forwarded to it, and a liar is demoted the same way.
 """

@@ -1,6 +1,6 @@
 """The connection manager's choices (overlay/connmgr.py): what a trim keeps and what
 discovery may dial, on a fake clock (the policy is pure; the node wiring is tested with real
-nodes in tests/test_overlay.py)."""
+nodes in tests/overlay/test_node.py)."""
 
 from __future__ import annotations
 

@@ -39,7 +39,7 @@ from p2pnode.speculation.verify import BatchedVerifier, Block, PeerLimited, Samp
 from testkit import FakeClock
 
 logging.getLogger("libp2p").setLevel(logging.ERROR)
-# As in test_routing_cluster.py: on 2 busy cores a 1 s ping timeout marks healthy peers suspect
+# As in tests/system/test_routing_cluster.py: on 2 busy cores a 1 s ping timeout marks healthy peers suspect
 # and libp2p's health monitor (2 s) drops healthy links, failing a test for no limits reason.
 CALM = {"ping_timeout": 5.0, "health_ping_timeout": 10.0}
 

@@ -1,7 +1,7 @@
 """Dial-backs (overlay/reachability.py) and who a relay serves (overlay/relay.py), on loopback.
 
 The NAT'd side (a dial-back that fails, relays found without a flag) runs across real NAT
-routers in tests/test_swarm_netns.py; here: the server's rules and a verdict of "public".
+routers in tests/system/test_swarm_netns.py; here: the server's rules and a verdict of "public".
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ on a real 4-node loopback cluster with a lying peer, and a verifier that answers
 The cluster test is about routing, so its engines are the emulated backend (real radix trees and
 block events, compute time slept from a fixed cost model, no weights) as in
 ``bench/routing_bench.py``; the link RTT the routers see is pinned to a 2 ms LAN because in one
-process a ping measures event-loop lag more than the network (see test_routing_cluster.py). The
+process a ping measures event-loop lag more than the network (see tests/system/test_routing_cluster.py). The
 verifier test runs the real model over libp2p on loopback (as target and as draft).
 """
 
@@ -216,8 +216,8 @@ async def emulated_cluster(overlay_network: Any) -> AsyncIterator[list[RoutedSer
             rtt_s=LAN_RTT_S,
             antientropy_config=AE_CONFIG,
             forward_config=FORWARD_CONFIG,
-            # Claims are judged here, not answers: no probation hold (tests/test_audit.py and
-            # tests/test_challenge.py test that).
+            # Claims are judged here, not answers: no probation hold (tests/overlay/test_audit.py and
+            # tests/overlay/test_challenge.py test that).
             audit_config=AuditConfig(probation_answers=0),
         ) as services:
             yield services

@@ -177,7 +177,7 @@ async def cluster(
                     pushback_high=pushback_high,
                     registry=CollectorRegistry(),
                     # Peers start trusted: these tests stream tokens as they arrive, and a peer on
-                    # probation has its answer held for audit (tested in test_audit.py).
+                    # probation has its answer held for audit (tested in tests/overlay/test_audit.py).
                     audit_config=TRUSTED,
                     drop_filter=gate,
                 )
@@ -412,7 +412,8 @@ async def test_forged_digests_are_ignored(loaded: Any, overlay_network: Any) -> 
             "bad_signature": [posing_as_b, tampered],  # B's key claimed, or B's body edited
             "wrong_signer": [by_outsider, genuine_b],  # not signed by the publisher (D)
             # Garbage: not an envelope. (Oversized digests are refused before decoding, see
-            # test_routing.py; gossipsub cannot even carry 240 KiB, it breaks the stream.)
+            # tests/overlay/test_digest.py; gossipsub cannot even carry 240 KiB, it breaks the
+            # stream.)
             "malformed": [b"\xff\x00 not a digest", plaincbor.encode({"v": 1})],
         }
         topic = digest_topic(a.model_id)
