@@ -7,7 +7,7 @@ The trial is run first, as any trial (``python -m p2pnode.testnet.run_trial pape
 --out /tmp/simcheck``, ~3 min); this script simulates the same spec, prints both sets of
 figures with the differences, says which are within ``simspec.TOLERANCE``, and writes
 ``bench/results/simcheck.json``. ``--write-reference`` also adds the trial's figures to
-``tests/data/simcheck_<spec>.json``, which ``tests/test_simulate.py`` checks the simulator
+``tests/data/simcheck_<spec>.json``, which ``tests/testnet/test_simulate.py`` checks the simulator
 against (no trial needed there).
 
 Tolerance, set from the first comparison (paper-lan-zipf, the 16:11 UTC run of 2026-12-01)

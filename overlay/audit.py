@@ -8,7 +8,7 @@ prefill of that length, far less than generating it.
   ``greedy_margin`` logits of it (``check_greedy``). Honest peers on other hardware, dtypes or
   batch shapes pick a token whose logit ties the argmax within float error; the margin is 0.5
   because the worst gap measured for a bf16 peer batching four requests against our fp32
-  model was 0.17 logits over 200 answers (tests/test_audit.py), while a substituted token is
+  model was 0.17 logits over 200 answers (tests/overlay/test_audit.py), while a substituted token is
   typically 5+ logits below (10-19 seen).
 - Sampled: the answer's likelihood under the target's sampling distribution (temperature and
   top-p, with the nucleus widened by ``nucleus_slack`` so a boundary token of another numeric

@@ -32,8 +32,8 @@ Contract:
   ``await relay.dial(circuit_addr) -> peer id`` dials one circuit explicitly.
 - ``is_circuit_addr(addr)``; ``circuit_addr(relay_addr, peer_id)``.
 Measured with py-libp2p 0.8.1 (Noise-only, yamux-only hosts): relayed dial ~65 ms on loopback,
-streams and pings over it work; tests/test_relay.py runs a node in a network namespace with no
-inbound route. Uses two 0.8.1 internals, checked by those tests: the transport's
+streams and pings over it work; tests/overlay/test_relay.py runs a node in a network namespace
+with no inbound route. Uses two 0.8.1 internals, checked by those tests: the transport's
 ``_make_reservation``/``_reservations`` (its public ``reserve`` starts a refresher of its own),
 and instance attributes shadowing the host's ``connect``/``get_addrs`` (``BasicHost.get_addrs``
 strips the first ``/p2p/`` part of every address, which turns a circuit address into the

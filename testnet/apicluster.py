@@ -67,7 +67,7 @@ async def api_cluster(
                 )
             )
             # Pings answer late with several real engines on one loop and 2 busy cores: long
-            # timeouts keep healthy peers up (see tests/test_routing_cluster.py).
+            # timeouts keep healthy peers up (see tests/system/test_routing_cluster.py).
             config = OverlayConfig(
                 key=NodeKey.generate(),
                 bootstrap=[nodes[0].addrs[0]] if i else [],

@@ -203,7 +203,7 @@ def _snapshot(trial: RunningTrial, arm_dir: Path) -> None:
 
 def _tokenizer(spec: TrialSpec) -> Any:
     """The spec's tokenizer as a node loads it, or None. The light tokenizer tokenizes and
-    renders chats as transformers does (tests/test_light_node.py)."""
+    renders chats as transformers does (tests/inference/test_emulated.py)."""
     from p2pnode.inference.models import ModelLoadError, load_light_model
 
     try:
