@@ -356,8 +356,7 @@ def verdict_problem(
     accept tokens that were not sent), ``0 <= next_token < vocab_size``, and ``committed_len ==
     base_len + accepted + 1`` (the session's length after the block; ``>=`` when the session
     has ``lead`` on, as the verifier may have committed tokens of its own past the block).
-    Limits: this catches a
-    broken or careless verifier, not a careful liar. One that answers plausibly but wrongly
+    Limits: this catches a broken or careless verifier, not a careful liar. One that answers plausibly but wrongly
     (rejects good draft tokens, or names a valid but wrong next token) passes these checks and
     its tokens are committed. Catching that needs a second opinion: the edge's audit
     re-verifies a window of a greedy result on another verifier and asks a third to arbitrate
