@@ -71,10 +71,10 @@ class Dialer:
 
     async def dial(self, info: PeerInfo, *, background: float = 1.0) -> None:
         """Connect to `info` within `background` x `connect_timeout`. Discovery dials take
-        `BACKGROUND_TIMEOUT_FACTOR`, bootstrap retries grow towards it: 64 nodes joining on 2 cores took more than
-        `connect_timeout` per handshake, and cutting them short threw the work of both sides
-        away and made every retry slower still (measured: ~900 handshakes torn down, a
-        median of 15 of 63 peers connected after 200 s)."""
+        `BACKGROUND_TIMEOUT_FACTOR`, bootstrap retries grow towards it: 64 nodes joining on 2
+        cores took more than `connect_timeout` per handshake, and cutting them short threw the
+        work of both sides away and made every retry slower still (measured: ~900 handshakes
+        torn down, a median of 15 of 63 peers connected after 200 s)."""
         pid = info.peer_id.to_base58()
         self.last_dial[pid] = trio.current_time()
         if pid in self._admission.refused:
