@@ -51,6 +51,7 @@ class Admission:
         self._hello_done: dict[str, trio.Event] = {}
 
     def admit(self, conn: INetConn) -> bool:
+        """False for a refused peer (closed again); starts our hello on a connection we dialed."""
         peer = conn.muxed_conn.peer_id
         pid = peer.to_base58()
         if pid in self.refused:
@@ -61,12 +62,14 @@ class Admission:
         return True
 
     async def wait_hellos(self, peer_ids: Iterable[str]) -> None:
+        """Wait for the hellos still under way with these peers (no limit: the caller sets one)."""
         for pid in peer_ids:
             event = self._hello_done.get(pid)
             if event is not None:
                 await event.wait()
 
     async def serve_hello(self, stream: INetStream) -> None:
+        """Listener side of the hello: answer, then refuse the peer on a mismatch."""
         peer = stream.muxed_conn.peer_id
         theirs = await answer_hello(stream, self.hello)
         reason = mismatch(self.hello, theirs)

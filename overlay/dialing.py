@@ -67,6 +67,7 @@ class Dialer:
         self.last_dial: dict[str, float] = {}  # peer id -> trio time of our last dial
 
     def bootstrap_ids(self) -> set[str]:
+        """The bootstrap peers' ids (the connection manager never trims them)."""
         return {i.peer_id.to_base58() for i in self.bootstrap_infos}
 
     async def dial(self, info: PeerInfo, *, background: float = 1.0) -> None:
@@ -125,6 +126,7 @@ class Dialer:
         return False
 
     async def bootstrap(self) -> None:
+        """Dial every bootstrap peer at once, each with backoff (see the module contract)."""
         reached: list[bool] = []
 
         async def one(info: PeerInfo) -> None:

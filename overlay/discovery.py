@@ -143,6 +143,7 @@ class Discovery:
         return is_new
 
     def connected(self, pid: str, is_new: bool) -> None:
+        """A peer connected: its gossiped record (if one waits) goes to the table."""
         pending = self._pending_records.pop(pid, None)
         if pending is not None:
             self._peers.set_record(pending)
@@ -150,15 +151,18 @@ class Discovery:
             self._wake_discovery.set()
 
     def wake(self) -> None:
+        """Run the next round now (a lost peer to replace)."""
         self._wake_discovery.set()
 
     def forget(self, pid: str) -> None:
+        """The table forgot the peer: so do the dial timestamps."""
         self._dialer.last_dial.pop(pid, None)
         self._first_seen.pop(pid, None)
 
     # -- discovery rounds ---------------------------------------------------------------
 
     async def run(self) -> None:
+        """Discovery rounds for as long as the node runs (see the module contract)."""
         base = self._config.discovery_interval
         interval = base
         while True:

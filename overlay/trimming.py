@@ -84,6 +84,7 @@ class Trimmer:
         return drop
 
     async def run(self) -> None:
+        """Trim every ``TRIM_EVERY_S`` while the connection manager is enabled."""
         while self._connmgr.enabled:
             await trio.sleep(TRIM_EVERY_S)
             try:
