@@ -1,5 +1,9 @@
 """Cache digests: the compact, signed summary of one node's prefix cache for one model.
 
+One file (~560 lines) on purpose: the format and ``DigestBuilder``, its only producer, share the
+delta rules (last operation per fingerprint; a delta is valid on every state between its base and
+its version), which stay true only when stated and enforced in one place.
+
 Contract:
 - A digest names the cached block hashes of one (node, model) by *fingerprints*: the top
   ``fp_bits`` bits of each 64-bit chained block hash (``fingerprint``). With the default 32 bits a

@@ -1,7 +1,10 @@
 """Routing one request: the router's choice, the forward to it, fallback, audit and trust.
 
 The one composition root of a served model (``RoutedService``). The forward protocol, its
-server and its client call live in ``overlay/forward.py``.
+server and its client call live in ``overlay/forward.py``. One file (~650 lines) on purpose:
+the fallback loop, the local run and the audit and trust bookkeeping share one request's state
+(tokens delivered, attempts, the chosen peer); what it composes lives in its own modules
+(``router.py``, ``forward.py``, ``audit.py``, ``trust.py``).
 
 Fallback (``RoutedService.generate``): the router's ``attempts`` are tried in order (the chosen
 peer, maybe one more peer, then local). A peer that refuses, cannot be reached, or is silent past

@@ -1,5 +1,9 @@
 """The one wire format of p2pnode: length-prefixed CBOR frames and declarative messages.
 
+One file (~670 lines) on purpose: every byte a peer sends is framed and schema-checked here, so the
+whole decoding surface (frames, then the declarative messages on top of them) is reviewed in one
+reading.
+
 Frames. A frame is a 4-byte big-endian unsigned body length followed by a CBOR body holding
 plain data only (see ``p2pnode.identity.plaincbor``: no semantic tags, str/bytes map keys,
 bounded nesting, no trailing bytes). ``limit`` always bounds the BODY length in bytes; use
