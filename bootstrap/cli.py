@@ -40,6 +40,26 @@ _config_option = click.option(
 )
 
 
+class _SettingOption(click.Option):
+    """A node setting's flag whose help may show the setting's default as ``{default}``.
+
+    The number comes from ``NodeSettings()`` when help is shown, so it is defined once (see
+    bootstrap/config.py) and reading it costs nothing unless someone asks for help. The flag's
+    own default stays None: only flags the user gave override the config file.
+    """
+
+    def get_help_record(self, ctx: click.Context) -> tuple[str, str] | None:
+        record = super().get_help_record(ctx)
+        if record is None or "{default}" not in record[1]:
+            return record
+        return record[0], record[1].replace("{default}", str(getattr(NodeSettings(), self.name)))
+
+
+def _setting(*decls: str, **attrs: Any) -> Any:
+    """``click.option`` for a node setting (see ``_SettingOption``)."""
+    return click.option(*decls, cls=_SettingOption, default=None, **attrs)
+
+
 def _given(**flags: Any) -> dict[str, Any]:
     """Only the flags the user actually set, so config-file values are not overwritten."""
     return {
@@ -189,11 +209,10 @@ def _node_options(fn):
         ),
         click.option("--api-host", default=None, help="Address of the local HTTP API."),
         *_api_access_options,
-        click.option(
+        _setting(
             "--advertise-min-uses",
             type=int,
-            default=None,
-            help="Digests show a cached block once this many requests used it (default 2).",
+            help="Digests show a cached block once this many requests used it (default {default}).",
         ),
         click.option(
             "--api-port",
@@ -201,36 +220,36 @@ def _node_options(fn):
             default=None,
             help="Port of the local HTTP API (0: any free port).",
         ),
-        click.option(
-            "--cache-budget-tokens", type=int, default=None, help="Prefix-cache budget in tokens."
+        _setting(
+            "--cache-budget-tokens",
+            type=int,
+            help="Prefix-cache budget in tokens (default {default}).",
         ),
-        click.option("--max-batch", type=int, default=None, help="Requests decoded together."),
-        click.option(
-            "--ping-interval", type=float, default=None, help="Seconds between liveness pings."
+        _setting("--max-batch", type=int, help="Requests decoded together (default {default})."),
+        _setting(
+            "--ping-interval",
+            type=float,
+            help="Seconds between liveness pings (default {default}).",
         ),
-        click.option(
+        _setting(
             "--gossip-interval",
             type=float,
-            default=None,
-            help="Seconds between digest publications.",
+            help="Seconds between digest publications (default {default}).",
         ),
-        click.option(
+        _setting(
             "--min-connections",
             type=int,
-            default=None,
-            help="Peers a trim keeps: the nearest, plus bootstrap and relays (default 16).",
+            help="Peers a trim keeps: the nearest, plus bootstrap and relays (default {default}).",
         ),
-        click.option(
+        _setting(
             "--max-connections",
             type=int,
-            default=None,
-            help="Connected peers above which the node trims (default 24; 0: unbounded).",
+            help="Connected peers above which the node trims (default {default}; 0: unbounded).",
         ),
-        click.option(
+        _setting(
             "--pushback-threshold",
             type=int,
-            default=None,
-            help="Queue depth that triggers push-back.",
+            help="Queue depth that triggers push-back (default {default}).",
         ),
         click.option(
             "--log-level", default=None, type=click.Choice(["debug", "info", "warning", "error"])
