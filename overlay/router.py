@@ -177,6 +177,10 @@ def _candidate_log(c: CandidateEstimate) -> dict[str, Any]:
     return out
 
 
+# Queue depth that turns push-back on (a node's --pushback-threshold; the one definition).
+DEFAULT_PUSHBACK_HIGH = 8
+
+
 class PushBack:
     """Hysteresis for the push-back flag: on at ``depth >= high``, off at ``depth <= low``."""
 

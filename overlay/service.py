@@ -53,6 +53,7 @@ from p2pnode.overlay.peers import PeerState
 from p2pnode.overlay.privacy import AdvertiseGate
 from p2pnode.overlay.probation import FREE_SLOT_WAIT_S, ProbationChallenges
 from p2pnode.overlay.router import (
+    DEFAULT_PUSHBACK_HIGH,
     LOCAL,
     CandidateEstimate,
     LocalState,
@@ -149,7 +150,7 @@ class RoutedService:
         router_config: RouterConfig | None = None,
         antientropy_config: AntiEntropyConfig | None = None,
         forward_config: ForwardConfig | None = None,
-        pushback_high: int = 8,
+        pushback_high: int = DEFAULT_PUSHBACK_HIGH,
         pushback_low: int | None = None,
         registry: CollectorRegistry | None = None,
         drop_filter: Callable[[str, bytes], bool] | None = None,

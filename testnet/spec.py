@@ -29,7 +29,7 @@ Contract:
     placement = ["eu", "us", "eu", "us"]   # or: distribution = {eu = 3, us = 1} (weights)
     bootstrap_region = "eu"                # default: the first region
 
-    [node]                      # settings every node gets (p2pnode join flags)
+    [node]                      # settings every node gets (p2pnode join flags and defaults)
     pushback_threshold = 8
     gossip_interval = 1.0
     cache_budget_tokens = 32768
@@ -129,7 +129,8 @@ class Network:
         return self.link(a, b).delay_ms
 
 
-# A trial node's settings default to what `p2pnode join` would use: one source of defaults.
+# A trial node's settings default to what `p2pnode join` would use (NodeSettings, which reads
+# the engine's and the overlay's): one source of defaults.
 _JOIN = NodeSettings()
 
 
