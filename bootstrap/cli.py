@@ -314,6 +314,16 @@ def _run(settings: NodeSettings) -> None:
         click.echo("stopped.", err=True)
     except NodeStartError as exc:
         raise click.ClickException(str(exc)) from None
+    except BaseExceptionGroup as group:
+        # A start-up check that fails inside one of the node's nurseries arrives wrapped in a
+        # group (with the cancellations it caused): the user should read its message, not a
+        # traceback. Anything else is a bug and keeps its traceback.
+        failed, _ = group.split(NodeStartError)
+        if failed is None:
+            raise
+        while isinstance(failed, BaseExceptionGroup):
+            failed = failed.exceptions[0]
+        raise click.ClickException(str(failed)) from None
 
 
 @main.command()
