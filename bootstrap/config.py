@@ -25,6 +25,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+from p2pnode.errors import P2PNodeError
 from p2pnode.inference.engine import DEFAULT_CACHE_BUDGET_TOKENS, DEFAULT_MAX_BATCH
 
 ROLES = frozenset({"router", "verifier", "edge", "bootstrap", "relay"})
@@ -33,8 +34,10 @@ ENGINES = ("hf", "vllm", "emulated")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
-class ConfigError(ValueError):
+class ConfigError(P2PNodeError, ValueError):
     """A setting is unknown or has a bad value; the message names it."""
+
+    reason = "bad_config"
 
 
 def default_home() -> Path:

@@ -26,6 +26,7 @@ from p2pnode.bootstrap._runtime import remove_runtime, write_runtime
 from p2pnode.bootstrap.api import build_app, serve_api
 from p2pnode.bootstrap.config import NodeSettings
 from p2pnode.bootstrap.health import StartingApp
+from p2pnode.errors import P2PNodeError
 from p2pnode.identity import IdentityError, NodeKey
 
 if TYPE_CHECKING:
@@ -56,8 +57,10 @@ class _AuditedService(Protocol):
     def views(self) -> PeerViews: ...
 
 
-class NodeStartError(RuntimeError):
+class NodeStartError(P2PNodeError, RuntimeError):
     """The node could not start; the message says what to change."""
+
+    reason = "node_start_failed"
 
 
 async def _load_engine(settings: NodeSettings, stack: AsyncExitStack):

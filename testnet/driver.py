@@ -44,13 +44,16 @@ from typing import Any
 import httpx
 import trio
 
+from p2pnode.errors import P2PNodeError
 from p2pnode.testnet.spec import Workload
 
 STATUS_TIMEOUT_S = 10.0
 
 
-class DriverError(RuntimeError):
+class DriverError(P2PNodeError, RuntimeError):
     """The workload cannot be driven (a node does not answer /status, bad plan)."""
+
+    reason = "driver_failed"
 
 
 @dataclass(frozen=True)

@@ -86,6 +86,7 @@ from pathlib import Path
 from typing import Any
 
 from p2pnode.bootstrap.config import NodeSettings
+from p2pnode.errors import P2PNodeError
 
 COMPUTE_MODES = ("real", "emulated")
 ARMS = ("routing", "baseline")
@@ -98,8 +99,10 @@ MAX_NODES = 256
 MAX_REGIONS = 200  # each region gets its own 127.x.0.0/16 (see wan.py)
 
 
-class SpecError(ValueError):
+class SpecError(P2PNodeError, ValueError):
     """A trial spec is malformed; the message names the file and the key."""
+
+    reason = "bad_spec"
 
 
 @dataclass(frozen=True)
