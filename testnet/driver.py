@@ -208,6 +208,9 @@ async def _send_streamed(
 
 
 class _HttpStatus(Exception):
+    """A non-200 answer. Control flow of the request loops here and in ``churn.py``, which
+    always catch it, so it stays off the ``P2PNodeError`` root."""
+
     def __init__(self, status: int, text: str) -> None:
         super().__init__(f"HTTP {status}: {text}")
 
