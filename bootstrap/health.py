@@ -6,8 +6,9 @@ Contract:
   serves no model is ready without one); ``overlay`` is ``"joined"`` (no bootstrap peers
   configured: this node starts the swarm; otherwise a live connection to at least one peer;
   the peer table's "up" is not enough, it trusts a bootstrap peer before any connection),
-  ``"joining"`` or ``"none"`` (no overlay). ``ready`` = model not loading and overlay not joining; ``status`` is
-  ``"ok"`` when ready, else ``"starting"``.
+  ``"joining"`` or ``"none"`` (no overlay). ``ready`` = model not loading and overlay not
+  joining; ``status`` is ``"ok"`` when ready, else ``"starting"``. Of the engine only its
+  presence counts; of the node, what ``OverlayMember`` states.
 - ``health_response(state)``: 200 when ready, 503 (with ``retry-after``) otherwise; the body is
   the state either way, so a load balancer and a person read the same thing.
 - ``StartingApp``: the ASGI app a node serves on its HTTP port while it starts (the model can
@@ -17,13 +18,31 @@ Contract:
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+if TYPE_CHECKING:
+    from libp2p.abc import IHost
 
-def health_state(*, engine: Any = None, node: Any = None, loading: bool = False) -> dict[str, Any]:
+    from p2pnode.overlay import OverlayConfig
+
+
+class OverlayMember(Protocol):
+    """The overlay node, as readiness reads it: the bootstrap peers it was configured with
+    (``config.bootstrap``) and its libp2p host's live connections."""
+
+    @property
+    def config(self) -> OverlayConfig: ...
+
+    @property
+    def host(self) -> IHost: ...
+
+
+def health_state(
+    *, engine: object | None = None, node: OverlayMember | None = None, loading: bool = False
+) -> dict[str, Any]:
     model = "loading" if loading else ("loaded" if engine is not None else "none")
     if node is None:
         overlay = "none"

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import cbor2
 
+from p2pnode.errors import P2PNodeError
+
 __all__ = ["INVITE_PREFIX", "Invite", "InviteError", "make_invite", "parse_invite"]
 
 INVITE_PREFIX = "p2pnode-invite-1."
@@ -23,8 +25,10 @@ MAX_INVITE_CHARS = 8192
 MAX_BOOTSTRAP = 16
 
 
-class InviteError(ValueError):
+class InviteError(P2PNodeError, ValueError):
     """An invite string cannot be used; the message says why."""
+
+    reason = "bad_invite"
 
 
 @dataclass(frozen=True)

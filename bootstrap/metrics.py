@@ -16,13 +16,16 @@ Contract:
   (``p2pnode_digest_*``, incl. ``p2pnode_digest_published_bytes``) register theirs in the same
   registry when it is the one given to ``RoutedService``.
 - ``NodeMetrics`` can be built once per registry (prometheus refuses duplicate names).
+- What it reads of the parts it is given is written down as Protocols: ``PeerSource`` (the
+  overlay node), ``EngineGauges`` (either engine), ``ServiceGauges`` (``RoutedService``) and
+  ``VerifierStats`` (``BatchedVerifier``). Tests may hand smaller stand-ins.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping, Sized
+from typing import TYPE_CHECKING, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -31,6 +34,49 @@ from prometheus_client.registry import Collector
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, math.inf)
 _ITL_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1, 2, math.inf)
 _DURATION_BUCKETS = (0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 60, 120, math.inf)
+
+if TYPE_CHECKING:
+    from p2pnode.overlay.peers import PeerTable
+    from p2pnode.overlay.router import PushBack
+
+
+class PeerSource(Protocol):
+    """The overlay node, as ``p2pnode_peers`` reads it."""
+
+    @property
+    def peers(self) -> PeerTable: ...
+
+
+class EngineGauges(Protocol):
+    """An engine, as the engine gauges read it. One that keeps a radix prefix cache as ``tree``
+    (``num_tokens``, ``evicted_tokens``; the CPU engine) adds the cache gauges; vLLM keeps its
+    cache to itself."""
+
+    @property
+    def queue_depth(self) -> int: ...
+
+    @property
+    def max_batch(self) -> int: ...
+
+
+class ServiceGauges(Protocol):
+    """The routed service, as the push-back and peer-view gauges read it."""
+
+    @property
+    def pushback(self) -> PushBack: ...
+
+    @property
+    def views(self) -> Sized: ...
+
+
+class VerifierStats(Protocol):
+    """The speculative verifier, as ``p2pnode_verifier_*`` reads it."""
+
+    @property
+    def stats(self) -> Mapping[str, int]: ...
+
+    @property
+    def sessions(self) -> Sized: ...
 
 
 class LiveCollector(Collector):
@@ -44,11 +90,11 @@ class LiveCollector(Collector):
     def __init__(
         self,
         *,
-        node: Any = None,
-        engine: Any = None,
-        service: Any = None,
+        node: PeerSource | None = None,
+        engine: EngineGauges | None = None,
+        service: ServiceGauges | None = None,
         inflight: Callable[[], int] | None = None,
-        verifier: Any = None,
+        verifier: VerifierStats | None = None,
     ) -> None:
         self.node = node
         self.engine = engine
@@ -161,9 +207,9 @@ class NodeMetrics:
         self,
         registry: CollectorRegistry,
         *,
-        node: Any = None,
-        engine: Any = None,
-        service: Any = None,
+        node: PeerSource | None = None,
+        engine: EngineGauges | None = None,
+        service: ServiceGauges | None = None,
     ) -> None:
         self.registry = registry
         self.requests = Counter(

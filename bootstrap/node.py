@@ -16,7 +16,7 @@ import socket
 from collections.abc import Callable
 from contextlib import AsyncExitStack
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import trio
 from prometheus_client import CollectorRegistry
@@ -26,17 +26,41 @@ from p2pnode.bootstrap._runtime import remove_runtime, write_runtime
 from p2pnode.bootstrap.api import build_app, serve_api
 from p2pnode.bootstrap.config import NodeSettings
 from p2pnode.bootstrap.health import StartingApp
+from p2pnode.errors import P2PNodeError
 from p2pnode.identity import IdentityError, NodeKey
+
+if TYPE_CHECKING:
+    from p2pnode.overlay.audit import AuditConfig, Auditor
+    from p2pnode.overlay.probation import ProbationChallenges
+    from p2pnode.overlay.service import RoutedService
+    from p2pnode.overlay.trust import TrustBook
+    from p2pnode.overlay.views import PeerViews
 
 log = logging.getLogger("p2pnode.node")
 
 # Called as ``hook(service, nursery)`` once a node's RoutedService runs. The product registers
 # none; trial nodes (testnet/node.py) make an adversary misbehave through it, on the real path.
-SERVICE_HOOKS: list[Callable[[Any, trio.Nursery], None]] = []
+# The service itself, not a Protocol: an adversary replaces parts of it wherever it must.
+SERVICE_HOOKS: list[Callable[[RoutedService, trio.Nursery], None]] = []
 
 
-class NodeStartError(RuntimeError):
+class _AuditedService(Protocol):
+    """The routed service, as the probation status reads it."""
+
+    @property
+    def auditor(self) -> Auditor | None: ...  # None: this node audits no one
+
+    @property
+    def probation(self) -> ProbationChallenges | None: ...  # None: no challenges
+
+    @property
+    def views(self) -> PeerViews: ...
+
+
+class NodeStartError(P2PNodeError, RuntimeError):
     """The node could not start; the message says what to change."""
+
+    reason = "node_start_failed"
 
 
 async def _load_engine(settings: NodeSettings, stack: AsyncExitStack):
@@ -100,7 +124,7 @@ async def _verifier_model(engine, settings: NodeSettings):
     return await trio.to_thread.run_sync(load_model, path)
 
 
-def _routing_status(service) -> dict[str, Any]:
+def _routing_status(service: RoutedService | None) -> dict[str, Any]:
     if service is None:
         return {}
     views = {
@@ -132,7 +156,7 @@ def _routing_status(service) -> dict[str, Any]:
     }
 
 
-def _probation_status(service: Any) -> dict[str, Any] | None:
+def _probation_status(service: _AuditedService) -> dict[str, Any] | None:
     """Which peers still have their answers held for audit, and the known-answer challenges
     sent to get them out (overlay/challenge.py)."""
     auditor, probation = service.auditor, service.probation
@@ -233,7 +257,9 @@ async def _keep_runtime(home: Path, info: Callable[[], dict[str, Any]]) -> None:
             last = now
 
 
-def _trust_and_audit(settings: NodeSettings, registry: CollectorRegistry) -> tuple[Any, Any]:
+def _trust_and_audit(
+    settings: NodeSettings, registry: CollectorRegistry
+) -> tuple[TrustBook, AuditConfig]:
     """The trust book, restored from the node's home, and the audit settings."""
     from p2pnode.overlay.audit import AuditConfig
     from p2pnode.overlay.trust import TrustBook

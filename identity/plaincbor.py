@@ -24,13 +24,17 @@ from typing import Any
 
 import cbor2
 
+from p2pnode.errors import P2PNodeError
+
 DEFAULT_MAX_DEPTH = 32
 _INT_MIN = -(2**64)
 _INT_MAX = 2**64 - 1
 
 
-class PlainCBORError(ValueError):
+class PlainCBORError(P2PNodeError, ValueError):
     """The value cannot be encoded as, or the bytes do not decode to, plain CBOR data."""
+
+    reason = "not_plain_cbor"
 
 
 class _RejectTag(Exception):

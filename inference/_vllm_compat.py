@@ -33,6 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from p2pnode.errors import P2PNodeError
 from p2pnode.inference.blockhash import BLOCK_SIZE
 
 CPU_BLOCK_SIZE = 32  # the CPU attention backend's smallest block (a multiple of BLOCK_SIZE)
@@ -40,8 +41,10 @@ CPU_DEFAULT_KV_TOKENS = 32768  # the CPU build's KV cache when no budget is give
 SUPPORTED = {"0.32": "cpu", "0.33": "cuda"}
 
 
-class VllmBuildError(RuntimeError):
+class VllmBuildError(P2PNodeError, RuntimeError):
     """vLLM is missing or is a build this module does not know; the message says what to do."""
+
+    reason = "vllm_build_unsupported"
 
 
 @dataclass(frozen=True)

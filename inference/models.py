@@ -28,6 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from p2pnode.errors import P2PNodeError
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
@@ -52,8 +54,10 @@ LLAMA_LINEAR_GROUPS = (
 LLAMA_LINEARS = tuple(name for group in LLAMA_LINEAR_GROUPS for name in group)
 
 
-class ModelLoadError(RuntimeError):
+class ModelLoadError(P2PNodeError, RuntimeError):
     """The model could not be found or loaded; the message says what to install or fix."""
+
+    reason = "model_load_failed"
 
 
 @dataclass(frozen=True)

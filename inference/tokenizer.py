@@ -22,9 +22,13 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
+from p2pnode.errors import P2PNodeError
 
-class TokenizerLoadError(ValueError):
+
+class TokenizerLoadError(P2PNodeError, ValueError):
     """The folder's tokenizer files are missing or unreadable; the message names the file."""
+
+    reason = "tokenizer_load_failed"
 
 
 _SPECIAL = ("bos_token", "eos_token", "unk_token", "pad_token")

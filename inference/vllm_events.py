@@ -53,6 +53,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from p2pnode.errors import P2PNodeError
 from p2pnode.inference.blockhash import (
     BLOCK_SIZE,
     ROOT_HASH,
@@ -77,24 +78,28 @@ END_SEQ = -1
 VllmHash = int | bytes
 
 
-class VllmEventError(ValueError):
+class VllmEventError(P2PNodeError, ValueError):
     """A vLLM KV event payload was refused; the message says what was wrong."""
+
+    reason = "vllm_event_error"
 
 
 class OversizedBatch(VllmEventError):
-    pass
+    reason = "oversized_batch"
 
 
 class MalformedBatch(VllmEventError):
-    pass
+    reason = "malformed_batch"
 
 
 class UnsupportedBlockSize(VllmEventError):
-    pass
+    reason = "unsupported_block_size"
 
 
 class UnknownParent(VllmEventError):
     """A stored block chains to a vLLM hash this translator never saw (events were missed)."""
+
+    reason = "unknown_parent"
 
 
 # --------------------------------------------------------------------------- decoded events

@@ -2,20 +2,30 @@
 
 from __future__ import annotations
 
+from p2pnode.errors import P2PNodeError
+
 __all__ = ["BadMultiaddr", "BootstrapFailed", "OverlayError", "PeerUnreachable"]
 
 
-class OverlayError(Exception):
+class OverlayError(P2PNodeError):
     """Base class of overlay errors."""
+
+    reason = "overlay_error"
 
 
 class BadMultiaddr(OverlayError, ValueError):
     """A multiaddr string could not be parsed or lacks a required part (e.g. `/p2p/<id>`)."""
 
+    reason = "bad_multiaddr"
+
 
 class BootstrapFailed(OverlayError):
     """No bootstrap peer could be reached within the retry budget."""
 
+    reason = "bootstrap_failed"
+
 
 class PeerUnreachable(OverlayError):
     """A peer could not be dialed or a stream to it could not be opened."""
+
+    reason = "unreachable"

@@ -50,6 +50,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 from prometheus_client import CollectorRegistry, Counter
 
+from p2pnode.errors import P2PNodeError
 from p2pnode.overlay import wire
 from p2pnode.overlay.digest import (
     DEFAULT_MAX_AGE_S,
@@ -68,6 +69,8 @@ if TYPE_CHECKING:
     from p2pnode.overlay.seams import OverlayHost
 
 log = logging.getLogger("p2pnode.overlay.antientropy")
+# A pull refused by the peer's limits: ``digest-unavailable`` whose reason starts with this.
+_LIMITED = f"{LimitExceeded.reason}:"
 
 DIGEST_PROTOCOL = "/p2pnode/digest/1"
 TOPIC_PREFIX = "p2pnode/digest/"
@@ -98,8 +101,10 @@ class DigestUnavailable:
     reason: str = field(metadata=wire.bounded(max_len=256))
 
 
-class PullFailed(Exception):
+class PullFailed(P2PNodeError):
     """A direct digest pull did not produce a usable digest; the message says why."""
+
+    reason = "pull_failed"
 
 
 @dataclass
@@ -425,8 +430,8 @@ class AntiEntropy:
         except Exception as exc:  # unreachable peer, reset stream, malformed frame
             self._count_pull("error")
             raise PullFailed(f"{type(exc).__name__}: {exc}") from None
-        if isinstance(reply, DigestUnavailable) and reply.reason.startswith("limited:"):
-            self._count_pull("limited")
+        if isinstance(reply, DigestUnavailable) and reply.reason.startswith(_LIMITED):
+            self._count_pull(LimitExceeded.reason)
             raise PullFailed(f"{peer_id} refused the pull: {reply.reason}")
         if isinstance(reply, DigestUnavailable):
             self._count_pull("unavailable")
@@ -442,7 +447,7 @@ class AntiEntropy:
             with self.limiter.admit(peer, "digest_pull"):
                 await self._answer_pull(stream)
         except LimitExceeded as exc:
-            refusal = DigestUnavailable("", f"limited: {exc}"[:256])
+            refusal = DigestUnavailable("", f"{exc.reason}: {exc}"[:256])
             with trio.move_on_after(1):
                 limit = wire.limit_for(DIGEST_PROTOCOL)
                 await wire.write_frame(stream, wire.to_wire(refusal), limit=limit)

@@ -63,13 +63,16 @@ from typing import Any
 import trio
 from prometheus_client import CollectorRegistry, Counter
 
+from p2pnode.errors import P2PNodeError
 from p2pnode.overlay.trust import TrustBook
 
 log = logging.getLogger("p2pnode.overlay.challenge")
 
 
-class ChallengeUnanswered(Exception):
+class ChallengeUnanswered(P2PNodeError):
     """The challenge's forward failed (timeout, refused, stream closed): no verdict."""
+
+    reason = "unanswered"
 
 
 # send(peer, prompt, max_tokens) -> the peer's answer tokens; raises ChallengeUnanswered.

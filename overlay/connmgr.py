@@ -30,8 +30,8 @@ Contract:
   (a lost or trimmed peer: only below ``low``, so a peer that trimmed us is not dialed back at
   once and a trim is not undone by the next discovery round), ``plan_trim(...)``
   -> the peers to close (only when more than ``high`` are connected) and ``status()``.
-  The node (``overlay/node.py``) runs the trim every ``TRIM_EVERY_S``, closes those connections
-  and marks the peers down with the reason ``pruned``.
+  The node's trimmer (``overlay/trimming.py``) runs the trim every ``TRIM_EVERY_S``, closes
+  those connections and marks the peers down with the reason ``pruned``.
 """
 
 from __future__ import annotations

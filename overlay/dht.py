@@ -55,6 +55,8 @@ MAX_PARALLEL_QUERIES = 8
 class InvalidNodeRecord(OverlayError, ValueError):
     """A `/p2pnode/<peer_id>` value is not a valid, current, signed record for that peer."""
 
+    reason = "invalid_node_record"
+
 
 def record_key(peer_id: str) -> str:
     """DHT key of a peer's node record."""

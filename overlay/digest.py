@@ -1,5 +1,9 @@
 """Cache digests: the compact, signed summary of one node's prefix cache for one model.
 
+One file (~560 lines) on purpose: the format and ``DigestBuilder``, its only producer, share the
+delta rules (last operation per fingerprint; a delta is valid on every state between its base and
+its version), which stay true only when stated and enforced in one place.
+
 Contract:
 - A digest names the cached block hashes of one (node, model) by *fingerprints*: the top
   ``fp_bits`` bits of each 64-bit chained block hash (``fingerprint``). With the default 32 bits a
@@ -36,6 +40,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
+from p2pnode.errors import P2PNodeError
 from p2pnode.inference.blockhash import (
     BLOCK_HASH_VERSION,
     AllBlocksCleared,
@@ -64,7 +69,7 @@ DROP_REASONS = (
     "malformed",
     "bad_signature",
     "expired",
-    "wrong_kind",
+    "unknown_kind",
     "wrong_signer",
     "unsupported",
     "stale",
@@ -74,17 +79,24 @@ DROP_REASONS = (
 )
 
 
-class DigestError(Exception):
-    """A digest was refused; ``reason`` is one of ``DROP_REASONS`` (used as a metric label)."""
+class DigestError(P2PNodeError):
+    """A digest was refused; ``reason`` is one of ``DROP_REASONS`` (used as a metric label).
+
+    ``reason`` is set per refusal, not per class: an envelope refused by ``p2pnode.identity``
+    passes on that error's own ``reason`` (``bad_signature``, ``expired``, ...)."""
+
+    reason = "digest_error"
 
     def __init__(self, reason: str, message: str) -> None:
         super().__init__(f"{reason}: {message}")
-        self.reason = reason
+        self.reason = reason  # type: ignore[misc]  # per refusal: see the docstring
 
 
 class MalformedDigest(DigestError):
+    reason = "malformed"
+
     def __init__(self, message: str) -> None:
-        super().__init__("malformed", message)
+        super().__init__(MalformedDigest.reason, message)
 
 
 # --------------------------------------------------------------------------- fingerprints
@@ -346,19 +358,11 @@ def open_digest(
         opened = identity.open_envelope(
             bytes(data), DIGEST_KIND, max_age=max_age, now=now, max_size=max_size
         )
-    except identity.EnvelopeTooLarge as exc:
-        raise DigestError("oversized", str(exc)) from None
-    except identity.BadSignature as exc:
-        # Also a digest signed as another kind: the domain tag differs, so it never verifies.
-        raise DigestError("bad_signature", str(exc)) from None
-    except identity.ExpiredEnvelope as exc:
-        raise DigestError("expired", str(exc)) from None
-    except identity.UnknownKind as exc:
-        raise DigestError("wrong_kind", str(exc)) from None
-    except identity.WrongSigner as exc:
-        raise DigestError("wrong_signer", str(exc)) from None
     except identity.IdentityError as exc:
-        raise DigestError("malformed", str(exc)) from None
+        # The identity error's reason is the drop reason (a digest signed as another kind
+        # fails as ``bad_signature``: the domain tag differs); any other is ``malformed``.
+        reason = exc.reason if exc.reason in DROP_REASONS else MalformedDigest.reason
+        raise DigestError(reason, str(exc)) from None
     if expected_peer is not None and opened.peer_id != expected_peer:
         raise DigestError("wrong_signer", f"signed by {opened.peer_id}, expected {expected_peer}")
     return digest_from_payload(

@@ -6,7 +6,7 @@ remaining deadline}; the server answers ``fwd-accepted`` {its cached prefix now,
 then ``fwd-tokens`` {start index, ids} as the engine produces them, then ``fwd-done`` {finish
 reason, the REAL cached prompt tokens it served from, timings}, or ``fwd-error`` {code, message}
 at any point (codes: ``busy``, ``no_model``, ``bad_request``, ``deadline``, ``internal``,
-``limited``: over a per-peer limit of ``overlay/limits.py``).
+``limited``: over a per-peer limit of ``overlay/limits.py``, ``LimitExceeded.reason``).
 
 Every gap in the token stream (``start`` not equal to the tokens received) fails the attempt.
 A request with ``logprobs`` set (top alternatives per token) gets one ``fwd-logprob`` per token
@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
+from p2pnode.errors import P2PNodeError
 from p2pnode.inference.sampling import MAX_TOP_LOGPROBS, SamplingParams, TokenLogprob
 from p2pnode.inference.serving import ServingEngine
 from p2pnode.overlay import wire
@@ -120,17 +121,25 @@ class ForwardError:
     message: str = field(metadata=wire.bounded(max_len=1024))
 
 
-class ForwardFailed(Exception):
-    """A forwarding attempt failed; ``reason`` is a short label, ``tokens`` what arrived first."""
+class ForwardFailed(P2PNodeError):
+    """A forwarding attempt failed; ``tokens`` is what arrived first.
+
+    ``reason`` is set per attempt, not per class: the ``fwd-error`` code the peer sent (any
+    string, so no class could stand for each) or ours for a failure on the way (``eof``,
+    ``timeout``, ``protocol``, ``unreachable``). The routed service counts attempts by it."""
+
+    reason = "forward_failed"
 
     def __init__(self, reason: str, message: str, tokens: Sequence[int] = ()) -> None:
         super().__init__(f"{reason}: {message}")
-        self.reason = reason
+        self.reason = reason  # type: ignore[misc]  # per attempt: see the docstring
         self.tokens = list(tokens)
 
 
-class NoRouteError(Exception):
+class NoRouteError(P2PNodeError):
     """No node could serve the request (no local engine and every peer failed)."""
+
+    reason = "no_route"
 
 
 @dataclass
@@ -180,7 +189,7 @@ class ForwardServer:
             with self.limiter.admit(peer, "forward"), self.limiter.metered(peer, stream) as s:
                 await self._serve(s)
         except LimitExceeded as exc:
-            await self._refuse(stream, "limited", str(exc))
+            await self._refuse(stream, exc.reason, str(exc))
         except trio.TooSlowError:  # only the request read is timed here; _run has its own
             await self._refuse(stream, "deadline", "no complete fwd-request within 10 s")
 

@@ -47,6 +47,8 @@ _NETWORK_RE = re.compile(r"[a-z0-9][a-z0-9._-]{0,63}")
 class NetworkMismatch(OverlayError):
     """A peer belongs to another network or speaks another protocol version."""
 
+    reason = "network_mismatch"
+
 
 def check_network_id(network: str) -> str:
     """``network`` if it is a valid network id; ``ValueError`` saying what is allowed."""

@@ -13,7 +13,7 @@ Contract:
   its checks negotiates a new stream per connection, one connection after the other, and it
   aborts the connection on ONE answer later than `health_ping_timeout`. Measured with 16
   nodes on 2 busy cores: ~100 % of its probes failed (stream opens took 1-10 s there), each
-  failure dropped a healthy link and every stream on it. The node's own liveness (`node.py`:
+  failure dropped a healthy link and every stream on it. The node's own liveness (`liveness.py`:
   any received frame counts, adaptive probe timeouts) detects dead and hung peers and closes
   their connections. Pass `health_check_interval` > 0 to turn the monitor on anyway.
 - Advertised addresses come from `addrs_factory` (`overlay/addrs.py`: never an unspecified

@@ -50,6 +50,10 @@ UNKNOWN_PEER = "unknown-peer"
 class LimitExceeded(OverlayError):
     """A peer went over one of its limits; the request was refused, nothing was queued."""
 
+    # The wire word of a refusal: forward's ``fwd-error`` code and the prefix of a digest
+    # pull's ``digest-unavailable`` reason. Peers of every version read it: never change it.
+    reason = "limited"
+
     def __init__(
         self, peer: str, kind: str, scope: str, message: str, retry_after_s: float | None = None
     ) -> None:

@@ -1,5 +1,9 @@
 """NAT traversal: libp2p circuit relay v2 for overlay nodes, relays found in the overlay.
 
+One file (~520 lines) on purpose: ``RelayService`` is one state machine whose parts (reservations,
+the circuit addresses it advertises, the dial fallback that uses them, the members-only admission of
+circuits it relays) read and write the same reservations.
+
 A node behind NAT can dial out but cannot be dialed. It reserves a slot on a relay (a public
 member of the overlay), advertises ``<relay addr>/p2p-circuit/p2p/<its id>``, and peers
 that cannot dial it directly reach it through the relay: a relayed connection is a relay stream

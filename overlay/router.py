@@ -1,5 +1,9 @@
 """WAN-aware, cache-aware routing: pick the node (local included) that should serve a request.
 
+One file (~650 lines) on purpose: the cost formula, its margin rule and every knob with the
+measurement behind it read best beside the one class that applies them; what the router learns from
+lives in its own modules (``netcost.py``, ``inference/lengths.py``, ``sessions.py``).
+
 Contract:
 - For every candidate the router estimates the completion time of the request there:
   ``total = network + queue wait + overhead + prefill(prompt - cached) + decode(expected tokens)
@@ -171,6 +175,10 @@ def _candidate_log(c: CandidateEstimate) -> dict[str, Any]:
         v = getattr(c, name)
         out[name] = round(v, 6) if isinstance(v, float) else v
     return out
+
+
+# Queue depth that turns push-back on (a node's --pushback-threshold; the one definition).
+DEFAULT_PUSHBACK_HIGH = 8
 
 
 class PushBack:

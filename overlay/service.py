@@ -1,7 +1,10 @@
 """Routing one request: the router's choice, the forward to it, fallback, audit and trust.
 
 The one composition root of a served model (``RoutedService``). The forward protocol, its
-server and its client call live in ``overlay/forward.py``.
+server and its client call live in ``overlay/forward.py``. One file (~650 lines) on purpose:
+the fallback loop, the local run and the audit and trust bookkeeping share one request's state
+(tokens delivered, attempts, the chosen peer); what it composes lives in its own modules
+(``router.py``, ``forward.py``, ``audit.py``, ``trust.py``).
 
 Fallback (``RoutedService.generate``): the router's ``attempts`` are tried in order (the chosen
 peer, maybe one more peer, then local). A peer that refuses, cannot be reached, or is silent past
@@ -50,6 +53,7 @@ from p2pnode.overlay.peers import PeerState
 from p2pnode.overlay.privacy import AdvertiseGate
 from p2pnode.overlay.probation import FREE_SLOT_WAIT_S, ProbationChallenges
 from p2pnode.overlay.router import (
+    DEFAULT_PUSHBACK_HIGH,
     LOCAL,
     CandidateEstimate,
     LocalState,
@@ -146,7 +150,7 @@ class RoutedService:
         router_config: RouterConfig | None = None,
         antientropy_config: AntiEntropyConfig | None = None,
         forward_config: ForwardConfig | None = None,
-        pushback_high: int = 8,
+        pushback_high: int = DEFAULT_PUSHBACK_HIGH,
         pushback_low: int | None = None,
         registry: CollectorRegistry | None = None,
         drop_filter: Callable[[str, bytes], bool] | None = None,

@@ -355,12 +355,12 @@ def verdict_problem(
     the verdict is internally consistent: ``0 <= accepted <= block_len`` (a verifier cannot
     accept tokens that were not sent), ``0 <= next_token < vocab_size``, and ``committed_len ==
     base_len + accepted + 1`` (the session's length after the block; ``>=`` when the session
-    has ``lead`` on, as the verifier may have committed tokens of its own past the block). Limits: this catches a
-    broken or careless verifier, not a careful liar. One that answers plausibly but wrongly
+    has ``lead`` on, as the verifier may have committed tokens of its own past the block).
+    Limits: this catches a broken or careless verifier, not a careful liar. One that answers plausibly but wrongly
     (rejects good draft tokens, or names a valid but wrong next token) passes these checks and
-    its tokens are committed. Catching that needs a second opinion: re-verifying a committed
-    block on another verifier now and then (greedy requests only; a third to arbitrate a
-    disagreement), which is not built yet.
+    its tokens are committed. Catching that needs a second opinion: the edge's audit
+    re-verifies a window of a greedy result on another verifier and asks a third to arbitrate
+    a disagreement (``EdgeClient.audit`` in the speculation package).
     """
     if not 0 <= accepted <= block_len:
         return f"accepted {accepted} of a {block_len}-token block"

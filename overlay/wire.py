@@ -1,5 +1,9 @@
 """The one wire format of p2pnode: length-prefixed CBOR frames and declarative messages.
 
+One file (~670 lines) on purpose: every byte a peer sends is framed and schema-checked here, so the
+whole decoding surface (frames, then the declarative messages on top of them) is reviewed in one
+reading.
+
 Frames. A frame is a 4-byte big-endian unsigned body length followed by a CBOR body holding
 plain data only (see ``p2pnode.identity.plaincbor``: no semantic tags, str/bytes map keys,
 bounded nesting, no trailing bytes). ``limit`` always bounds the BODY length in bytes; use
@@ -35,6 +39,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from p2pnode.errors import P2PNodeError
 from p2pnode.identity import plaincbor
 
 KiB = 1024
@@ -53,24 +58,34 @@ PROTOCOL_LIMITS: dict[str, int] = {
 }
 
 
-class WireError(Exception):
+class WireError(P2PNodeError):
     """Base class of every wire-format failure."""
+
+    reason = "wire_error"
 
 
 class FrameTooLarge(WireError):
     """A frame body is (or claims to be) longer than the limit."""
 
+    reason = "frame_too_large"
+
 
 class MalformedFrame(WireError):
     """The frame bytes are not one valid plain-CBOR item."""
+
+    reason = "malformed_frame"
 
 
 class TruncatedFrame(WireError):
     """The input ended inside a frame."""
 
+    reason = "truncated_frame"
+
 
 class SchemaError(WireError):
     """A decoded value does not match the message schema (or a message cannot be encoded)."""
+
+    reason = "schema_error"
 
     def __init__(self, text: str, *, message_name: str | None = None, field: str | None = None):
         where = ""

@@ -44,13 +44,16 @@ from typing import Any
 import httpx
 import trio
 
+from p2pnode.errors import P2PNodeError
 from p2pnode.testnet.spec import Workload
 
 STATUS_TIMEOUT_S = 10.0
 
 
-class DriverError(RuntimeError):
+class DriverError(P2PNodeError, RuntimeError):
     """The workload cannot be driven (a node does not answer /status, bad plan)."""
+
+    reason = "driver_failed"
 
 
 @dataclass(frozen=True)
@@ -205,6 +208,9 @@ async def _send_streamed(
 
 
 class _HttpStatus(Exception):
+    """A non-200 answer. Control flow of the request loops here and in ``churn.py``, which
+    always catch it, so it stays off the ``P2PNodeError`` root."""
+
     def __init__(self, status: int, text: str) -> None:
         super().__init__(f"HTTP {status}: {text}")
 

@@ -48,6 +48,7 @@ from typing import Any
 
 import httpx
 
+from p2pnode.errors import P2PNodeError
 from p2pnode.testnet import wan
 from p2pnode.testnet.netns import Testbed, require_netns
 from p2pnode.testnet.spec import TrialSpec
@@ -65,8 +66,10 @@ STAGGER_ABOVE = 16
 STAGGER_S = 0.25
 
 
-class LaunchError(RuntimeError):
+class LaunchError(P2PNodeError, RuntimeError):
     """A trial's processes did not come up; the message holds the reason and log tail."""
+
+    reason = "launch_failed"
 
 
 @dataclass

@@ -36,6 +36,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO
 
+from p2pnode.errors import P2PNodeError
+
 __all__ = ["HOST_KINDS", "PUBLIC_NET", "Testbed", "TestbedError", "require_netns"]
 
 HOST_KINDS = ("public", "nat", "nat-random")
@@ -44,8 +46,10 @@ LAN_NET = "192.168.1"  # behind every router
 STOP_GRACE_S = 10.0
 
 
-class TestbedError(RuntimeError):
+class TestbedError(P2PNodeError, RuntimeError):
     """The testbed could not be built; the message names the failing command."""
+
+    reason = "testbed_failed"
 
 
 def _run(argv: Sequence[str], check: bool = True) -> subprocess.CompletedProcess:

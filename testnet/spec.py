@@ -29,7 +29,7 @@ Contract:
     placement = ["eu", "us", "eu", "us"]   # or: distribution = {eu = 3, us = 1} (weights)
     bootstrap_region = "eu"                # default: the first region
 
-    [node]                      # settings every node gets (p2pnode join flags)
+    [node]                      # settings every node gets (p2pnode join flags and defaults)
     pushback_threshold = 8
     gossip_interval = 1.0
     cache_budget_tokens = 32768
@@ -86,6 +86,7 @@ from pathlib import Path
 from typing import Any
 
 from p2pnode.bootstrap.config import NodeSettings
+from p2pnode.errors import P2PNodeError
 
 COMPUTE_MODES = ("real", "emulated")
 ARMS = ("routing", "baseline")
@@ -98,8 +99,10 @@ MAX_NODES = 256
 MAX_REGIONS = 200  # each region gets its own 127.x.0.0/16 (see wan.py)
 
 
-class SpecError(ValueError):
+class SpecError(P2PNodeError, ValueError):
     """A trial spec is malformed; the message names the file and the key."""
+
+    reason = "bad_spec"
 
 
 @dataclass(frozen=True)
@@ -129,7 +132,8 @@ class Network:
         return self.link(a, b).delay_ms
 
 
-# A trial node's settings default to what `p2pnode join` would use: one source of defaults.
+# A trial node's settings default to what `p2pnode join` would use (NodeSettings, which reads
+# the engine's and the overlay's): one source of defaults.
 _JOIN = NodeSettings()
 
 

@@ -45,6 +45,7 @@ from typing import Any
 
 import trio
 
+from p2pnode.errors import P2PNodeError
 from p2pnode.testnet.spec import MAX_REGIONS, SpecError, TrialSpec, load_spec
 
 log = logging.getLogger("p2pnode.testnet.wan")
@@ -58,8 +59,10 @@ MAX_PENDING_BYTES = 64 << 20  # writers wait beyond this (a slow link must not e
 NODES_PER_REGION = 250 * 250
 
 
-class WanError(RuntimeError):
+class WanError(P2PNodeError, RuntimeError):
     """WAN emulation cannot be set up as asked; the message says what to fix."""
+
+    reason = "wan_failed"
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,8 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from p2pnode.errors import P2PNodeError
+
 # What every emulated node imports anyway; a real-compute node would add torch, which is
 # never loaded here (fork after torch's thread pools start is unsafe).
 PRELOAD = (
@@ -57,8 +59,10 @@ PRELOAD = (
 )
 
 
-class ZygoteError(RuntimeError):
+class ZygoteError(P2PNodeError, RuntimeError):
     """The fork server did not start or refused a request; the message says why."""
+
+    reason = "zygote_failed"
 
 
 class ForkedProc:

@@ -15,13 +15,16 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from p2pnode.errors import P2PNodeError
 from p2pnode.inference.sampling import MAX_TOP_LOGPROBS, TokenLogprob
 
 TokenText = Callable[[int], str]
 
 
-class LogprobsOptionError(ValueError):
+class LogprobsOptionError(P2PNodeError, ValueError):
     """A logprobs option has the wrong type or range; ``param`` names it."""
+
+    reason = "bad_logprobs_option"
 
     def __init__(self, message: str, param: str) -> None:
         super().__init__(message)

@@ -14,33 +14,95 @@ has; it adds no task of its own:
   time, the choice, a sentence saying why, the attempts and what really happened) in a ring of
   ``decisions`` entries and hands it to every subscriber (``subscribe()``, the SSE stream).
 - ``speculation()``: verifier sessions (``watch_verifier``) and edge results (``record_edge``).
+- What it reads of the parts it is given is written down as Protocols: ``FeedService`` (the
+  node's ``RoutedService``), ``FeedEngine`` (either engine) and ``FeedVerifier``
+  (``BatchedVerifier``), each what the metrics read (``bootstrap/metrics.py``) and more.
+  Routing decisions, attempts and edge results are the overlay's and speculation's own types.
+  Reads through ``getattr`` are of parts a node may lack: the radix ``tree`` and ``totals``
+  (the CPU engine has them, vLLM not), the service's overlay ``node`` and its
+  ``connection_kind`` (a stand-in in tests), a request's ``endpoint``.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable
-from typing import Any, Protocol
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 import trio
 
+from p2pnode.bootstrap.metrics import EngineGauges, ServiceGauges, VerifierStats
 from p2pnode.inference.blockhash import BLOCK_SIZE
+
+if TYPE_CHECKING:
+    from libp2p.abc import INetConn
+
+    from p2pnode.bootstrap.metrics import NodeMetrics
+    from p2pnode.overlay.forward import ForwardServer
+    from p2pnode.overlay.router import CandidateEstimate, RoutingDecision
+    from p2pnode.overlay.service import Attempt, RoutedResult
+    from p2pnode.overlay.trust import TrustBook
+    from p2pnode.overlay.views import PeerViews
+    from p2pnode.speculation.edge import EdgeResult
 
 SUBSCRIBER_BUFFER = 64  # decisions a slow event-stream reader may lag; older ones are dropped
 
 
 class _Outcome(Protocol):  # the API's per-request outcome (bootstrap/api/_bodies.py)
-    routed: Any
+    routed: RoutedResult | None
     tokens: list[int]
     total_s: float
+
+
+class FeedService(ServiceGauges, Protocol):
+    """The node's routed service, as the console reads it: what the metrics read, and more."""
+
+    model_id: str
+
+    @property
+    def views(self) -> PeerViews: ...
+
+    @property
+    def trust(self) -> TrustBook: ...
+
+    @property
+    def server(self) -> ForwardServer | None: ...  # None until the service serves peers
+
+
+class FeedEngine(EngineGauges, Protocol):
+    """An engine, as the console reads it (see the module contract for ``tree``, ``totals``)."""
+
+    @property
+    def model_id(self) -> str: ...
+
+
+class FeedSession(Protocol):
+    """One verification session (``speculation/verify.py``); ``counts`` where it keeps them."""
+
+    @property
+    def committed_len(self) -> int: ...
+
+    lead: int
+    lead_left: int
+    options: object  # SamplingOptions: its temperature is shown
+
+
+class FeedVerifier(VerifierStats, Protocol):
+    """The speculative verifier, as the console reads it."""
+
+    model_id: str
+    max_sessions: int
+
+    @property
+    def sessions(self) -> Mapping[str, FeedSession]: ...
 
 
 def _short(peer: str) -> str:
     return peer if peer == "local" or len(peer) <= 12 else f"…{peer[-8:]}"
 
 
-def link_kind(conn: Any) -> str:
+def link_kind(conn: INetConn) -> str:
     """One libp2p connection: ``relayed`` (a circuit through a relay) or ``direct``."""
     secured = getattr(getattr(conn, "muxed_conn", None), "secured_conn", None)
     kind = getattr(secured, "get_connection_type", None)
@@ -51,7 +113,7 @@ def link_kind(conn: Any) -> str:
     return "relayed" if relayed else "direct"
 
 
-def _connection_kind(node: Any, peer_id: str) -> str:
+def _connection_kind(node: object, peer_id: str) -> str:
     """``direct`` (at least one direct connection), ``relayed`` (only circuits through a
     relay), ``none`` (not connected) or ``unknown`` (a stand-in node, a bad id): the
     overlay node's own answer (``OverlayNode.connection_kind``)."""
@@ -67,7 +129,7 @@ def _connection_kind(node: Any, peer_id: str) -> str:
     return kind_of(peer_id) or "none"
 
 
-def candidate_record(c: Any, prompt_tokens: int, chosen: str) -> dict[str, Any]:
+def candidate_record(c: CandidateEstimate, prompt_tokens: int, chosen: str) -> dict[str, Any]:
     """One candidate's estimate, split the way the console explains it."""
     network = max(0.0, c.total_s - c.wait_s - c.overhead_s - c.prefill_s - c.decode_s)
     uncached = max(1, prompt_tokens - c.cached_tokens)  # the last prompt token is always run
@@ -91,7 +153,9 @@ def candidate_record(c: Any, prompt_tokens: int, chosen: str) -> dict[str, Any]:
     }
 
 
-def explain(decision: Any, attempts: list[Any], served_by: str, local_id: str) -> str:
+def explain(
+    decision: RoutingDecision, attempts: Sequence[Attempt], served_by: str, local_id: str
+) -> str:
     """A sentence: why the request went where it went (from the decision's own numbers)."""
     cands = {c.peer_id: c for c in decision.candidates}
     local = cands.get("local")
@@ -160,9 +224,9 @@ class ConsoleFeed:
         self,
         status: Callable[[], dict[str, Any]],
         *,
-        service: Any = None,
-        engine: Any = None,
-        metrics: Any = None,
+        service: FeedService | None = None,
+        engine: FeedEngine | None = None,
+        metrics: NodeMetrics | None = None,
         history: int = 600,
         decisions: int = 200,
         min_interval_s: float = 0.9,
@@ -177,7 +241,7 @@ class ConsoleFeed:
         self.history: deque[dict[str, Any]] = deque(maxlen=history)
         self.decisions: deque[dict[str, Any]] = deque(maxlen=decisions)
         self.edge_results: deque[dict[str, Any]] = deque(maxlen=50)
-        self.verifier: Any = None
+        self.verifier: FeedVerifier | None = None
         self._last_totals: dict[str, int] | None = None
         self._last_t = 0.0
         self._seen_sessions: dict[str, tuple[float, int]] = {}
@@ -300,7 +364,7 @@ class ConsoleFeed:
 
     # -- routing decisions --------------------------------------------------------------------
 
-    def record_outcome(self, job: Any, out: _Outcome) -> None:
+    def record_outcome(self, job: object, out: _Outcome) -> None:
         result = out.routed
         if result is None:
             return
@@ -351,11 +415,11 @@ class ConsoleFeed:
 
     # -- speculation --------------------------------------------------------------------------
 
-    def watch_verifier(self, verifier: Any) -> None:
+    def watch_verifier(self, verifier: FeedVerifier) -> None:
         self.verifier = verifier
 
-    def record_edge(self, result: Any) -> None:
-        """An edge generation finished (``speculation.edge.EdgeResult``)."""
+    def record_edge(self, result: EdgeResult) -> None:
+        """An edge generation finished."""
         st = result.stats
         self.edge_results.append(
             {

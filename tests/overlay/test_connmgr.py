@@ -196,15 +196,15 @@ async def test_a_natd_node_dials_public_peers_at_once_and_they_wait_for_it(overl
     So discovery's tie-break gives way across a NAT (the NAT test's "NAT'd-public: direct")."""
     from multiaddr import Multiaddr
 
-    from p2pnode.overlay.node import PRIVATE_PEER_WAIT_S, TIE_BREAK_WAIT_S
+    from p2pnode.overlay.discovery import PRIVATE_PEER_WAIT_S, TIE_BREAK_WAIT_S
 
     async with overlay_network(1) as (node,):
         direct = [Multiaddr("/ip4/10.77.0.3/tcp/4101")]
         circuit = [Multiaddr(f"/ip4/10.77.0.2/tcp/4101/p2p/{node.peer_id}/p2p-circuit")]
         smaller = "1" * len(node.peer_id)  # sorts before any base58 peer id
         node.address_book.reachability = "private"
-        assert node._dial_wait(smaller, direct) == 0.0
+        assert node.discovery.dial_wait(smaller, direct) == 0.0
         node.address_book.reachability = "public"
-        assert node._dial_wait(smaller, circuit) == PRIVATE_PEER_WAIT_S
-        assert node._dial_wait(smaller, direct) == TIE_BREAK_WAIT_S
-        assert node._dial_wait("z" * len(node.peer_id), direct) == 0.0
+        assert node.discovery.dial_wait(smaller, circuit) == PRIVATE_PEER_WAIT_S
+        assert node.discovery.dial_wait(smaller, direct) == TIE_BREAK_WAIT_S
+        assert node.discovery.dial_wait("z" * len(node.peer_id), direct) == 0.0

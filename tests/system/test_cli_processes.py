@@ -143,3 +143,4 @@ def test_join_with_an_invite_of_another_network_says_which(tmp_path: Path, node_
     other = _cli(["join", "--bootstrap", bootstrap, *args, "--home", str(tmp_path / "y")])
     assert other.returncode != 0, other.stdout
     assert "belongs to network 'lab', this node to 'main'" in other.stderr, other.stderr
+    assert "Traceback" not in other.stderr, "a refused join says why, without a traceback"
