@@ -2,8 +2,8 @@
 
 Public face (details in each module's docstring):
 - `open_overlay_node(OverlayConfig(key=...))` -> `OverlayNode` (node.py: the assembly; its
-  collaborators, one job each: admission.py, dialing.py, discovery.py, liveness.py,
-  trimming.py; the knobs: config.py)
+  collaborators, one job each: admission.py, dialing.py, discovery.py, liveness.py (with
+  starvation.py), trimming.py; the knobs: config.py)
 - `PeerTable`, `PeerState`, `PeerEntry` (peers.py)
 - `OverlayDHT`, `NodeRecordValidator`, `record_key`, `model_key` (dht.py)
 - `make_host`, `parse_multiaddr`, `quiet_libp2p_logs` (host.py)

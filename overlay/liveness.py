@@ -1,11 +1,12 @@
 """Liveness of connected peers: frames received count as signs of life, silence gets a probe.
 
 Contract:
-- `Liveness(host, peers, config, counters, connection_kind)` is owned by the node; the node
-  calls `stamp_reads(conn)` on every new connection, `forget(peer)` when a peer's last
-  connection closes, and runs `run()` for as long as it lives. Verdicts go to the
+- `Liveness(host, peers, config, counters, connection_kind, keep_open)` is owned by the node;
+  the node calls `stamp_reads(conn)` on every new connection, `forget(peer)` when a peer's
+  last connection closes, and runs `run()` for as long as it lives. Verdicts go to the
   `PeerTable` (`observe`, `record_rtt`, `record_failure`, `mark_down`); cost figures to
-  `counters` (probes, probe_misses, probe_misses_excused, probe_stream_opens).
+  `counters` (probes, probe_misses, probe_misses_excused, probe_stream_opens,
+  probe_closes_withheld); `status()` gives the node-wide lag figures (``starvation.py``).
 - Any frame received on a peer's connection counts as a sign of life (stamped on the
   secured connection's reads), so busy peers are never probed. A peer silent for
   `ping_interval` (or longer with many peers: at most `PROBE_BUDGET_PER_S` probes per second
@@ -13,13 +14,17 @@ Contract:
   probe on a persistent /p2pnode/ping/1 stream (opened once per connection; a late echo is
   still used, never a reason to reopen). A probe missed is one with no echo AND no frame at
   all from the peer within the RTO = srtt + 4 * rttvar of that peer (RFC 6298), clamped to
-  [`ping_timeout`, `RTO_CEILING` * `ping_timeout`]; the next probe follows at once; a miss
-  while our own loop lagged more than RTO/2 is excused (silence proves nothing when we did
-  not run). 1 missed probe -> suspect, 2 -> down; after `CLOSE_AFTER_EXTRA_MISSES` more the
-  connection is closed (frees a hung peer; discovery redials it later; a wrongly demoted peer
-  is up again with its next frame, no redial). So a hung (SIGSTOP) peer on an idle link is
-  down within ~ping_interval + 2 * RTO (~3.5 s with the defaults) and a closed or killed one
-  at once (its connection drops).
+  [floor, `RTO_CEILING` * floor]; the floor is `ping_timeout` on a healthy machine and grows
+  with the node-wide lag (our own loop lag, most peers' echo delays: ``starvation.py``); the
+  next probe follows at once; a miss while our own loop lagged more than RTO/2 is excused
+  (silence proves nothing when we did not run). 1 missed probe -> suspect, 2 -> down; after
+  `CLOSE_AFTER_EXTRA_MISSES` more the connection is closed (frees a hung peer; discovery
+  redials it later; a wrongly demoted peer is up again with its next frame, no redial) --
+  but never the link to a `keep_open()` peer (the bootstrap: a node cut from it may have no
+  other way back), nor while our own loop is starved or most peers miss at once (then the CPU
+  is the problem, not the peers). So a hung (SIGSTOP) peer on an idle link of a quiet
+  machine is down within ~ping_interval + 2 * RTO (~3.5 s with the defaults) and a closed or
+  killed one at once (its connection drops).
 - `serve_ping(stream, limiter)` is the other side: it echoes 32-byte pings (`PING_LENGTH`)
   on `PING_PROTOCOL`.
 """
@@ -31,7 +36,7 @@ import math
 import secrets
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 
 import trio
@@ -43,6 +48,7 @@ from p2pnode.overlay._streams import close_quietly, reset_quietly
 from p2pnode.overlay.config import BACKGROUND_TIMEOUT_FACTOR, OverlayConfig
 from p2pnode.overlay.limits import PeerLimiter, remote_peer
 from p2pnode.overlay.peers import PeerState, PeerTable
+from p2pnode.overlay.starvation import Starvation
 
 __all__ = ["PING_LENGTH", "PING_PROTOCOL", "Liveness", "serve_ping"]
 
@@ -111,14 +117,16 @@ class Liveness:
         config: OverlayConfig,
         counters: Counter[str],
         connection_kind: Callable[[str], str | None],
+        keep_open: Callable[[], Iterable[str]] = frozenset,
     ) -> None:
         self._host = host
         self._peers = peers
         self._config = config
         self._counters = counters
         self._connection_kind = connection_kind  # "relayed" links get longer probe timeouts
+        self._keep_open = keep_open  # peers never disconnected on probe misses (bootstrap)
         self._probes: dict[ID, _Probe] = {}
-        self._lags: list[tuple[float, float]] = []  # (monotonic time, our own loop lag)
+        self.starvation = Starvation(config.ping_timeout)
         self._last_rx: dict[ID, float] = {}  # monotonic time of the last frame per peer
         self._observed_rx: dict[ID, float] = {}
         self._probe_salt = secrets.token_bytes(PING_LENGTH - 8)
@@ -137,6 +145,10 @@ class Liveness:
         self._probes.pop(peer, None)
         self._last_rx.pop(peer, None)
         self._observed_rx.pop(peer, None)
+        self.starvation.forget(peer)
+
+    def status(self) -> dict[str, object]:
+        return self.starvation.status()
 
     async def run(self) -> None:
         """Start a prober per connected peer; turn received frames into `observe` calls."""
@@ -159,15 +171,7 @@ class Liveness:
                         self._observed_rx[peer] = heard
                         self._peers.observe(peer.to_base58())
                 await trio.sleep(tick)
-                woke = time.monotonic()
-                self._lags.append((woke, woke - now - tick))
-                if len(self._lags) > 256:
-                    del self._lags[:128]
-
-    def _stalled(self, since: float, limit: float) -> bool:
-        """Did OUR event loop lag more than `limit` s since `since`? Then silence proves
-        nothing about the peer (we may not have run to read its frames)."""
-        return any(lag > limit for at, lag in self._lags if at >= since)
+                self.starvation.note_loop_lag(time.monotonic() - now - tick)
 
     def _probing(self, peer: ID, probe: _Probe) -> bool:
         return self._probes.get(peer) is probe and peer in self._host.get_connected_peers()
@@ -198,7 +202,7 @@ class Liveness:
             if now - probe.kind_at > KIND_REFRESH_S:
                 probe.relayed = self._connection_kind(pid) == "relayed"
                 probe.kind_at = now
-            floor = cfg.ping_timeout * (RELAYED_TIMEOUT_FACTOR if probe.relayed else 1.0)
+            floor = self.starvation.floor() * (RELAYED_TIMEOUT_FACTOR if probe.relayed else 1.0)
             rto = self._peers.rto(pid, floor, RTO_CEILING * floor)
             started = time.monotonic()
             if probe.stream is not None:
@@ -212,18 +216,33 @@ class Liveness:
                 continue
             # Woken far past the deadline, or the loop lagged meanwhile: we were starved.
             late = time.monotonic() - started > 1.5 * rto
-            if late or self._stalled(started, rto / 2):
+            if late or self.starvation.stalled(started, rto / 2):
                 self._counters["probe_misses_excused"] += 1
                 continue  # we were starved ourselves: probe again instead of blaming it
             probe.misses += 1
             self._counters["probe_misses"] += 1
             self._peers.record_failure(pid, f"no frame within {rto:.2f}s of a ping")
             if probe.misses >= self._peers.down_after + CLOSE_AFTER_EXTRA_MISSES:
+                if self._close_withheld(pid):
+                    continue  # keep probing: its next frame or echo brings it back up
                 # Still silent long after being declared down: free the connection (a hung
                 # peer would hold it forever); discovery redials it later.
                 with trio.move_on_after(2):
                     await self._host.disconnect(peer)
                 return
+
+    def _close_withheld(self, pid: str) -> bool:
+        """Must probe misses leave this peer's connection open? (see the module contract)"""
+        if pid in set(self._keep_open()):
+            why = "bootstrap peer"
+        else:
+            missing = sum(1 for p in self._probes.values() if p.misses > 0)
+            why = self.starvation.close_withheld(missing, len(self._probes))
+        if why is None:
+            return False
+        self._counters["probe_closes_withheld"] += 1
+        logger.debug("not closing the silent link to %s: %s", pid, why)
+        return True
 
     async def _keep_probe_stream(self, peer: ID, probe: _Probe) -> None:
         """Open the ping stream (never cut short: an open is the costly part), read echoes,
@@ -291,6 +310,7 @@ class Liveness:
                     now = time.monotonic()
                     probe.last_sample = now
                     self._peers.record_rtt(peer.to_base58(), now - sent)
+                    self.starvation.note_echo(peer, now - sent)
                     if nonce == probe.pending:
                         probe.pending = 0
                         probe.answered.set()

@@ -5,7 +5,8 @@ keep it connected. This module is the assembly and the public face; each job has
 - ``admission.py``: the hello exchange on new connections; refused peers.
 - ``dialing.py``: dialing one peer, the bootstrap with backoff, which addresses to dial.
 - ``discovery.py``: DHT lookups and gossiped signed records -> candidates to dial.
-- ``liveness.py``: frames as signs of life, echo probes of silent peers, the ping server.
+- ``liveness.py``: frames as signs of life, echo probes of silent peers, the ping server
+  (its probe floor and when not to close follow the machine's starvation: ``starvation.py``).
 - ``trimming.py``: closing connections above the high watermark (policy: ``connmgr.py``).
 
 Contract:
@@ -159,7 +160,14 @@ class OverlayNode:
             ConnLimits(low=config.conn_low, high=config.conn_high, grace_s=config.conn_grace)
         )
         self.connmgr.protect(self.dialer.bootstrap_ids)
-        self.liveness = Liveness(host, self.peers, config, self.counters, self.connection_kind)
+        self.liveness = Liveness(
+            host,
+            self.peers,
+            config,
+            self.counters,
+            self.connection_kind,
+            keep_open=self.dialer.bootstrap_ids,
+        )
         self.discovery = Discovery(
             host,
             dht,
@@ -285,6 +293,7 @@ class OverlayNode:
             "uptime_s": round(time.time() - self.started_at, 3),
             "connected": len(self.host.get_connected_peers()),
             "connections": self.connmgr.status(len(self.host.get_connected_peers())),
+            "liveness": self.liveness.status(),
             "peer_counts": counts,
             "peers": [
                 {**entry, "connection": self.connection_kind(entry["peer_id"])}
