@@ -18,13 +18,7 @@ from p2pnode.overlay.starvation import (
     Starvation,
 )
 
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
+from testkit import FakeClock
 
 
 def quiet_node(clock: FakeClock) -> Starvation:
