@@ -29,20 +29,17 @@ Contract:
   fastest mode where the draft is barely cheaper than the target.
 - The verifier is reached through ``VerifierTransport`` (open / send_block / receive_result /
   close; results and leads come back in the verifier's commit order).
-  ``inprocess_transport(verifier, one_way_delay_s=...)`` is the in-process one, with a userspace
-  one-way delay (trio.sleep) on each direction, FIFO like a stream;
-  ``p2pnode.speculation.protocol`` provides the libp2p one.
+  ``p2pnode.speculation.protocol`` provides the libp2p one; ``speculation.testing`` an
+  in-process one for tests and benches.
 - Draft and target forwards run in worker threads (``trio.to_thread``) so the event loop keeps
   moving frames and timers while torch computes.
 """
 
 from __future__ import annotations
 
-import math
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -53,30 +50,19 @@ from transformers import DynamicCache
 from p2pnode.inference.models import LoadedModel
 from p2pnode.inference.sampling import make_generator, probs_from_logits
 from p2pnode.overlay.trust import verdict_problem
+from p2pnode.speculation._accept import truncate_probs
+from p2pnode.speculation._blocks import Block, BlockResult, Lead, SamplingOptions
+from p2pnode.speculation._errors import BadVerdict
 from p2pnode.speculation.draft import DraftModel
-from p2pnode.speculation.verify import (
-    BatchedVerifier,
-    Block,
-    BlockResult,
-    Lead,
-    SamplingOptions,
-    VerifierError,
-    truncate_probs,
-)
 
 GREEDY = SamplingOptions()
 DEFAULT_PROBS_TOP_K = 64  # draft distributions are cut to 64 tokens: exact, and cheap on the wire
-# An honest verifier never calls a live block stale (it builds on what that verifier committed);
-# a liar could loop us, and the draft cannot resume from one (nothing new to feed it).
 # An honest verifier never calls a live block stale (it builds on tokens that verifier commits);
-# 2 in a row rather than 1 leaves room for a corner case we did not foresee at the price of one
-# wasted block from a liar.
+# a liar could loop us, and the draft cannot resume from one (nothing new to feed it). 2 in a row
+# rather than 1 leaves room for a corner case we did not foresee at the price of one wasted
+# block from a liar.
 MAX_LIVE_STALE = 2
 MAX_OVERLAP = 8  # draft tokens a first block may add for the verifier's lead
-
-
-class BadVerdict(VerifierError):
-    """The verifier answered something impossible (see ``overlay.trust.verdict_problem``)."""
 
 
 class VerifierTransport(Protocol):
@@ -356,6 +342,117 @@ class _Flight:
         self.stats.lead_tokens += 1
 
 
+class _Signal:
+    """Wakes whoever waits for a change of the flight (a verdict, a lead token, a failure)."""
+
+    def __init__(self) -> None:
+        self._event = trio.Event()
+
+    def fire(self) -> None:
+        self._event.set()
+        self._event = trio.Event()
+
+    async def wait(self) -> None:
+        await self._event.wait()
+
+
+@dataclass
+class _Edge:
+    """One speculative session at the edge: the drafting loop (``draft``) and the verdict
+    receiver (``receive``) share the flight and wake each other through ``changed``."""
+
+    transport: VerifierTransport
+    d: DraftRunner
+    fl: _Flight
+    prompt_len: int
+    max_new: int
+    eos: frozenset[int]
+    gamma: int
+    depth: int
+    lead: int
+    max_block: int = 0
+    changed: _Signal = field(default_factory=_Signal)
+    failure: list[Exception] = field(default_factory=list)  # the receiver's, raised by draft()
+
+    def done(self) -> bool:
+        return _finished(self.fl.committed.tokens[self.prompt_len :], self.max_new, self.eos)
+
+    async def receive(self) -> None:
+        """Verdicts and lead tokens, in the verifier's commit order, into the flight."""
+        try:
+            while not self.done():
+                msg = await self.transport.receive_result()
+                if isinstance(msg, Lead):
+                    self.fl.take_lead(msg)
+                else:
+                    self.fl.take(msg)
+                self.fl.resync(self.d)
+                self.changed.fire()
+        except Exception as exc:  # handed to the drafting loop, which raises it
+            self.failure.append(exc)
+            self.changed.fire()
+
+    async def draft(self) -> None:
+        """The edge loop: draft one token at a time, send each block once full, keep ``depth``
+        live blocks in flight, and start over from the committed tokens when a verdict or a
+        lead kills the blocks in flight (``fl.dirty``)."""
+        fl, d, part, first = self.fl, self.d, None, True
+        while not self.done() and not self.failure:
+            if fl.dirty:
+                d.reset_to(fl.committed.tokens)
+                fl.dirty, part, first = False, None, True
+            full = fl.live() >= self.depth or len(d.tokens) - self.prompt_len >= self.max_new
+            if full and part is None:  # a block being drafted is always finished
+                await self.changed.wait()
+                continue
+            if part is None:
+                if fl.ends_at(len(d.tokens)):  # guess the bonus of the block in flight
+                    await self._draft_one(argmax=True)
+                    if fl.dirty:
+                        continue
+                extra = min(round(fl.overlap), MAX_OVERLAP) if first and self.lead else 0
+                part = _Part(
+                    len(d.tokens), max(self.gamma, min(self.gamma + extra, self.max_block))
+                )
+            toks, q = await self._draft_one()
+            if fl.dirty:
+                continue
+            part.tokens.extend(toks)
+            if q is not None:
+                part.rows.append(q)
+            if len(part.tokens) >= part.size:
+                block = fl.launch(d, part, first)
+                part, first = None, False
+                await self.transport.send_block(block)
+
+    async def _draft_one(self, argmax: bool = False) -> tuple[list[int], torch.Tensor | None]:
+        return await trio.to_thread.run_sync(lambda: self.d.extend(1, argmax=argmax))
+
+    async def open(self, prompt: list[int], options: SamplingOptions) -> None:
+        """Open the session while the draft prefills the prompt."""
+        opened: list[Exception] = []
+        async with trio.open_nursery() as opening:
+            opening.start_soon(trio.to_thread.run_sync, self.d.prefill)
+            try:
+                await self.transport.open(prompt, options, lead=self.lead)
+            except Exception as exc:  # raised below as itself, not inside an ExceptionGroup
+                opened.append(exc)
+        if opened:
+            raise opened[0]
+        self.max_block = getattr(self.transport, "max_block", None) or self.gamma + MAX_OVERLAP
+
+    async def run(self) -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self.receive)
+            try:
+                await self.draft()
+            except Exception as exc:  # raised below, outside the nursery: no ExceptionGroup
+                self.failure.append(exc)
+            nursery.cancel_scope.cancel()
+        if self.failure:
+            raise self.failure[0]
+
+
 async def speculative_generate(
     draft: DraftModel,
     transport: VerifierTransport,
@@ -377,102 +474,20 @@ async def speculative_generate(
         raise ValueError(
             "need a non-empty prompt, max_new_tokens >= 1, gamma >= 1, depth >= 1, lead >= 0"
         )
-    eos, stats, started = frozenset(eos_token_ids), SpecStats(), time.perf_counter()
+    eos, started = frozenset(eos_token_ids), time.perf_counter()
     vocab = getattr(getattr(draft.model, "config", None), "vocab_size", None)
     d = DraftRunner(draft, options, top_k=probs_top_k, seed=options.seed)
     d.tokens = list(prompt)
-    fl = _Flight(_Committed(prompt, vocab, on_commit), stats, vocab, lead > 0)
-    changed = _Signal()
-    failure: list[Exception] = []
-
-    def done() -> bool:
-        return _finished(fl.committed.tokens[len(prompt) :], max_new_tokens, eos)
-
-    async def receiver() -> None:
-        try:
-            while not done():
-                msg = await transport.receive_result()
-                if isinstance(msg, Lead):
-                    fl.take_lead(msg)
-                else:
-                    fl.take(msg)
-                fl.resync(d)
-                changed.fire()
-        except Exception as exc:  # handed to the drafting loop, which raises it
-            failure.append(exc)
-            changed.fire()
-
-    async def draft_one(argmax: bool = False) -> tuple[list[int], torch.Tensor | None]:
-        return await trio.to_thread.run_sync(lambda: d.extend(1, argmax=argmax))
-
-    async def drafter(max_block: int) -> None:
-        part: _Part | None = None
-        first = True
-        while not done() and not failure:
-            if fl.dirty:
-                d.reset_to(fl.committed.tokens)
-                fl.dirty, part, first = False, None, True
-            full = fl.live() >= depth or len(d.tokens) - len(prompt) >= max_new_tokens
-            if full and part is None:  # a block being drafted is always finished
-                await changed.wait()
-                continue
-            if part is None:
-                if fl.ends_at(len(d.tokens)):  # guess the bonus of the block in flight
-                    await draft_one(argmax=True)
-                    if fl.dirty:
-                        continue
-                extra = min(round(fl.overlap), MAX_OVERLAP) if first and lead else 0
-                part = _Part(len(d.tokens), max(gamma, min(gamma + extra, max_block)))
-            toks, q = await draft_one()
-            if fl.dirty:
-                continue
-            part.tokens.extend(toks)
-            if q is not None:
-                part.rows.append(q)
-            if len(part.tokens) >= part.size:
-                block = fl.launch(d, part, first)
-                part, first = None, False
-                await transport.send_block(block)
-
+    fl = _Flight(_Committed(prompt, vocab, on_commit), SpecStats(), vocab, lead > 0)
+    edge = _Edge(transport, d, fl, len(prompt), max_new_tokens, eos, gamma, depth, lead)
     try:
-        opened: list[Exception] = []
-        async with trio.open_nursery() as opening:  # the draft's prefill overlaps the open
-            opening.start_soon(trio.to_thread.run_sync, d.prefill)
-            try:
-                await transport.open(prompt, options, lead=lead)
-            except Exception as exc:  # raised below as itself, not inside an ExceptionGroup
-                opened.append(exc)
-        if opened:
-            raise opened[0]
-        max_block = getattr(transport, "max_block", None) or gamma + MAX_OVERLAP
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(receiver)
-            try:
-                await drafter(max_block)
-            except Exception as exc:  # raised below, outside the nursery: no ExceptionGroup
-                failure.append(exc)
-            nursery.cancel_scope.cancel()
-        if failure:
-            raise failure[0]
+        await edge.open(prompt, options)
+        await edge.run()
     finally:
         with trio.CancelScope(shield=True):
             await transport.close()
-    stats.seconds = time.perf_counter() - started
-    return SpecResult(_trim(fl.committed.tokens[len(prompt) :], max_new_tokens, eos), stats)
-
-
-class _Signal:
-    """Wakes whoever waits for a change of the flight (a verdict, a lead token, a failure)."""
-
-    def __init__(self) -> None:
-        self._event = trio.Event()
-
-    def fire(self) -> None:
-        self._event.set()
-        self._event = trio.Event()
-
-    async def wait(self) -> None:
-        await self._event.wait()
+    fl.stats.seconds = time.perf_counter() - started
+    return SpecResult(_trim(fl.committed.tokens[len(prompt) :], max_new_tokens, eos), fl.stats)
 
 
 async def remote_generate(
@@ -546,63 +561,3 @@ def target_generate(
         out.append(token)
         x = torch.tensor([[token]], device=device)
     return out
-
-
-class InProcessTransport:
-    """A verifier in this process behind a FIFO link with a one-way delay in each direction."""
-
-    def __init__(self, verifier: BatchedVerifier, nursery: trio.Nursery, one_way_delay_s: float):
-        self.verifier = verifier
-        self.max_block = verifier.max_block
-        self.delay = one_way_delay_s
-        self._nursery = nursery
-        self._up_send, self._up_recv = trio.open_memory_channel[tuple[float, Block]](math.inf)
-        self._down_send, self._down_recv = trio.open_memory_channel[tuple[float, object]](math.inf)
-        self._sid: str | None = None
-        self._server = trio.CancelScope()
-
-    async def open(self, prompt: list[int], options: SamplingOptions, *, lead: int = 0) -> int:
-        await trio.sleep(self.delay)
-        self._sid = await self.verifier.open_session(
-            prompt, options, self.verifier.model_id, lead=lead, on_lead=self._down
-        )
-        await trio.sleep(self.delay)
-        self._nursery.start_soon(self._serve)
-        return self.verifier.sessions[self._sid].lead
-
-    def _down(self, answer: object) -> None:
-        self._down_send.send_nowait((trio.current_time() + self.delay, answer))
-
-    async def _serve(self) -> None:
-        with self._server:
-            async for arrive_at, block in self._up_recv:
-                await trio.sleep_until(arrive_at)
-                try:
-                    answer: object = await self.verifier.verify(self._sid, block)
-                except VerifierError as exc:
-                    answer = exc
-                self._down(answer)
-
-    async def send_block(self, block: Block) -> None:
-        self._up_send.send_nowait((trio.current_time() + self.delay, block))
-
-    async def receive_result(self) -> BlockResult | Lead:
-        arrive_at, answer = await self._down_recv.receive()
-        await trio.sleep_until(arrive_at)
-        if isinstance(answer, VerifierError):
-            raise answer
-        return answer  # type: ignore[return-value]
-
-    async def close(self) -> None:
-        self._server.cancel()
-        if self._sid is not None:
-            self.verifier.close_session(self._sid)
-
-
-@asynccontextmanager
-async def inprocess_transport(
-    verifier: BatchedVerifier, *, one_way_delay_s: float = 0.0
-) -> AsyncIterator[InProcessTransport]:
-    async with trio.open_nursery() as nursery:
-        yield InProcessTransport(verifier, nursery, one_way_delay_s)
-        nursery.cancel_scope.cancel()

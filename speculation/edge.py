@@ -29,7 +29,7 @@ Contract:
   plausibly but wrongly is blamed once a third one confirms it (``speculation._audit``). A
   sampled result takes ``scorer=`` (the target's ``Scorer``): its likelihood under the target
   must be plausible (a z-test with a stated false-alarm rate, ``speculation._audit``).
-- Trust: a verifier whose verdict is impossible (``client.BadVerdict``: see
+- Trust: a verifier whose verdict is impossible (``BadVerdict``: see
   ``overlay.trust.verdict_problem``) is failed over like a dead one and loses trust in
   ``edge.trust`` (a ``TrustBook``); a demoted verifier is left out of ``find_verifiers`` until
   its trust recovers.
@@ -53,27 +53,16 @@ from p2pnode.overlay.router import rtt_from_peer_table
 from p2pnode.overlay.trust import TrustBook
 from p2pnode.overlay.views import PeerViews
 from p2pnode.speculation._audit import audit_result, audit_sampled
+from p2pnode.speculation._blocks import SamplingOptions
+from p2pnode.speculation._errors import BadBlock, BadRequest, BadVerdict, NoVerifier, SessionLimit
 from p2pnode.speculation.advert import rank_verifiers, verify_digest_model
-from p2pnode.speculation.client import (
-    BadVerdict,
-    SpecResult,
-    SpecStats,
-    remote_generate,
-    speculative_generate,
-)
+from p2pnode.speculation.client import SpecResult, SpecStats, remote_generate, speculative_generate
 from p2pnode.speculation.draft import DraftModel, load_draft
 from p2pnode.speculation.protocol import (
     OPEN_TIMEOUT_S,
     P2PVerifierTransport,
     drop_stream,
     open_spare,
-)
-from p2pnode.speculation.verify import (
-    BadBlock,
-    BadRequest,
-    SamplingOptions,
-    SessionLimit,
-    VerifierError,
 )
 
 log = logging.getLogger(__name__)
@@ -87,10 +76,6 @@ AUTO_EXPLORE = 8  # every 8th "auto" request retries the slower mode (load and p
 # A spare stream is used only while the verifier still waits for its open (OPEN_TIMEOUT_S).
 SPARE_MAX_AGE_S = OPEN_TIMEOUT_S * 2 / 3
 _CALLER_ERRORS = (BadRequest, BadBlock, SessionLimit)
-
-
-class NoVerifier(VerifierError):
-    """No verifier of the model could finish the request; the message says who failed how."""
 
 
 @dataclass

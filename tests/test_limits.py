@@ -34,8 +34,8 @@ from p2pnode.overlay.limits import (
 )
 from p2pnode.overlay.service import RoutedService
 from p2pnode.overlay.views import PeerViews
+from p2pnode.speculation import BatchedVerifier, Block, PeerLimited, SamplingOptions
 from p2pnode.speculation.protocol import P2PVerifierTransport, serve_verifier
-from p2pnode.speculation.verify import BatchedVerifier, Block, PeerLimited, SamplingOptions
 
 logging.getLogger("libp2p").setLevel(logging.ERROR)
 # As in test_routing_cluster.py: on 2 busy cores a 1 s ping timeout marks healthy peers suspect

@@ -324,10 +324,10 @@ async def _verifier_node(model_id: str, verifier: Any, stop: trio.Event, *, task
 
 async def test_verifier_with_impossible_verdicts_is_failed_over_then_skipped(target) -> None:
     from p2pnode.overlay.node import OverlayConfig, open_overlay_node
+    from p2pnode.speculation import BatchedVerifier, BlockResult
     from p2pnode.speculation.client import target_generate
     from p2pnode.speculation.draft import DraftModel
     from p2pnode.speculation.edge import EdgeClient
-    from p2pnode.speculation.verify import BatchedVerifier, BlockResult
 
     class OverclaimingVerifier(BatchedVerifier):
         """Says it accepted one token more than the block holds (fast, and wrong)."""
@@ -386,8 +386,9 @@ async def test_verifier_calling_every_block_stale_is_cut_off(target) -> None:
 
 async def _edge_must_catch(target, verifier, match: str, *, delay_s: float = 0.0, **kw) -> None:
     """Generate against ``verifier``: the edge must stop with a BadVerdict matching ``match``."""
-    from p2pnode.speculation.client import BadVerdict, inprocess_transport, speculative_generate
+    from p2pnode.speculation import BadVerdict, speculative_generate
     from p2pnode.speculation.draft import DraftModel
+    from p2pnode.speculation.testing import inprocess_transport
 
     # The target stands in as its own draft (fast to build); what is tested is the edge's check.
     draft = DraftModel(
@@ -403,7 +404,7 @@ async def _edge_must_catch(target, verifier, match: str, *, delay_s: float = 0.0
 
 
 async def test_verifier_rewriting_history_with_leads_is_caught(target) -> None:
-    from p2pnode.speculation.verify import BatchedVerifier, Lead
+    from p2pnode.speculation import BatchedVerifier, Lead
 
     class LeadRewriter(BatchedVerifier):
         """Sends each lead token one position early: over a token the edge already holds."""
