@@ -31,6 +31,9 @@ Contract:
   close; results and leads come back in the verifier's commit order).
   ``p2pnode.speculation.protocol`` provides the libp2p one; ``speculation.testing`` an
   in-process one for tests and benches.
+- Where: ``speculative_generate`` sets up an ``_Edge``; its ``draft`` is the edge loop and its
+  ``receive`` the verdict receiver; both work on the ``_Flight`` (blocks in flight, the edge's
+  ``_Committed`` copy) and wake each other through a ``_Signal``.
 - Draft and target forwards run in worker threads (``trio.to_thread``) so the event loop keeps
   moving frames and timers while torch computes.
 """
@@ -362,7 +365,7 @@ class _Edge:
     receiver (``receive``) share the flight and wake each other through ``changed``."""
 
     transport: VerifierTransport
-    d: DraftRunner
+    runner: DraftRunner
     fl: _Flight
     prompt_len: int
     max_new: int
@@ -386,7 +389,7 @@ class _Edge:
                     self.fl.take_lead(msg)
                 else:
                     self.fl.take(msg)
-                self.fl.resync(self.d)
+                self.fl.resync(self.runner)
                 self.changed.fire()
         except Exception as exc:  # handed to the drafting loop, which raises it
             self.failure.append(exc)
@@ -396,7 +399,7 @@ class _Edge:
         """The edge loop: draft one token at a time, send each block once full, keep ``depth``
         live blocks in flight, and start over from the committed tokens when a verdict or a
         lead kills the blocks in flight (``fl.dirty``)."""
-        fl, d, part, first = self.fl, self.d, None, True
+        fl, d, part, first = self.fl, self.runner, None, True
         while not self.done() and not self.failure:
             if fl.dirty:
                 d.reset_to(fl.committed.tokens)
@@ -426,13 +429,13 @@ class _Edge:
                 await self.transport.send_block(block)
 
     async def _draft_one(self, argmax: bool = False) -> tuple[list[int], torch.Tensor | None]:
-        return await trio.to_thread.run_sync(lambda: self.d.extend(1, argmax=argmax))
+        return await trio.to_thread.run_sync(lambda: self.runner.extend(1, argmax=argmax))
 
     async def open(self, prompt: list[int], options: SamplingOptions) -> None:
         """Open the session while the draft prefills the prompt."""
         opened: list[Exception] = []
         async with trio.open_nursery() as opening:
-            opening.start_soon(trio.to_thread.run_sync, self.d.prefill)
+            opening.start_soon(trio.to_thread.run_sync, self.runner.prefill)
             try:
                 await self.transport.open(prompt, options, lead=self.lead)
             except Exception as exc:  # raised below as itself, not inside an ExceptionGroup

@@ -36,7 +36,7 @@ The batching loop (``run``): gather the queued blocks, ``plan`` them (``_batchin
 answered without computing, which rows and lead steps go into the pass), one forward over the
 rows (``_forward``; several sessions' caches stacked by ``_kvstack.py``), ``accept`` each row, and
 ``_apply`` the outcomes: commit tokens, crop caches, refill or spend lead budgets, answer waiters
-and ``on_lead`` callbacks. Only ``_apply`` (and ``open_session``) changes a session.
+and ``on_lead`` callbacks. Only ``_apply`` changes a session's tokens, cache and lead budget.
 
 Device: inputs are built on the target's device (a CUDA target needs no wrapper); greedy
 acceptance runs there, sampling copies the few logit rows to the CPU and draws with the
