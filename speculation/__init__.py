@@ -4,8 +4,8 @@ Map of the package (public modules first; ``_`` modules are private, their names
 here where others need them):
 
 - ``edge.py``: ``open_edge``, ``EdgeClient`` (verifier choice, failover, audits), ``EdgeResult``.
-- ``client.py``: the edge loop, ``speculative_generate`` (state: ``_Flight``, loop:
-  ``_Edge.draft``); ``remote_generate`` (target only, over the same protocol);
+- ``client.py``: the edge loop, ``speculative_generate`` (loop: ``_Edge.draft``; its state:
+  ``_flight.py``); ``remote_generate`` (target only, over the same protocol);
   ``target_generate`` (the local reference); ``VerifierTransport``, the seam to a verifier;
   ``DraftRunner``, ``SpecStats``, ``SpecResult``.
 - ``verify.py``: ``BatchedVerifier``, the multi-tenant verifier and its batching loop (``run``).
@@ -17,6 +17,7 @@ here where others need them):
 - ``_blocks.py``: ``SamplingOptions``, ``Block``, ``BlockResult``, ``Lead``: what edge and
   verifier exchange.
 - ``_accept.py``: the acceptance math, ``verify_greedy``, ``verify_sampling``, ``truncate_probs``.
+- ``_flight.py``: the edge's blocks in flight and its checked copy of the committed tokens.
 - ``_batching.py``: one batching step as data and pure functions (``plan``, ``accept``).
 - ``_kvstack.py``: sessions' KV caches stacked left-padded into one batch, and back.
 - ``_prefix.py``: ``PrefixKV``, closed sessions' KV kept for the next session on that prefix.

@@ -23,7 +23,7 @@ Contract:
   that contradicts the draft kills the blocks in flight like a rejection, one that runs past the
   draft just moves it forward. The first block after a reset is lengthened by the overlap
   measured on earlier ones, so its last ``gamma`` drafts reach past the verifier's own tokens.
-  Every verdict must agree with what is committed (``_Committed``), else ``BadVerdict``.
+  Every verdict must agree with what is committed (``_flight.Committed``), else ``BadVerdict``.
 - ``remote_generate(transport, prompt, n)``: target-only remote generation over the same
   protocol (the verifier streams leads; empty blocks refill the budget): the baseline, and the
   fastest mode where the draft is barely cheaper than the target.
@@ -32,8 +32,8 @@ Contract:
   ``p2pnode.speculation.protocol`` provides the libp2p one; ``speculation.testing`` an
   in-process one for tests and benches.
 - Where: ``speculative_generate`` sets up an ``_Edge``; its ``draft`` is the edge loop and its
-  ``receive`` the verdict receiver; both work on the ``_Flight`` (blocks in flight, the edge's
-  ``_Committed`` copy) and wake each other through a ``_Signal``.
+  ``receive`` the verdict receiver; both work on the ``Flight`` (``_flight.py``: the blocks in
+  flight and the edge's copy of the committed tokens) and wake each other through a ``_Signal``.
 - Draft and target forwards run in worker threads (``trio.to_thread``) so the event loop keeps
   moving frames and timers while torch computes.
 """
@@ -41,7 +41,6 @@ Contract:
 from __future__ import annotations
 
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -52,19 +51,14 @@ from transformers import DynamicCache
 
 from p2pnode.inference.models import LoadedModel
 from p2pnode.inference.sampling import make_generator, probs_from_logits
-from p2pnode.overlay.trust import verdict_problem
 from p2pnode.speculation._accept import truncate_probs
 from p2pnode.speculation._blocks import Block, BlockResult, Lead, SamplingOptions
 from p2pnode.speculation._errors import BadVerdict
+from p2pnode.speculation._flight import Committed, Flight, Part, SpecStats, finished, trim
 from p2pnode.speculation.draft import DraftModel
 
 GREEDY = SamplingOptions()
 DEFAULT_PROBS_TOP_K = 64  # draft distributions are cut to 64 tokens: exact, and cheap on the wire
-# An honest verifier never calls a live block stale (it builds on tokens that verifier commits);
-# a liar could loop us, and the draft cannot resume from one (nothing new to feed it). 2 in a row
-# rather than 1 leaves room for a corner case we did not foresee at the price of one wasted
-# block from a liar.
-MAX_LIVE_STALE = 2
 MAX_OVERLAP = 8  # draft tokens a first block may add for the verifier's lead
 
 
@@ -98,9 +92,6 @@ class DraftRunner:
         self.tokens: list[int] = []
         self.cache = DynamicCache()
         self.cache_len = 0
-
-    def follows(self, committed: list[int]) -> bool:
-        return self.tokens[: len(committed)] == committed
 
     def reset_to(self, committed: list[int]) -> None:
         """Drop speculative tokens that disagree with ``committed``; crop the cache to match."""
@@ -149,200 +140,9 @@ class DraftRunner:
 
 
 @dataclass
-class SpecStats:
-    blocks_sent: int = 0
-    blocks_verified: int = 0
-    blocks_stale: int = 0
-    drafted: int = 0  # draft tokens in verified blocks
-    accepted: int = 0
-    rejections: int = 0  # verified blocks not fully accepted
-    lead_tokens: int = 0  # committed by the verifier on its own (lead)
-    seconds: float = 0.0
-
-    @property
-    def acceptance(self) -> float:
-        """Accepted / drafted tokens (what a block's budget yields)."""
-        return self.accepted / self.drafted if self.drafted else 0.0
-
-    @property
-    def alpha(self) -> float:
-        """Per-token acceptance probability: every verified position ends accepted or rejected,
-        so accepted / (accepted + rejections) estimates P(draft token == target's) at a position."""
-        tried = self.accepted + self.rejections
-        return self.accepted / tried if tried else 0.0
-
-    @property
-    def tokens_per_block(self) -> float:
-        """Committed tokens per verified block (accepted + the verifier's own token)."""
-        return (
-            (self.accepted + self.blocks_verified) / self.blocks_verified
-            if self.blocks_verified
-            else 0.0
-        )
-
-
-@dataclass
 class SpecResult:
     tokens: list[int]
     stats: SpecStats = field(default_factory=SpecStats)
-
-
-def _finished(out: list[int], max_new: int, eos: frozenset[int]) -> bool:
-    return len(out) >= max_new or any(t in eos for t in out)
-
-
-def _trim(out: list[int], max_new: int, eos: frozenset[int]) -> list[int]:
-    out = out[:max_new]
-    for i, t in enumerate(out):
-        if t in eos:
-            return out[: i + 1]
-    return out
-
-
-class _Committed:
-    """The edge's copy of the session's committed tokens, fed in the verifier's commit order.
-
-    Every verdict must agree with what was committed before it and leave no gap; the verifier
-    cannot rewrite a token it already gave (that is a ``BadVerdict``, never a silent fix)."""
-
-    def __init__(self, prompt: list[int], vocab: int | None, on_commit) -> None:
-        self.tokens = list(prompt)
-        self.vocab = vocab
-        self.on_commit = on_commit
-
-    def place(self, position: int, tokens: list[int]) -> None:
-        if position > len(self.tokens):
-            raise BadVerdict(f"verifier skipped tokens {len(self.tokens)}..{position - 1}")
-        new = []
-        for p, t in enumerate(tokens, start=position):
-            if p < len(self.tokens):
-                if self.tokens[p] != t:
-                    raise BadVerdict(f"verifier changed committed token {p}: {self.tokens[p]}->{t}")
-                continue
-            if t < 0 or (self.vocab is not None and t >= self.vocab):
-                raise BadVerdict(f"token {t} outside the vocabulary of {self.vocab}")
-            self.tokens.append(t)
-            new.append(t)
-        if new and self.on_commit is not None:
-            self.on_commit(new)
-
-
-@dataclass
-class _Part:
-    """The block being drafted, ONE token per worker call so that a verdict that kills it is
-    seen within one draft step, not one block."""
-
-    base: int
-    size: int
-    tokens: list[int] = field(default_factory=list)
-    rows: list[torch.Tensor] = field(default_factory=list)  # the draft's q rows, when sampling
-
-
-@dataclass
-class _Flight:
-    """The blocks in flight, shared by the drafting loop and the verdict receiver.
-
-    Blocks numbered below ``live_from`` build on tokens the verifier did not commit (dead);
-    ``dirty``: the draft no longer extends the committed tokens, the drafter resyncs it first.
-    With lead, the first block after a reset is lengthened by ``overlap``: about as many tokens
-    as the verifier commits on its own before that block arrives (measured on earlier first
-    blocks, ``firsts``), so that ``gamma`` of its drafts still reach past the leads."""
-
-    committed: _Committed
-    stats: SpecStats
-    vocab: int | None
-    lead: bool
-    sent: deque[Block] = field(default_factory=deque)  # sent, not answered yet, in order
-    number: int = 0
-    live_from: int = 0
-    live_stale: int = 0
-    dirty: bool = False
-    firsts: set[int] = field(default_factory=set)
-    overlap: float = 0.0
-
-    def live(self) -> int:
-        return sum(b.number >= self.live_from for b in self.sent)
-
-    def ends_at(self, draft_len: int) -> bool:
-        """A live block in flight ends where the draft does: its bonus token comes next. (After
-        the verifier's own tokens ran past the blocks in flight, nothing is left to guess.)"""
-        last = next((b for b in reversed(self.sent) if b.number >= self.live_from), None)
-        return last is not None and last.base_len + len(last.tokens) == draft_len
-
-    def resync(self, draft: DraftRunner) -> None:
-        c = self.committed.tokens
-        if draft.follows(c):
-            return
-        if c[: len(draft.tokens)] != draft.tokens:  # a wrong token in the draft: all dead
-            self.live_from = self.number
-        self.dirty = True  # (else the verifier's own tokens ran ahead of the draft: catch up)
-
-    def launch(self, draft: DraftRunner, part: _Part, first: bool) -> Block:
-        """The block drafted on ``part.base``, numbered and counted as in flight."""
-        rows = part.rows
-        block = Block(
-            self.number,
-            part.base,
-            draft.tokens[part.base - 1],
-            tuple(part.tokens),
-            torch.cat(rows) if rows else None,
-        )
-        self.sent.append(block)  # before the send: a verdict may arrive during it
-        if first and self.lead:
-            self.firsts.add(block.number)
-        self.number += 1
-        self.stats.blocks_sent += 1
-        return block
-
-    def take(self, res: BlockResult) -> None:
-        """A verdict on the oldest block in flight (an impossible one is a ``BadVerdict``: the
-        edge then fails over, see edge.py)."""
-        if not self.sent or res.number != self.sent[0].number:
-            raise BadVerdict(f"verifier answered block {res.number}, which is not in flight")
-        block, alive = self.sent.popleft(), res.number >= self.live_from
-        stats, c = self.stats, self.committed
-        if res.stale:
-            stats.blocks_stale += 1
-            self.live_stale += alive
-            if self.live_stale >= MAX_LIVE_STALE:
-                raise BadVerdict(f"{self.live_stale} live blocks in a row called stale")
-            return
-        self.live_stale = 0 if alive else self.live_stale
-        problem = verdict_problem(
-            block_len=len(block.tokens),
-            base_len=block.base_len,
-            accepted=res.accepted,
-            next_token=res.next_token,
-            committed_len=res.committed_len,
-            vocab_size=self.vocab,
-            lead=self.lead,
-        )
-        base = block.base_len
-        if problem is None and (base > len(c.tokens) or c.tokens[base - 1] != block.base_token):
-            problem = "a verdict on a block whose base was never committed"
-        if problem is not None:
-            raise BadVerdict(f"verifier answered block {res.number} impossibly: {problem}")
-        if block.number in self.firsts:
-            self.firsts.discard(block.number)
-            led = min(len(c.tokens) - base, len(block.tokens))
-            self.overlap += 0.5 * (led - self.overlap)
-        c.place(base, [*block.tokens[: res.accepted], res.next_token])
-        if res.committed_len != len(c.tokens):
-            raise BadVerdict(f"verifier says {res.committed_len} committed, sent {len(c.tokens)}")
-        if not alive:
-            stats.blocks_stale += 1
-            return
-        stats.blocks_verified += 1
-        stats.drafted += len(block.tokens)
-        stats.accepted += res.accepted
-        stats.rejections += res.accepted < len(block.tokens)
-
-    def take_lead(self, ev: Lead) -> None:
-        c = self.committed
-        if not self.lead or ev.position != len(c.tokens):
-            raise BadVerdict(f"unexpected lead token at {ev.position} ({len(c.tokens)} committed)")
-        c.place(ev.position, [ev.token])
-        self.stats.lead_tokens += 1
 
 
 class _Signal:
@@ -366,7 +166,7 @@ class _Edge:
 
     transport: VerifierTransport
     runner: DraftRunner
-    fl: _Flight
+    fl: Flight
     prompt_len: int
     max_new: int
     eos: frozenset[int]
@@ -378,7 +178,7 @@ class _Edge:
     failure: list[Exception] = field(default_factory=list)  # the receiver's, raised by draft()
 
     def done(self) -> bool:
-        return _finished(self.fl.committed.tokens[self.prompt_len :], self.max_new, self.eos)
+        return finished(self.fl.committed.tokens[self.prompt_len :], self.max_new, self.eos)
 
     async def receive(self) -> None:
         """Verdicts and lead tokens, in the verifier's commit order, into the flight."""
@@ -389,7 +189,7 @@ class _Edge:
                     self.fl.take_lead(msg)
                 else:
                     self.fl.take(msg)
-                self.fl.resync(self.runner)
+                self.fl.resync(self.runner.tokens)
                 self.changed.fire()
         except Exception as exc:  # handed to the drafting loop, which raises it
             self.failure.append(exc)
@@ -414,9 +214,7 @@ class _Edge:
                     if fl.dirty:
                         continue
                 extra = min(round(fl.overlap), MAX_OVERLAP) if first and self.lead else 0
-                part = _Part(
-                    len(d.tokens), max(self.gamma, min(self.gamma + extra, self.max_block))
-                )
+                part = Part(len(d.tokens), max(self.gamma, min(self.gamma + extra, self.max_block)))
             toks, q = await self._draft_one()
             if fl.dirty:
                 continue
@@ -424,7 +222,7 @@ class _Edge:
             if q is not None:
                 part.rows.append(q)
             if len(part.tokens) >= part.size:
-                block = fl.launch(d, part, first)
+                block = fl.launch(d.tokens, part, first)
                 part, first = None, False
                 await self.transport.send_block(block)
 
@@ -481,7 +279,7 @@ async def speculative_generate(
     vocab = getattr(getattr(draft.model, "config", None), "vocab_size", None)
     d = DraftRunner(draft, options, top_k=probs_top_k, seed=options.seed)
     d.tokens = list(prompt)
-    fl = _Flight(_Committed(prompt, vocab, on_commit), SpecStats(), vocab, lead > 0)
+    fl = Flight(Committed(prompt, vocab, on_commit), SpecStats(), vocab, lead > 0)
     edge = _Edge(transport, d, fl, len(prompt), max_new_tokens, eos, gamma, depth, lead)
     try:
         await edge.open(prompt, options)
@@ -490,7 +288,7 @@ async def speculative_generate(
         with trio.CancelScope(shield=True):
             await transport.close()
     fl.stats.seconds = time.perf_counter() - started
-    return SpecResult(_trim(fl.committed.tokens[len(prompt) :], max_new_tokens, eos), fl.stats)
+    return SpecResult(trim(fl.committed.tokens[len(prompt) :], max_new_tokens, eos), fl.stats)
 
 
 async def remote_generate(
@@ -507,11 +305,11 @@ async def remote_generate(
     refills it. The baseline speculation is measured against, and the output it must equal."""
     options = options or GREEDY
     eos, stats, started = frozenset(eos_token_ids), SpecStats(), time.perf_counter()
-    c = _Committed(prompt, None, on_commit)
+    c = Committed(prompt, None, on_commit)
     try:
         granted = await transport.open(prompt, options, lead=max_new_tokens)
         budget, number = granted, 0
-        while not _finished(c.tokens[len(prompt) :], max_new_tokens, eos):
+        while not finished(c.tokens[len(prompt) :], max_new_tokens, eos):
             if budget == 0:
                 block = Block(number, len(c.tokens), c.tokens[-1], ())
                 number += 1
@@ -534,7 +332,7 @@ async def remote_generate(
         with trio.CancelScope(shield=True):
             await transport.close()
     stats.seconds = time.perf_counter() - started
-    return SpecResult(_trim(c.tokens[len(prompt) :], max_new_tokens, eos), stats)
+    return SpecResult(trim(c.tokens[len(prompt) :], max_new_tokens, eos), stats)
 
 
 # ---------------------------------------------------------------- baselines and transports
@@ -554,7 +352,7 @@ def target_generate(
     eos, gen, cache = frozenset(eos_token_ids), make_generator(options.seed), DynamicCache()
     device = next(target.model.parameters()).device
     x, out = torch.tensor([prompt], device=device), []
-    while not _finished(out, max_new_tokens, eos):
+    while not finished(out, max_new_tokens, eos):
         logits = target.model(input_ids=x, past_key_values=cache, use_cache=True).logits[0, -1]
         if options.greedy:
             token = int(logits.argmax())

@@ -33,6 +33,9 @@ Contract:
   ``overlay.trust.verdict_problem``) is failed over like a dead one and loses trust in
   ``edge.trust`` (a ``TrustBook``); a demoted verifier is left out of ``find_verifiers`` until
   its trust recovers.
+
+One file of ~500 lines: failover, the "auto" mode choice and spare streams all act on one
+request in ``EdgeClient.generate``; ``open_edge`` and ``run_edge_cli`` are its thin doors.
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ from p2pnode.overlay.views import PeerViews
 from p2pnode.speculation._audit import audit_result, audit_sampled
 from p2pnode.speculation._blocks import SamplingOptions
 from p2pnode.speculation._errors import BadBlock, BadRequest, BadVerdict, NoVerifier, SessionLimit
+from p2pnode.speculation._flight import finished, trim
 from p2pnode.speculation.advert import rank_verifiers, verify_digest_model
 from p2pnode.speculation.client import SpecResult, SpecStats, remote_generate, speculative_generate
 from p2pnode.speculation.draft import DraftModel, load_draft
@@ -226,7 +230,7 @@ class EdgeClient:
             if _sink is not None:
                 _sink.send_nowait(list(new))
 
-        while not self._done(committed, max_tokens):
+        while not finished(committed, max_tokens, self.eos_token_ids):
             found = await self.find_verifiers()
             candidates = self.rank([p for p in found if p not in tried], ids + committed)
             if not candidates:
@@ -272,7 +276,7 @@ class EdgeClient:
                 continue
             self._add(result.stats, r.stats)
             break
-        result.tokens = _trim(committed, max_tokens, self.eos_token_ids)
+        result.tokens = trim(committed, max_tokens, self.eos_token_ids)
         result.text = self.tokenizer.decode(result.tokens, skip_special_tokens=True)
         result.seconds = time.perf_counter() - started
         result.stats.seconds = result.seconds
@@ -373,14 +377,11 @@ class EdgeClient:
 
             nursery.start_soon(run)
             async for new in recv:
-                got = _trim(got + new, max_tokens, self.eos_token_ids)
+                got = trim(got + new, max_tokens, self.eos_token_ids)
                 full = self.tokenizer.decode(got, skip_special_tokens=True)
                 if len(full) > len(text) and not full.endswith("\ufffd"):
                     yield full[len(text) :]
                     text = full
-
-    def _done(self, committed: list[int], max_tokens: int) -> bool:
-        return len(committed) >= max_tokens or any(t in self.eos_token_ids for t in committed)
 
     @staticmethod
     def _add(total: SpecStats, part: SpecStats) -> None:
@@ -394,14 +395,6 @@ class EdgeClient:
             "lead_tokens",
         ):
             setattr(total, name, getattr(total, name) + getattr(part, name))
-
-
-def _trim(ids: list[int], max_tokens: int, eos: tuple[int, ...]) -> list[int]:
-    ids = ids[:max_tokens]
-    for i, t in enumerate(ids):
-        if t in eos:
-            return ids[: i + 1]
-    return ids
 
 
 @asynccontextmanager
