@@ -433,10 +433,13 @@ async def test_audit_catches_a_plausible_liar_and_clears_an_honest_result(target
     from p2pnode.speculation.verify import BatchedVerifier
 
     class RunnerUp(BatchedVerifier):
-        def _accept(self, item: Any, logits: torch.Tensor) -> None:
-            logits = logits.clone()
-            logits[0, logits[0].argmax()] = -math.inf
-            super()._accept(item, logits)
+        def _forward(self, rows: Any) -> list[tuple[torch.Tensor, Any]]:
+            out = []
+            for logits, cache in super()._forward(rows):
+                logits = logits.clone()
+                logits[0, logits[0].argmax()] = -math.inf
+                out.append((logits, cache))
+            return out
 
     draft = DraftModel(
         target.model, target.tokenizer, target.path, target.model_id, 0, torch.float32
