@@ -147,7 +147,8 @@ def decode_paths(loaded, bw, flops, prompt) -> list[tuple]:
 
 
 def verify_paths(loaded, bw, flops, prompt) -> list[tuple]:
-    from p2pnode.speculation.verify import BatchedVerifier, Block, SamplingOptions, _Pending
+    from p2pnode.speculation import BatchedVerifier, Block, SamplingOptions
+    from p2pnode.speculation._batching import Row, Waiter
 
     verifier = BatchedVerifier(loaded)
     model = loaded.model
@@ -164,7 +165,7 @@ def verify_paths(loaded, bw, flops, prompt) -> list[tuple]:
 
         def step(block=block, k=k):
             with torch.inference_mode():
-                verifier._forward([_Pending(session, block)])
+                verifier._forward([Row(session, Waiter(session, block))])
             session.cache.crop(-k)
 
         floor = max((wbytes + kv_bytes(model, CONTEXT)) / bw, 2 * params * k / flops)

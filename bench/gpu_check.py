@@ -172,9 +172,14 @@ async def verifier_checks(device: str) -> None:
     from dataclasses import replace
 
     from p2pnode.inference.models import load_model
-    from p2pnode.speculation.client import inprocess_transport, speculative_generate
-    from p2pnode.speculation.draft import load_draft
-    from p2pnode.speculation.verify import BatchedVerifier, Block, SamplingOptions
+    from p2pnode.speculation import (
+        BatchedVerifier,
+        Block,
+        SamplingOptions,
+        load_draft,
+        speculative_generate,
+    )
+    from p2pnode.speculation.testing import inprocess_transport
 
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32: greedy ties stay put
     base = load_model(None)

@@ -27,9 +27,16 @@ import trio
 from transformers import DynamicCache
 
 from p2pnode.inference.models import load_model
-from p2pnode.speculation.client import inprocess_transport, speculative_generate, target_generate
-from p2pnode.speculation.draft import draft_stats, load_draft
-from p2pnode.speculation.verify import BatchedVerifier, Block, SamplingOptions
+from p2pnode.speculation import (
+    BatchedVerifier,
+    Block,
+    SamplingOptions,
+    load_draft,
+    speculative_generate,
+    target_generate,
+)
+from p2pnode.speculation.draft import draft_stats
+from p2pnode.speculation.testing import inprocess_transport
 
 PROMPTS = [
     "Explain why the sky is blue.",

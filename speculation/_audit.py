@@ -49,9 +49,9 @@ from dataclasses import dataclass, field
 
 from p2pnode.inference.scoring import Scorer
 from p2pnode.overlay.audit import AuditVerdict, check_sampled
-from p2pnode.speculation.client import BadVerdict
+from p2pnode.speculation._blocks import Block, Lead, SamplingOptions
+from p2pnode.speculation._errors import BadRequest, BadVerdict, NoVerifier
 from p2pnode.speculation.protocol import P2PVerifierTransport
-from p2pnode.speculation.verify import BadRequest, Block, Lead, SamplingOptions
 
 MAX_WINDOW = 16
 log = logging.getLogger(__name__)
@@ -111,8 +111,6 @@ async def audit_result(
         if len(audit.opinions) == 2 or next(iter(audit.opinions.values())) == k:
             break
     if not audit.opinions:
-        from p2pnode.speculation.edge import NoVerifier
-
         raise NoVerifier("no verifier other than the result's own could audit it")
     (second, a2), *rest = audit.opinions.items()
     if a2 == k:

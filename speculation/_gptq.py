@@ -16,7 +16,8 @@ Contract:
   next one. The model is modified in place (weights replaced by their dequantized values);
   returns ``{layer_index: {linear_name: (q, scales)}}``.
 - With fewer calibration tokens than a layer's input width the Hessian is rank-deficient and GPTQ
-  does no better than rounding; ``gptq_model`` raises ``ValueError`` below 2x the widest input.
+  does no better than rounding; ``gptq_model`` raises ``QuantizeError`` (a ``ValueError``) below
+  2x the widest input.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import torch
 from torch import nn
 
 from p2pnode.inference.models import LLAMA_LINEAR_GROUPS, LLAMA_LINEARS
+from p2pnode.speculation._errors import QuantizeError
 
 _BLOCK = 128
 _SHRINK = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75)
@@ -58,7 +60,7 @@ def calibration_ids(tokenizer, n_seqs: int = 12, seq_len: int = 256) -> torch.Te
         if len(ids) >= seq_len:
             rows.append(ids[:seq_len])
     if len(rows) < n_seqs:
-        raise ValueError(f"only {len(rows)} calibration sequences of {seq_len} tokens available")
+        raise QuantizeError(f"only {len(rows)} calibration sequences of {seq_len} tokens available")
     return torch.tensor(rows)
 
 
@@ -88,7 +90,7 @@ def gptq_linear(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     n, k = w.shape
     if k % group_size or _BLOCK % group_size:
-        raise ValueError(f"width {k} / block {_BLOCK} must be multiples of group {group_size}")
+        raise QuantizeError(f"width {k} / block {_BLOCK} must be multiples of group {group_size}")
     w = w.detach().float().clone()
     h = h.double().clone()
     dead = torch.diag(h) == 0
@@ -173,7 +175,9 @@ def gptq_model(
     layers = model.model.layers
     widest = max(lin.in_features for lin in layers[0].modules() if isinstance(lin, nn.Linear))
     if ids.numel() < 2 * widest:
-        raise ValueError(f"{ids.numel()} calibration tokens < 2 x input width {widest}: add more")
+        raise QuantizeError(
+            f"{ids.numel()} calibration tokens < 2 x input width {widest}: add more"
+        )
     started = time.monotonic()
     x, kw = _layer_inputs(model, ids)
     out: dict[int, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}

@@ -23,26 +23,25 @@ Contract:
   that contradicts the draft kills the blocks in flight like a rejection, one that runs past the
   draft just moves it forward. The first block after a reset is lengthened by the overlap
   measured on earlier ones, so its last ``gamma`` drafts reach past the verifier's own tokens.
-  Every verdict must agree with what is committed (``_Committed``), else ``BadVerdict``.
+  Every verdict must agree with what is committed (``_flight.Committed``), else ``BadVerdict``.
 - ``remote_generate(transport, prompt, n)``: target-only remote generation over the same
   protocol (the verifier streams leads; empty blocks refill the budget): the baseline, and the
   fastest mode where the draft is barely cheaper than the target.
 - The verifier is reached through ``VerifierTransport`` (open / send_block / receive_result /
   close; results and leads come back in the verifier's commit order).
-  ``inprocess_transport(verifier, one_way_delay_s=...)`` is the in-process one, with a userspace
-  one-way delay (trio.sleep) on each direction, FIFO like a stream;
-  ``p2pnode.speculation.protocol`` provides the libp2p one.
+  ``p2pnode.speculation.protocol`` provides the libp2p one; ``speculation.testing`` an
+  in-process one for tests and benches.
+- Where: ``speculative_generate`` sets up an ``_Edge``; its ``draft`` is the edge loop and its
+  ``receive`` the verdict receiver; both work on the ``Flight`` (``_flight.py``: the blocks in
+  flight and the edge's copy of the committed tokens) and wake each other through a ``_Signal``.
 - Draft and target forwards run in worker threads (``trio.to_thread``) so the event loop keeps
   moving frames and timers while torch computes.
 """
 
 from __future__ import annotations
 
-import math
 import time
-from collections import deque
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -52,31 +51,15 @@ from transformers import DynamicCache
 
 from p2pnode.inference.models import LoadedModel
 from p2pnode.inference.sampling import make_generator, probs_from_logits
-from p2pnode.overlay.trust import verdict_problem
+from p2pnode.speculation._accept import truncate_probs
+from p2pnode.speculation._blocks import Block, BlockResult, Lead, SamplingOptions
+from p2pnode.speculation._errors import BadVerdict
+from p2pnode.speculation._flight import Committed, Flight, Part, SpecStats, finished, trim
 from p2pnode.speculation.draft import DraftModel
-from p2pnode.speculation.verify import (
-    BatchedVerifier,
-    Block,
-    BlockResult,
-    Lead,
-    SamplingOptions,
-    VerifierError,
-    truncate_probs,
-)
 
 GREEDY = SamplingOptions()
 DEFAULT_PROBS_TOP_K = 64  # draft distributions are cut to 64 tokens: exact, and cheap on the wire
-# An honest verifier never calls a live block stale (it builds on what that verifier committed);
-# a liar could loop us, and the draft cannot resume from one (nothing new to feed it).
-# An honest verifier never calls a live block stale (it builds on tokens that verifier commits);
-# 2 in a row rather than 1 leaves room for a corner case we did not foresee at the price of one
-# wasted block from a liar.
-MAX_LIVE_STALE = 2
 MAX_OVERLAP = 8  # draft tokens a first block may add for the verifier's lead
-
-
-class BadVerdict(VerifierError):
-    """The verifier answered something impossible (see ``overlay.trust.verdict_problem``)."""
 
 
 class VerifierTransport(Protocol):
@@ -109,9 +92,6 @@ class DraftRunner:
         self.tokens: list[int] = []
         self.cache = DynamicCache()
         self.cache_len = 0
-
-    def follows(self, committed: list[int]) -> bool:
-        return self.tokens[: len(committed)] == committed
 
     def reset_to(self, committed: list[int]) -> None:
         """Drop speculative tokens that disagree with ``committed``; crop the cache to match."""
@@ -160,200 +140,118 @@ class DraftRunner:
 
 
 @dataclass
-class SpecStats:
-    blocks_sent: int = 0
-    blocks_verified: int = 0
-    blocks_stale: int = 0
-    drafted: int = 0  # draft tokens in verified blocks
-    accepted: int = 0
-    rejections: int = 0  # verified blocks not fully accepted
-    lead_tokens: int = 0  # committed by the verifier on its own (lead)
-    seconds: float = 0.0
-
-    @property
-    def acceptance(self) -> float:
-        """Accepted / drafted tokens (what a block's budget yields)."""
-        return self.accepted / self.drafted if self.drafted else 0.0
-
-    @property
-    def alpha(self) -> float:
-        """Per-token acceptance probability: every verified position ends accepted or rejected,
-        so accepted / (accepted + rejections) estimates P(draft token == target's) at a position."""
-        tried = self.accepted + self.rejections
-        return self.accepted / tried if tried else 0.0
-
-    @property
-    def tokens_per_block(self) -> float:
-        """Committed tokens per verified block (accepted + the verifier's own token)."""
-        return (
-            (self.accepted + self.blocks_verified) / self.blocks_verified
-            if self.blocks_verified
-            else 0.0
-        )
-
-
-@dataclass
 class SpecResult:
     tokens: list[int]
     stats: SpecStats = field(default_factory=SpecStats)
 
 
-def _finished(out: list[int], max_new: int, eos: frozenset[int]) -> bool:
-    return len(out) >= max_new or any(t in eos for t in out)
+class _Signal:
+    """Wakes whoever waits for a change of the flight (a verdict, a lead token, a failure)."""
+
+    def __init__(self) -> None:
+        self._event = trio.Event()
+
+    def fire(self) -> None:
+        self._event.set()
+        self._event = trio.Event()
+
+    async def wait(self) -> None:
+        await self._event.wait()
 
 
-def _trim(out: list[int], max_new: int, eos: frozenset[int]) -> list[int]:
-    out = out[:max_new]
-    for i, t in enumerate(out):
-        if t in eos:
-            return out[: i + 1]
-    return out
+@dataclass
+class _Edge:
+    """One speculative session at the edge: the drafting loop (``draft``) and the verdict
+    receiver (``receive``) share the flight and wake each other through ``changed``."""
 
+    transport: VerifierTransport
+    runner: DraftRunner
+    fl: Flight
+    prompt_len: int
+    max_new: int
+    eos: frozenset[int]
+    gamma: int
+    depth: int
+    lead: int
+    max_block: int = 0
+    changed: _Signal = field(default_factory=_Signal)
+    failure: list[Exception] = field(default_factory=list)  # the receiver's, raised by draft()
 
-class _Committed:
-    """The edge's copy of the session's committed tokens, fed in the verifier's commit order.
+    def done(self) -> bool:
+        return finished(self.fl.committed.tokens[self.prompt_len :], self.max_new, self.eos)
 
-    Every verdict must agree with what was committed before it and leave no gap; the verifier
-    cannot rewrite a token it already gave (that is a ``BadVerdict``, never a silent fix)."""
+    async def receive(self) -> None:
+        """Verdicts and lead tokens, in the verifier's commit order, into the flight."""
+        try:
+            while not self.done():
+                msg = await self.transport.receive_result()
+                if isinstance(msg, Lead):
+                    self.fl.take_lead(msg)
+                else:
+                    self.fl.take(msg)
+                self.fl.resync(self.runner.tokens)
+                self.changed.fire()
+        except Exception as exc:  # handed to the drafting loop, which raises it
+            self.failure.append(exc)
+            self.changed.fire()
 
-    def __init__(self, prompt: list[int], vocab: int | None, on_commit) -> None:
-        self.tokens = list(prompt)
-        self.vocab = vocab
-        self.on_commit = on_commit
-
-    def place(self, position: int, tokens: list[int]) -> None:
-        if position > len(self.tokens):
-            raise BadVerdict(f"verifier skipped tokens {len(self.tokens)}..{position - 1}")
-        new = []
-        for p, t in enumerate(tokens, start=position):
-            if p < len(self.tokens):
-                if self.tokens[p] != t:
-                    raise BadVerdict(f"verifier changed committed token {p}: {self.tokens[p]}->{t}")
+    async def draft(self) -> None:
+        """The edge loop: draft one token at a time, send each block once full, keep ``depth``
+        live blocks in flight, and start over from the committed tokens when a verdict or a
+        lead kills the blocks in flight (``fl.dirty``)."""
+        fl, d, part, first = self.fl, self.runner, None, True
+        while not self.done() and not self.failure:
+            if fl.dirty:
+                d.reset_to(fl.committed.tokens)
+                fl.dirty, part, first = False, None, True
+            full = fl.live() >= self.depth or len(d.tokens) - self.prompt_len >= self.max_new
+            if full and part is None:  # a block being drafted is always finished
+                await self.changed.wait()
                 continue
-            if t < 0 or (self.vocab is not None and t >= self.vocab):
-                raise BadVerdict(f"token {t} outside the vocabulary of {self.vocab}")
-            self.tokens.append(t)
-            new.append(t)
-        if new and self.on_commit is not None:
-            self.on_commit(new)
+            if part is None:
+                if fl.ends_at(len(d.tokens)):  # guess the bonus of the block in flight
+                    await self._draft_one(argmax=True)
+                    if fl.dirty:
+                        continue
+                extra = min(round(fl.overlap), MAX_OVERLAP) if first and self.lead else 0
+                part = Part(len(d.tokens), max(self.gamma, min(self.gamma + extra, self.max_block)))
+            toks, q = await self._draft_one()
+            if fl.dirty:
+                continue
+            part.tokens.extend(toks)
+            if q is not None:
+                part.rows.append(q)
+            if len(part.tokens) >= part.size:
+                block = fl.launch(d.tokens, part, first)
+                part, first = None, False
+                await self.transport.send_block(block)
 
+    async def _draft_one(self, argmax: bool = False) -> tuple[list[int], torch.Tensor | None]:
+        return await trio.to_thread.run_sync(lambda: self.runner.extend(1, argmax=argmax))
 
-@dataclass
-class _Part:
-    """The block being drafted, ONE token per worker call so that a verdict that kills it is
-    seen within one draft step, not one block."""
+    async def open(self, prompt: list[int], options: SamplingOptions) -> None:
+        """Open the session while the draft prefills the prompt."""
+        opened: list[Exception] = []
+        async with trio.open_nursery() as opening:
+            opening.start_soon(trio.to_thread.run_sync, self.runner.prefill)
+            try:
+                await self.transport.open(prompt, options, lead=self.lead)
+            except Exception as exc:  # raised below as itself, not inside an ExceptionGroup
+                opened.append(exc)
+        if opened:
+            raise opened[0]
+        self.max_block = getattr(self.transport, "max_block", None) or self.gamma + MAX_OVERLAP
 
-    base: int
-    size: int
-    tokens: list[int] = field(default_factory=list)
-    rows: list[torch.Tensor] = field(default_factory=list)  # the draft's q rows, when sampling
-
-
-@dataclass
-class _Flight:
-    """The blocks in flight, shared by the drafting loop and the verdict receiver.
-
-    Blocks numbered below ``live_from`` build on tokens the verifier did not commit (dead);
-    ``dirty``: the draft no longer extends the committed tokens, the drafter resyncs it first.
-    With lead, the first block after a reset is lengthened by ``overlap``: about as many tokens
-    as the verifier commits on its own before that block arrives (measured on earlier first
-    blocks, ``firsts``), so that ``gamma`` of its drafts still reach past the leads."""
-
-    committed: _Committed
-    stats: SpecStats
-    vocab: int | None
-    lead: bool
-    sent: deque[Block] = field(default_factory=deque)  # sent, not answered yet, in order
-    number: int = 0
-    live_from: int = 0
-    live_stale: int = 0
-    dirty: bool = False
-    firsts: set[int] = field(default_factory=set)
-    overlap: float = 0.0
-
-    def live(self) -> int:
-        return sum(b.number >= self.live_from for b in self.sent)
-
-    def ends_at(self, draft_len: int) -> bool:
-        """A live block in flight ends where the draft does: its bonus token comes next. (After
-        the verifier's own tokens ran past the blocks in flight, nothing is left to guess.)"""
-        last = next((b for b in reversed(self.sent) if b.number >= self.live_from), None)
-        return last is not None and last.base_len + len(last.tokens) == draft_len
-
-    def resync(self, draft: DraftRunner) -> None:
-        c = self.committed.tokens
-        if draft.follows(c):
-            return
-        if c[: len(draft.tokens)] != draft.tokens:  # a wrong token in the draft: all dead
-            self.live_from = self.number
-        self.dirty = True  # (else the verifier's own tokens ran ahead of the draft: catch up)
-
-    def launch(self, draft: DraftRunner, part: _Part, first: bool) -> Block:
-        """The block drafted on ``part.base``, numbered and counted as in flight."""
-        rows = part.rows
-        block = Block(
-            self.number,
-            part.base,
-            draft.tokens[part.base - 1],
-            tuple(part.tokens),
-            torch.cat(rows) if rows else None,
-        )
-        self.sent.append(block)  # before the send: a verdict may arrive during it
-        if first and self.lead:
-            self.firsts.add(block.number)
-        self.number += 1
-        self.stats.blocks_sent += 1
-        return block
-
-    def take(self, res: BlockResult) -> None:
-        """A verdict on the oldest block in flight (an impossible one is a ``BadVerdict``: the
-        edge then fails over, see edge.py)."""
-        if not self.sent or res.number != self.sent[0].number:
-            raise BadVerdict(f"verifier answered block {res.number}, which is not in flight")
-        block, alive = self.sent.popleft(), res.number >= self.live_from
-        stats, c = self.stats, self.committed
-        if res.stale:
-            stats.blocks_stale += 1
-            self.live_stale += alive
-            if self.live_stale >= MAX_LIVE_STALE:
-                raise BadVerdict(f"{self.live_stale} live blocks in a row called stale")
-            return
-        self.live_stale = 0 if alive else self.live_stale
-        problem = verdict_problem(
-            block_len=len(block.tokens),
-            base_len=block.base_len,
-            accepted=res.accepted,
-            next_token=res.next_token,
-            committed_len=res.committed_len,
-            vocab_size=self.vocab,
-            lead=self.lead,
-        )
-        base = block.base_len
-        if problem is None and (base > len(c.tokens) or c.tokens[base - 1] != block.base_token):
-            problem = "a verdict on a block whose base was never committed"
-        if problem is not None:
-            raise BadVerdict(f"verifier answered block {res.number} impossibly: {problem}")
-        if block.number in self.firsts:
-            self.firsts.discard(block.number)
-            led = min(len(c.tokens) - base, len(block.tokens))
-            self.overlap += 0.5 * (led - self.overlap)
-        c.place(base, [*block.tokens[: res.accepted], res.next_token])
-        if res.committed_len != len(c.tokens):
-            raise BadVerdict(f"verifier says {res.committed_len} committed, sent {len(c.tokens)}")
-        if not alive:
-            stats.blocks_stale += 1
-            return
-        stats.blocks_verified += 1
-        stats.drafted += len(block.tokens)
-        stats.accepted += res.accepted
-        stats.rejections += res.accepted < len(block.tokens)
-
-    def take_lead(self, ev: Lead) -> None:
-        c = self.committed
-        if not self.lead or ev.position != len(c.tokens):
-            raise BadVerdict(f"unexpected lead token at {ev.position} ({len(c.tokens)} committed)")
-        c.place(ev.position, [ev.token])
-        self.stats.lead_tokens += 1
+    async def run(self) -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self.receive)
+            try:
+                await self.draft()
+            except Exception as exc:  # raised below, outside the nursery: no ExceptionGroup
+                self.failure.append(exc)
+            nursery.cancel_scope.cancel()
+        if self.failure:
+            raise self.failure[0]
 
 
 async def speculative_generate(
@@ -377,102 +275,20 @@ async def speculative_generate(
         raise ValueError(
             "need a non-empty prompt, max_new_tokens >= 1, gamma >= 1, depth >= 1, lead >= 0"
         )
-    eos, stats, started = frozenset(eos_token_ids), SpecStats(), time.perf_counter()
+    eos, started = frozenset(eos_token_ids), time.perf_counter()
     vocab = getattr(getattr(draft.model, "config", None), "vocab_size", None)
     d = DraftRunner(draft, options, top_k=probs_top_k, seed=options.seed)
     d.tokens = list(prompt)
-    fl = _Flight(_Committed(prompt, vocab, on_commit), stats, vocab, lead > 0)
-    changed = _Signal()
-    failure: list[Exception] = []
-
-    def done() -> bool:
-        return _finished(fl.committed.tokens[len(prompt) :], max_new_tokens, eos)
-
-    async def receiver() -> None:
-        try:
-            while not done():
-                msg = await transport.receive_result()
-                if isinstance(msg, Lead):
-                    fl.take_lead(msg)
-                else:
-                    fl.take(msg)
-                fl.resync(d)
-                changed.fire()
-        except Exception as exc:  # handed to the drafting loop, which raises it
-            failure.append(exc)
-            changed.fire()
-
-    async def draft_one(argmax: bool = False) -> tuple[list[int], torch.Tensor | None]:
-        return await trio.to_thread.run_sync(lambda: d.extend(1, argmax=argmax))
-
-    async def drafter(max_block: int) -> None:
-        part: _Part | None = None
-        first = True
-        while not done() and not failure:
-            if fl.dirty:
-                d.reset_to(fl.committed.tokens)
-                fl.dirty, part, first = False, None, True
-            full = fl.live() >= depth or len(d.tokens) - len(prompt) >= max_new_tokens
-            if full and part is None:  # a block being drafted is always finished
-                await changed.wait()
-                continue
-            if part is None:
-                if fl.ends_at(len(d.tokens)):  # guess the bonus of the block in flight
-                    await draft_one(argmax=True)
-                    if fl.dirty:
-                        continue
-                extra = min(round(fl.overlap), MAX_OVERLAP) if first and lead else 0
-                part = _Part(len(d.tokens), max(gamma, min(gamma + extra, max_block)))
-            toks, q = await draft_one()
-            if fl.dirty:
-                continue
-            part.tokens.extend(toks)
-            if q is not None:
-                part.rows.append(q)
-            if len(part.tokens) >= part.size:
-                block = fl.launch(d, part, first)
-                part, first = None, False
-                await transport.send_block(block)
-
+    fl = Flight(Committed(prompt, vocab, on_commit), SpecStats(), vocab, lead > 0)
+    edge = _Edge(transport, d, fl, len(prompt), max_new_tokens, eos, gamma, depth, lead)
     try:
-        opened: list[Exception] = []
-        async with trio.open_nursery() as opening:  # the draft's prefill overlaps the open
-            opening.start_soon(trio.to_thread.run_sync, d.prefill)
-            try:
-                await transport.open(prompt, options, lead=lead)
-            except Exception as exc:  # raised below as itself, not inside an ExceptionGroup
-                opened.append(exc)
-        if opened:
-            raise opened[0]
-        max_block = getattr(transport, "max_block", None) or gamma + MAX_OVERLAP
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(receiver)
-            try:
-                await drafter(max_block)
-            except Exception as exc:  # raised below, outside the nursery: no ExceptionGroup
-                failure.append(exc)
-            nursery.cancel_scope.cancel()
-        if failure:
-            raise failure[0]
+        await edge.open(prompt, options)
+        await edge.run()
     finally:
         with trio.CancelScope(shield=True):
             await transport.close()
-    stats.seconds = time.perf_counter() - started
-    return SpecResult(_trim(fl.committed.tokens[len(prompt) :], max_new_tokens, eos), stats)
-
-
-class _Signal:
-    """Wakes whoever waits for a change of the flight (a verdict, a lead token, a failure)."""
-
-    def __init__(self) -> None:
-        self._event = trio.Event()
-
-    def fire(self) -> None:
-        self._event.set()
-        self._event = trio.Event()
-
-    async def wait(self) -> None:
-        await self._event.wait()
+    fl.stats.seconds = time.perf_counter() - started
+    return SpecResult(trim(fl.committed.tokens[len(prompt) :], max_new_tokens, eos), fl.stats)
 
 
 async def remote_generate(
@@ -489,11 +305,11 @@ async def remote_generate(
     refills it. The baseline speculation is measured against, and the output it must equal."""
     options = options or GREEDY
     eos, stats, started = frozenset(eos_token_ids), SpecStats(), time.perf_counter()
-    c = _Committed(prompt, None, on_commit)
+    c = Committed(prompt, None, on_commit)
     try:
         granted = await transport.open(prompt, options, lead=max_new_tokens)
         budget, number = granted, 0
-        while not _finished(c.tokens[len(prompt) :], max_new_tokens, eos):
+        while not finished(c.tokens[len(prompt) :], max_new_tokens, eos):
             if budget == 0:
                 block = Block(number, len(c.tokens), c.tokens[-1], ())
                 number += 1
@@ -516,7 +332,7 @@ async def remote_generate(
         with trio.CancelScope(shield=True):
             await transport.close()
     stats.seconds = time.perf_counter() - started
-    return SpecResult(_trim(c.tokens[len(prompt) :], max_new_tokens, eos), stats)
+    return SpecResult(trim(c.tokens[len(prompt) :], max_new_tokens, eos), stats)
 
 
 # ---------------------------------------------------------------- baselines and transports
@@ -536,7 +352,7 @@ def target_generate(
     eos, gen, cache = frozenset(eos_token_ids), make_generator(options.seed), DynamicCache()
     device = next(target.model.parameters()).device
     x, out = torch.tensor([prompt], device=device), []
-    while not _finished(out, max_new_tokens, eos):
+    while not finished(out, max_new_tokens, eos):
         logits = target.model(input_ids=x, past_key_values=cache, use_cache=True).logits[0, -1]
         if options.greedy:
             token = int(logits.argmax())
@@ -546,63 +362,3 @@ def target_generate(
         out.append(token)
         x = torch.tensor([[token]], device=device)
     return out
-
-
-class InProcessTransport:
-    """A verifier in this process behind a FIFO link with a one-way delay in each direction."""
-
-    def __init__(self, verifier: BatchedVerifier, nursery: trio.Nursery, one_way_delay_s: float):
-        self.verifier = verifier
-        self.max_block = verifier.max_block
-        self.delay = one_way_delay_s
-        self._nursery = nursery
-        self._up_send, self._up_recv = trio.open_memory_channel[tuple[float, Block]](math.inf)
-        self._down_send, self._down_recv = trio.open_memory_channel[tuple[float, object]](math.inf)
-        self._sid: str | None = None
-        self._server = trio.CancelScope()
-
-    async def open(self, prompt: list[int], options: SamplingOptions, *, lead: int = 0) -> int:
-        await trio.sleep(self.delay)
-        self._sid = await self.verifier.open_session(
-            prompt, options, self.verifier.model_id, lead=lead, on_lead=self._down
-        )
-        await trio.sleep(self.delay)
-        self._nursery.start_soon(self._serve)
-        return self.verifier.sessions[self._sid].lead
-
-    def _down(self, answer: object) -> None:
-        self._down_send.send_nowait((trio.current_time() + self.delay, answer))
-
-    async def _serve(self) -> None:
-        with self._server:
-            async for arrive_at, block in self._up_recv:
-                await trio.sleep_until(arrive_at)
-                try:
-                    answer: object = await self.verifier.verify(self._sid, block)
-                except VerifierError as exc:
-                    answer = exc
-                self._down(answer)
-
-    async def send_block(self, block: Block) -> None:
-        self._up_send.send_nowait((trio.current_time() + self.delay, block))
-
-    async def receive_result(self) -> BlockResult | Lead:
-        arrive_at, answer = await self._down_recv.receive()
-        await trio.sleep_until(arrive_at)
-        if isinstance(answer, VerifierError):
-            raise answer
-        return answer  # type: ignore[return-value]
-
-    async def close(self) -> None:
-        self._server.cancel()
-        if self._sid is not None:
-            self.verifier.close_session(self._sid)
-
-
-@asynccontextmanager
-async def inprocess_transport(
-    verifier: BatchedVerifier, *, one_way_delay_s: float = 0.0
-) -> AsyncIterator[InProcessTransport]:
-    async with trio.open_nursery() as nursery:
-        yield InProcessTransport(verifier, nursery, one_way_delay_s)
-        nursery.cancel_scope.cancel()

@@ -42,6 +42,7 @@ from torch import nn
 
 from p2pnode.inference import _fastpath, _kernels
 from p2pnode.inference.models import LLAMA_LINEARS, LoadedModel, cache_dir, load_model
+from p2pnode.speculation._errors import DraftError
 
 log = logging.getLogger(__name__)
 
@@ -55,10 +56,6 @@ _KERNEL_GROUPS = (32, 64, 128, 256)
 def _log_progress(msg: str) -> None:
     log.info("%s", msg)
     print(msg, file=sys.stderr, flush=True)  # a first build takes minutes: show it's alive
-
-
-class DraftError(RuntimeError):
-    """The draft could not be built or loaded; the message says what to fix."""
 
 
 @dataclass

@@ -29,10 +29,13 @@ Contract:
   plausibly but wrongly is blamed once a third one confirms it (``speculation._audit``). A
   sampled result takes ``scorer=`` (the target's ``Scorer``): its likelihood under the target
   must be plausible (a z-test with a stated false-alarm rate, ``speculation._audit``).
-- Trust: a verifier whose verdict is impossible (``client.BadVerdict``: see
+- Trust: a verifier whose verdict is impossible (``BadVerdict``: see
   ``overlay.trust.verdict_problem``) is failed over like a dead one and loses trust in
   ``edge.trust`` (a ``TrustBook``); a demoted verifier is left out of ``find_verifiers`` until
   its trust recovers.
+
+One file of ~500 lines: failover, the "auto" mode choice and spare streams all act on one
+request in ``EdgeClient.generate``; ``open_edge`` and ``run_edge_cli`` are its thin doors.
 """
 
 from __future__ import annotations
@@ -53,27 +56,17 @@ from p2pnode.overlay.router import rtt_from_peer_table
 from p2pnode.overlay.trust import TrustBook
 from p2pnode.overlay.views import PeerViews
 from p2pnode.speculation._audit import audit_result, audit_sampled
+from p2pnode.speculation._blocks import SamplingOptions
+from p2pnode.speculation._errors import BadBlock, BadRequest, BadVerdict, NoVerifier, SessionLimit
+from p2pnode.speculation._flight import finished, trim
 from p2pnode.speculation.advert import rank_verifiers, verify_digest_model
-from p2pnode.speculation.client import (
-    BadVerdict,
-    SpecResult,
-    SpecStats,
-    remote_generate,
-    speculative_generate,
-)
+from p2pnode.speculation.client import SpecResult, SpecStats, remote_generate, speculative_generate
 from p2pnode.speculation.draft import DraftModel, load_draft
 from p2pnode.speculation.protocol import (
     OPEN_TIMEOUT_S,
     P2PVerifierTransport,
     drop_stream,
     open_spare,
-)
-from p2pnode.speculation.verify import (
-    BadBlock,
-    BadRequest,
-    SamplingOptions,
-    SessionLimit,
-    VerifierError,
 )
 
 log = logging.getLogger(__name__)
@@ -87,10 +80,6 @@ AUTO_EXPLORE = 8  # every 8th "auto" request retries the slower mode (load and p
 # A spare stream is used only while the verifier still waits for its open (OPEN_TIMEOUT_S).
 SPARE_MAX_AGE_S = OPEN_TIMEOUT_S * 2 / 3
 _CALLER_ERRORS = (BadRequest, BadBlock, SessionLimit)
-
-
-class NoVerifier(VerifierError):
-    """No verifier of the model could finish the request; the message says who failed how."""
 
 
 @dataclass
@@ -241,7 +230,7 @@ class EdgeClient:
             if _sink is not None:
                 _sink.send_nowait(list(new))
 
-        while not self._done(committed, max_tokens):
+        while not finished(committed, max_tokens, self.eos_token_ids):
             found = await self.find_verifiers()
             candidates = self.rank([p for p in found if p not in tried], ids + committed)
             if not candidates:
@@ -287,7 +276,7 @@ class EdgeClient:
                 continue
             self._add(result.stats, r.stats)
             break
-        result.tokens = _trim(committed, max_tokens, self.eos_token_ids)
+        result.tokens = trim(committed, max_tokens, self.eos_token_ids)
         result.text = self.tokenizer.decode(result.tokens, skip_special_tokens=True)
         result.seconds = time.perf_counter() - started
         result.stats.seconds = result.seconds
@@ -388,14 +377,11 @@ class EdgeClient:
 
             nursery.start_soon(run)
             async for new in recv:
-                got = _trim(got + new, max_tokens, self.eos_token_ids)
+                got = trim(got + new, max_tokens, self.eos_token_ids)
                 full = self.tokenizer.decode(got, skip_special_tokens=True)
                 if len(full) > len(text) and not full.endswith("\ufffd"):
                     yield full[len(text) :]
                     text = full
-
-    def _done(self, committed: list[int], max_tokens: int) -> bool:
-        return len(committed) >= max_tokens or any(t in self.eos_token_ids for t in committed)
 
     @staticmethod
     def _add(total: SpecStats, part: SpecStats) -> None:
@@ -409,14 +395,6 @@ class EdgeClient:
             "lead_tokens",
         ):
             setattr(total, name, getattr(total, name) + getattr(part, name))
-
-
-def _trim(ids: list[int], max_tokens: int, eos: tuple[int, ...]) -> list[int]:
-    ids = ids[:max_tokens]
-    for i, t in enumerate(ids):
-        if t in eos:
-            return ids[: i + 1]
-    return ids
 
 
 @asynccontextmanager

@@ -3,9 +3,10 @@
 Contract (one stream = one session; frames and schemas from ``p2pnode.overlay.wire``):
 - edge -> verifier ``verify-open`` {model_id, prompt, temperature, top_p, seed, lead}; the
   verifier answers ``verify-opened`` {committed_len, max_tokens, max_block, lead (granted)} or
-  ``verify-refused`` {code, message} and closes. ``code`` is the name of the ``VerifierError``
-  subclass (``VerifierFull``, ``SessionLimit``, ``WrongModel``, ``PeerLimited``, ...) or
-  ``BadMessage``.
+  ``verify-refused`` {code, message} and closes. ``code`` is the ``reason`` of the
+  ``VerifierError`` subclass (``VerifierFull``, ``SessionLimit``, ``WrongModel``, ``PeerLimited``,
+  ...; ``_errors.py``) or ``BadMessage``; the edge raises the class with that ``reason``, or a
+  plain ``VerifierError`` for a code it does not know.
 - then any number of ``verify-block`` {number, base_len, base_token, tokens, q_width, q_ids,
   q_vals}, each answered in order by ``verify-result`` {number, accepted, next_token,
   committed_len} (accepted = -1: stale). The edge may send the next block before the previous
@@ -32,7 +33,8 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import field
+from dataclasses import dataclass, field
+from typing import Self
 
 import numpy as np
 import torch
@@ -40,15 +42,9 @@ import trio
 
 from p2pnode.overlay import wire
 from p2pnode.overlay.limits import LimitExceeded, MeteredStream, PeerLimiter, remote_peer
-from p2pnode.speculation import verify as v
-from p2pnode.speculation.verify import (
-    BatchedVerifier,
-    Block,
-    BlockResult,
-    Lead,
-    SamplingOptions,
-    VerifierError,
-)
+from p2pnode.speculation._blocks import Block, BlockResult, Lead, SamplingOptions
+from p2pnode.speculation._errors import BadBlock, PeerLimited, UnknownSession, VerifierError
+from p2pnode.speculation.verify import BatchedVerifier
 
 VERIFY_PROTOCOL = "/p2pnode/verify/1"
 LIMIT = wire.PROTOCOL_LIMITS[VERIFY_PROTOCOL]
@@ -87,10 +83,21 @@ class VerifyLead:
     token: int = field(metadata=wire.bounded(**_I32))
 
 
-@wire.message("verify-refused")
-class VerifyRefused:
+@dataclass(frozen=True)
+class _Coded:
+    """A refusal or an error: ``code`` is the error class's ``reason`` (see ``_errors.py``)."""
+
     code: str = field(metadata=wire.bounded(max_len=32))
     message: str = field(metadata=wire.bounded(max_len=1024))
+
+    @classmethod
+    def of(cls, exc: Exception) -> Self:
+        return cls(_code(exc), str(exc)[:1024])
+
+
+@wire.message("verify-refused")
+class VerifyRefused(_Coded):
+    """The open was refused; the verifier closes the stream."""
 
 
 @wire.message("verify-block")
@@ -115,9 +122,8 @@ class VerifyResult:
 
 
 @wire.message("verify-error")
-class VerifyError:
-    code: str = field(metadata=wire.bounded(max_len=32))
-    message: str = field(metadata=wire.bounded(max_len=1024))
+class VerifyError(_Coded):
+    """The session ended on an error (or leading stopped early, see ``verify.py``)."""
 
 
 @wire.message("verify-close")
@@ -135,7 +141,7 @@ def encode_q(q: torch.Tensor | None) -> tuple[int, bytes, bytes]:
     width = min(MAX_Q_WIDTH, q.shape[-1])
     vals, ids = q.topk(width, dim=-1)
     if bool((q > 0).sum(-1).gt(width).any()):
-        raise v.BadBlock(f"a q row has more than {MAX_Q_WIDTH} non-zeros: truncate the draft's q")
+        raise BadBlock(f"a q row has more than {MAX_Q_WIDTH} non-zeros: truncate the draft's q")
     return (
         width,
         ids.to(torch.int32).numpy().astype("<i4").tobytes(),
@@ -147,19 +153,19 @@ def decode_q(msg: VerifyBlock, vocab: int) -> torch.Tensor | None:
     k, w = len(msg.tokens), msg.q_width
     if w == 0:
         if msg.q_ids or msg.q_vals:
-            raise v.BadBlock("q_ids/q_vals given with q_width 0")
+            raise BadBlock("q_ids/q_vals given with q_width 0")
         return None
     if len(msg.q_ids) != 4 * k * w or len(msg.q_vals) != 4 * k * w:
-        raise v.BadBlock(f"q_ids and q_vals must hold {k} x {w} 4-byte entries each")
+        raise BadBlock(f"q_ids and q_vals must hold {k} x {w} 4-byte entries each")
     ids = torch.from_numpy(np.frombuffer(msg.q_ids, dtype="<i4").astype(np.int64)).view(k, w)
     vals = torch.from_numpy(np.frombuffer(msg.q_vals, dtype="<f4").astype(np.float32)).view(k, w)
     if bool(((ids < 0) | (ids >= vocab)).any()):
-        raise v.BadBlock(f"q ids must lie in [0, {vocab})")
+        raise BadBlock(f"q ids must lie in [0, {vocab})")
     if not bool(torch.isfinite(vals).all()) or bool((vals < 0).any()):
-        raise v.BadBlock("q probabilities must be finite and >= 0")
+        raise BadBlock("q probabilities must be finite and >= 0")
     q = torch.zeros(k, vocab).scatter_add_(1, ids, vals)
     if bool(((q.sum(-1) - 1).abs() > 1e-3).any()):
-        raise v.BadBlock("each q row must sum to 1")
+        raise BadBlock("each q row must sum to 1")
     return q
 
 
@@ -188,7 +194,7 @@ async def serve_limited(stream, verifier: BatchedVerifier, limiter: PeerLimiter)
             await _serve_stream(metered, verifier, limiter, peer)
     except LimitExceeded as exc:  # raised by admit(): nothing was read or sent yet
         with trio.move_on_after(REFUSE_TIMEOUT_S):
-            await _send(stream, VerifyRefused(_code(exc), str(exc)[:1024]))
+            await _send(stream, VerifyRefused.of(exc))
 
 
 async def _serve_stream(
@@ -215,18 +221,18 @@ async def _serve_stream(
                         if limiter is not None:
                             limiter.charge(peer, "verify_lead")
                     except LimitExceeded as exc:  # told to the edge; raising stops the leading
-                        out_send.send_nowait(VerifyError(_code(exc), str(exc)[:1024]))
+                        out_send.send_nowait(VerifyError.of(exc))
                         raise
                     out_send.send_nowait(VerifyLead(news.position, news.token))
                 else:  # leading stopped early: the edge must not wait for more
-                    out_send.send_nowait(VerifyError(_code(news), str(news)[:1024]))
+                    out_send.send_nowait(VerifyError.of(news))
 
             sid = await verifier.open_session(
                 list(req.prompt), opts, req.model_id, lead=req.lead, on_lead=on_lead
             )
         except (wire.WireError, VerifierError, LimitExceeded) as exc:
             with trio.move_on_after(REFUSE_TIMEOUT_S):
-                await _send(stream, VerifyRefused(_code(exc), str(exc)[:1024]))
+                await _send(stream, VerifyRefused.of(exc))
             return
         try:
             s = verifier.sessions[sid]
@@ -245,7 +251,7 @@ async def _serve_stream(
                 raise failure
         except (wire.WireError, VerifierError, LimitExceeded) as exc:
             with trio.move_on_after(REFUSE_TIMEOUT_S):
-                await _send(stream, VerifyError(_code(exc), str(exc)[:1024]))
+                await _send(stream, VerifyError.of(exc))
         finally:
             verifier.close_session(sid)
 
@@ -277,7 +283,7 @@ async def _serve_blocks(
             obj = await wire.read_frame(stream, limit=LIMIT)
             waited_out = False
         if waited_out:
-            raise v.UnknownSession(f"no block for {verifier.idle_timeout_s:.0f} s: session closed")
+            raise UnknownSession(f"no block for {verifier.idle_timeout_s:.0f} s: session closed")
         if obj is None:
             return
         msg = wire.from_wire(obj, VerifyBlock, VerifyClose)
@@ -297,15 +303,23 @@ def _release(stream) -> None:
         stream.release()
 
 
+def _family(cls: type[VerifierError]) -> list[type[VerifierError]]:
+    return [cls, *(c for sub in cls.__subclasses__() for c in _family(sub))]
+
+
+# code on the wire -> the class the edge raises; only what a verifier may send (_errors.py)
+_BY_CODE = {c.reason: c for c in _family(VerifierError) if c.sent_by_verifier}
+
+
 def _code(exc: Exception) -> str:
     if isinstance(exc, LimitExceeded):
-        return "PeerLimited"
-    return type(exc).__name__ if isinstance(exc, VerifierError) else "BadMessage"
+        return PeerLimited.reason
+    return exc.reason if isinstance(exc, VerifierError) else "BadMessage"
 
 
 def _error(code: str, message: str) -> VerifierError:
-    cls = getattr(v, code, None)
-    if isinstance(cls, type) and issubclass(cls, VerifierError):
+    cls = _BY_CODE.get(code)
+    if cls is not None:
         return cls(f"verifier: {message}")
     return VerifierError(f"verifier ({code}): {message}")
 

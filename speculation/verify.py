@@ -1,14 +1,6 @@
-"""Speculative verification: the acceptance math and a batched multi-tenant verifier.
+"""The batched multi-tenant verifier: many edges' draft blocks in ONE forward pass of the target.
 
 Contract:
-- ``verify_greedy(logits, draft)``: ``logits`` [k+1, V] are the target's at the positions of
-  (last committed token, d_1..d_k). Accepts the longest prefix with argmax == d_i, then returns the
-  target's own next token: ``(accepted, next_token)``. Output == the target's greedy decoding.
-- ``verify_sampling(p, q, draft, generator)``: standard speculative rejection sampling. ``p`` [k+1, V]
-  target probabilities, ``q`` [k, V] the distribution each d_i was drawn from (``None``: one-hot, for
-  an argmax draft). Accept d_i with probability min(1, p/q); on rejection draw from
-  norm(max(0, p - q)); if all k are accepted draw a bonus token from p[k]. The emitted tokens are
-  distributed exactly as the target's samples, whatever q is.
 - ``BatchedVerifier(target)``: per-session target KV caches (prompt prefilled at open). Sessions
   hold ``committed`` tokens (prompt + accepted output); the cache holds all of them but the last.
   ``await verify(session_id, block)`` queues the block; the ``run()`` task gathers queued blocks of
@@ -16,7 +8,8 @@ Contract:
   forward pass of the target, then crops each cache to its accepted length.
   A block states the committed length and last token it builds on; if the session holds fewer
   tokens or another token there (the edge guessed wrong while pipelining) the result is ``stale``
-  and costs nothing.
+  and costs nothing. Acceptance is ``_accept.py``'s (greedy: the target's own decoding; sampling:
+  rejection sampling against the q each draft token was drawn from).
 - Lead (``open_session(..., lead=n, on_lead=callback)``): while no block of the session is
   waiting, the verifier keeps decoding on its own, up to ``n`` tokens after the session's last
   block, and hands each token to ``on_lead(Lead(position, token))`` in commit order (the
@@ -32,22 +25,24 @@ Contract:
   accepted + 1`` with leads (``==`` without). The budget refills when the edge's pipeline breaks
   (a rejection, a stale or a superseded block) and empties on a fully accepted block, whose
   successor is usually in flight already; a block of zero tokens (nothing to accept) refills it.
-- Refusals are ``VerifierError`` subclasses with a message saying what to do: ``VerifierFull``
-  (max sessions), ``SessionLimit`` (max tokens per session / context), ``UnknownSession`` (closed,
-  or reaped after ``idle_timeout_s``), ``SessionBusy`` (one block at a time per session),
-  ``BadBlock`` / ``BadRequest`` (malformed input), ``WrongModel``, ``PeerLimited`` (the edge's
-  peer went over a per-peer limit of ``overlay/limits.py``: sessions, rate, bytes in flight).
+- Refusals are ``VerifierError`` subclasses (``_errors.py``) with a message saying what to do:
+  ``VerifierFull`` (max sessions), ``SessionLimit`` (max tokens per session / context),
+  ``UnknownSession`` (closed, or reaped after ``idle_timeout_s``), ``SessionBusy`` (one block at a
+  time per session), ``BadBlock`` / ``BadRequest`` (malformed input), ``WrongModel``,
+  ``PeerLimited`` (the edge's peer went over a per-peer limit of ``overlay/limits.py``: sessions,
+  rate, bytes in flight).
+
+The batching loop (``run``): gather the queued blocks, ``plan`` them (``_batching.py``: what is
+answered without computing, which rows and lead steps go into the pass), one forward over the
+rows (``_forward``; several sessions' caches stacked by ``_kvstack.py``), ``accept`` each row, and
+``_apply`` the outcomes: commit tokens, crop caches, refill or spend lead budgets, answer waiters
+and ``on_lead`` callbacks. Only ``_apply`` changes a session's tokens, cache and lead budget.
 
 Device: inputs are built on the target's device (a CUDA target needs no wrapper); greedy
 acceptance runs there, sampling copies the few logit rows to the CPU and draws with the
 session's seeded CPU generator. (Not yet run on a GPU: `make gpu-check` is the check for a GPU machine.)
-
-Batching choice: each session keeps its own ``DynamicCache``; a batch stacks them LEFT-padded to
-the longest cache and RIGHT-pads the new tokens, with a 2-D attention mask hiding both pads and
-explicit per-row position ids (true positions). Cached keys already carry their RoPE rotation, so
-moving them in storage changes nothing: the math equals each session's own forward; only float
-summation order may differ (logits agree to ~1e-5). After the pass each session's rows are sliced
-back out (pads dropped) up to its accepted length. A batch of one uses the session cache directly.
+A batch of one uses the session's cache directly; more are stacked left-padded (``_kvstack.py``:
+the math equals each session's own forward, logits agree to ~1e-5).
 """
 
 from __future__ import annotations
@@ -56,195 +51,40 @@ import math
 import secrets
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 import trio
 from transformers import DynamicCache
 
 from p2pnode.inference.models import LoadedModel
-from p2pnode.inference.sampling import make_generator, probs_from_logits
+from p2pnode.inference.sampling import make_generator
+from p2pnode.speculation._accept import accept_draft
+from p2pnode.speculation._batching import (
+    Outcome,
+    Row,
+    Session,
+    Waiter,
+    accept,
+    failed,
+    may_lead,
+    plan,
+    session_limit,
+)
+from p2pnode.speculation._blocks import Block, BlockResult, Lead, SamplingOptions
+from p2pnode.speculation._errors import (
+    BadBlock,
+    BadRequest,
+    SessionBusy,
+    SessionLimit,
+    UnknownSession,
+    VerifierError,
+    VerifierFull,
+    WrongModel,
+)
+from p2pnode.speculation._kvstack import pad_batch
 from p2pnode.speculation._prefix import PrefixKV
 
-
-class VerifierError(Exception):
-    """A verification request refused; the message says what to change."""
-
-
-class VerifierFull(VerifierError):
-    pass
-
-
-class SessionLimit(VerifierError):
-    pass
-
-
-class UnknownSession(VerifierError):
-    pass
-
-
-class SessionBusy(VerifierError):
-    pass
-
-
-class BadBlock(VerifierError):
-    pass
-
-
-class BadRequest(VerifierError):
-    pass
-
-
-class WrongModel(VerifierError):
-    pass
-
-
-class PeerLimited(VerifierError):
-    """Over a per-peer limit (open sessions, opens or blocks per second, bytes in flight)."""
-
-
-@dataclass(frozen=True)
-class SamplingOptions:
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int | None = None
-
-    def __post_init__(self) -> None:
-        t, p = self.temperature, self.top_p
-        if isinstance(t, bool) or not isinstance(t, int | float) or not (0 <= t < math.inf):
-            raise BadRequest(f"temperature must be a finite number >= 0, got {t!r}")
-        if isinstance(p, bool) or not isinstance(p, int | float) or not (0 < p <= 1):
-            raise BadRequest(f"top_p must be in (0, 1], got {p!r}")
-        if self.seed is not None and (
-            isinstance(self.seed, bool) or not isinstance(self.seed, int)
-        ):
-            raise BadRequest(f"seed must be an int or None, got {self.seed!r}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
-
-
-@dataclass(frozen=True)
-class Block:
-    number: int
-    base_len: int  # committed tokens (prompt + output) the block builds on
-    base_token: int  # the last of them, as the edge believes it to be
-    tokens: tuple[int, ...]
-    draft_probs: torch.Tensor | None = None  # [len(tokens), V] fp32, sampling only
-
-
-@dataclass(frozen=True)
-class Lead:
-    """A token the verifier committed on its own while no block of the session was waiting."""
-
-    position: int  # its index in the session's tokens (prompt + output)
-    token: int
-
-
-@dataclass(frozen=True)
-class BlockResult:
-    number: int
-    accepted: int  # -1: stale block, nothing verified
-    next_token: int  # the target's token after the accepted prefix; -1 when stale
-    committed_len: int  # the session's committed length after this block
-
-    @property
-    def stale(self) -> bool:
-        return self.accepted < 0
-
-
-# ---------------------------------------------------------------- the math
-
-
-def verify_greedy(logits: torch.Tensor, draft: list[int] | tuple[int, ...]) -> tuple[int, int]:
-    best = logits.argmax(-1).tolist()
-    n = 0
-    while n < len(draft) and draft[n] == best[n]:
-        n += 1
-    return n, best[n]
-
-
-def verify_sampling(
-    p: torch.Tensor,
-    q: torch.Tensor | None,
-    draft: list[int] | tuple[int, ...],
-    generator: torch.Generator,
-) -> tuple[int, int]:
-    for i, d in enumerate(draft):
-        qd = 1.0 if q is None else float(q[i, d])
-        if qd <= 0:
-            raise BadBlock(
-                f"draft token {i} ({d}) has draft probability 0: it was not drawn from q"
-            )
-        if float(torch.rand((), generator=generator)) * qd < float(p[i, d]):
-            continue
-        if q is None:
-            residual = p[i].clone()
-            residual[d] = 0
-        else:
-            residual = (p[i] - q[i]).clamp_min(0)
-        if float(residual.sum()) <= 0:  # p == q on the support: any draw from p is exact
-            residual = p[i]
-        return i, int(torch.multinomial(residual / residual.sum(), 1, generator=generator))
-    return len(draft), int(torch.multinomial(p[len(draft)], 1, generator=generator))
-
-
-def truncate_probs(probs: torch.Tensor, k: int) -> torch.Tensor:
-    """Keep each row's ``k`` most likely tokens, renormalized (a valid, wire-cheap proposal q)."""
-    if k >= probs.shape[-1]:
-        return probs
-    vals, idx = probs.topk(k, dim=-1)
-    out = torch.zeros_like(probs).scatter_(-1, idx, vals)
-    return out / out.sum(-1, keepdim=True)
-
-
-# ---------------------------------------------------------------- the batched verifier
-
-
-@dataclass
-class _Session:
-    sid: str
-    options: SamplingOptions
-    tokens: list[int]  # committed: prompt + output; the cache holds all but the last
-    cache: DynamicCache
-    generator: torch.Generator
-    last_used: float
-    lead: int = 0  # tokens it may commit on its own after each block
-    lead_left: int = 0
-    on_lead: Callable[[Lead | VerifierError], None] | None = None
-    busy: bool = False  # a block submitted and not yet returned to its caller
-    # What this session's blocks and leads did (the console shows them per session).
-    counts: dict[str, int] = field(
-        default_factory=lambda: {"blocks": 0, "accepted": 0, "drafted": 0, "lead": 0}
-    )
-
-    @property
-    def committed_len(self) -> int:
-        return len(self.tokens)
-
-    @property
-    def last_token(self) -> int:
-        return self.tokens[-1]
-
-
-@dataclass
-class _Pending:
-    """One session's row of a batch: a block to verify, or (``block`` None) a lead step."""
-
-    session: _Session
-    block: Block | None
-    done: trio.Event = field(default_factory=trio.Event)
-    result: BlockResult | None = None
-    error: Exception | None = None
-    lead: Lead | None = None
-    skip: int = 0  # draft tokens already committed by leads (compared, not recomputed)
-    abandoned: bool = False  # its caller was cancelled before the result
-
-    @property
-    def draft(self) -> tuple[int, ...]:
-        return () if self.block is None else self.block.tokens[self.skip :]
+__all__ = ["BatchedVerifier"]
 
 
 class BatchedVerifier:
@@ -272,7 +112,7 @@ class BatchedVerifier:
         self.max_wait_s = max_wait_ms / 1000
         self.idle_timeout_s = idle_timeout_s
         self.max_lead = max_lead
-        self.sessions: dict[str, _Session] = {}
+        self.sessions: dict[str, Session] = {}
         self.stats = {"batches": 0, "blocks": 0, "stale": 0, "accepted": 0, "drafted": 0}
         self.stats.update(lead=0, superseded=0, sessions=0, prefill_tokens=0, prefix_hit_tokens=0)
         # KV of closed sessions' tokens: a session on a known prefix prefills only the rest.
@@ -281,7 +121,7 @@ class BatchedVerifier:
         self.timing = {"batch_s": 0.0, "prefill_s_per_token": 0.0}
         self.on_open: Callable[[list[int]], None] | None = None  # each session's prompt
         # None in the queue is a wake-up: a session may lead now (opened, or its block returned)
-        self._send, self._recv = trio.open_memory_channel[_Pending | None](math.inf)
+        self._send, self._recv = trio.open_memory_channel[Waiter | None](math.inf)
         self._device = trio.Lock()  # one forward at a time: prefill or batch
 
     # -- sessions
@@ -337,7 +177,7 @@ class BatchedVerifier:
             self.prefix.keep(prompt, cache)
         if len(self.sessions) >= self.max_sessions:  # others opened while we prefilled
             raise VerifierFull(f"verifier is at its {self.max_sessions} sessions: retry later")
-        s = _Session(
+        s = Session(
             sid,
             options,
             list(prompt),
@@ -350,11 +190,8 @@ class BatchedVerifier:
         )
         self.sessions[sid] = s
         if first is not None:
-            s.tokens.append(first)
-            s.lead_left -= 1
-            self.stats["lead"] += 1
-            s.counts["lead"] += 1
-            self._tell(s, Lead(len(prompt), first))
+            lead_step = Lead(len(prompt), first)
+            self._apply([Outcome(s, None, lead_step, (first,), lead - 1, (("lead", 1),))])
         if s.lead_left:
             self._send.send_nowait(None)
         return sid
@@ -393,33 +230,33 @@ class BatchedVerifier:
             raise SessionBusy(f"session {sid} already has a block in flight: wait for its result")
         s.last_used = trio.current_time()
         self._validate(s, block)
-        item = _Pending(s, block)
+        waiter = Waiter(s, block)
         s.busy = True
-        self._send.send_nowait(item)
+        self._send.send_nowait(waiter)
         try:
-            await item.done.wait()
+            await waiter.done.wait()
         finally:
             # Cleared here, not in the batching loop: the caller sends this result before the
             # loop can see the session idle and commit a lead token after it (commit order).
-            if item.done.is_set():
+            if waiter.done.is_set():
                 s.busy = False
                 if s.lead_left:
                     self._send.send_nowait(None)
             else:
-                item.abandoned = True
+                waiter.abandoned = True
         s.last_used = trio.current_time()
-        if item.error is not None:
-            raise item.error
-        assert item.result is not None
-        return item.result
+        if isinstance(waiter.answer, VerifierError):
+            raise waiter.answer
+        assert waiter.answer is not None
+        return waiter.answer
 
-    def _validate(self, s: _Session, block: Block) -> None:
+    def _validate(self, s: Session, block: Block) -> None:
         k = len(block.tokens)
         if k > self.max_block:
             raise BadBlock(f"block of {k} tokens exceeds the limit of {self.max_block}")
         self._check_ids(block.tokens, "block")
         if s.committed_len + 1 > self.max_tokens or block.base_len + k + 1 > self.max_tokens:
-            raise SessionLimit(f"session reached its {self.max_tokens} tokens: open a new one")
+            raise session_limit(self.max_tokens)
         q = block.draft_probs
         if q is not None and (q.shape != (k, self.vocab_size) or not bool(torch.isfinite(q).all())):
             raise BadBlock(
@@ -428,43 +265,38 @@ class BatchedVerifier:
         if q is not None and k and bool((q[torch.arange(k), list(block.tokens)] <= 0).any()):
             raise BadBlock("a draft token has draft probability 0: draw each token from its q row")
 
+    # -- the batching loop
+
     async def run(self, *, task_status: trio.TaskStatus = trio.TASK_STATUS_IGNORED) -> None:
-        """The batching loop; start it in a nursery before calling ``verify``."""
+        """The verifier's batching loop; start it in a nursery before calling ``verify``.
+        Each turn: the queued blocks and the sessions free to lead become a ``BatchPlan``; its
+        rows go through ONE forward pass (in a worker thread) and are accepted; every outcome,
+        computed or decided without computing, is then applied (see the module contract)."""
         task_status.started()
         while True:
-            batch = await self._gather()
-            compute = [item for item in batch if self._plan(item)]
-            if compute:
+            waiting = await self._gather()
+            batch = plan(waiting, self._leaders(), self.max_batch, self.max_tokens)
+            outcomes = list(batch.decided)
+            if batch.rows:
                 async with self._device:
                     t0 = time.perf_counter()
-                    await trio.to_thread.run_sync(self._run_batch, compute)
+                    outcomes += await trio.to_thread.run_sync(self._compute, batch.rows)
                     self._observe("batch_s", time.perf_counter() - t0)
-            for item in batch:
-                self._finish(item)
+            self._apply(outcomes)
 
-    def _leaders(self, exclude: set[str]) -> list[_Session]:
-        self._stop_leads_at_limit()
-        return [
-            s
-            for s in self.sessions.values()
-            if s.lead_left > 0
-            and not s.busy
-            and s.sid not in exclude
-            and s.committed_len + 1 < self.max_tokens
-        ]
-
-    async def _gather(self) -> list[_Pending]:
-        """Queued blocks of different sessions (waiting up to ``max_wait_s`` for more), then a
-        lead step for each session with lead budget and no block waiting, up to ``max_batch``."""
-        got: list[_Pending | None] = []
-        if not self._leaders(set()):
+    async def _gather(self) -> list[Waiter]:
+        """Blocks queued by ``verify`` (up to ``max_batch``, waiting ``max_wait_s`` for more).
+        While no session may lead, it first waits for a block or a wake-up (reaping idle
+        sessions now and then) and returns nothing if none came."""
+        got: list[Waiter | None] = []
+        if not self._leaders():
             with trio.move_on_after(max(self.idle_timeout_s / 4, 0.05)):
                 got.append(await self._recv.receive())
             self._reap_idle()
             if not got:
                 return []
         deadline = trio.current_time() + self.max_wait_s
-        while sum(item is not None for item in got) < self.max_batch:
+        while sum(w is not None for w in got) < self.max_batch:
             try:
                 got.append(self._recv.receive_nowait())
                 continue
@@ -474,67 +306,50 @@ class BatchedVerifier:
                 break
             with trio.move_on_at(deadline):
                 got.append(await self._recv.receive())
-        batch = [item for item in got if item is not None]
-        with_block = {item.session.sid for item in batch}
-        for s in self._leaders(with_block)[: self.max_batch - len(batch)]:
-            batch.append(_Pending(s, None))
-        return batch
+        return [w for w in got if w is not None]
 
-    def _plan(self, item: _Pending) -> bool:
-        """Answer what needs no forward pass (stale, or decided by leads); True: compute."""
-        s, block = item.session, item.block
-        if block is None:
-            return True
-        n, base, d = s.committed_len, block.base_len, block.tokens
-        if not 1 <= base <= n or s.tokens[base - 1] != block.base_token:
-            s.lead_left = s.lead
-            self.stats["stale"] += 1
-            item.result = BlockResult(block.number, -1, -1, n)
-            return False
-        item.skip = min(n - base, len(d))
-        for i in range(item.skip):
-            if d[i] != s.tokens[base + i]:
-                s.lead_left = s.lead
-                self.stats["superseded"] += 1
-                item.result = BlockResult(block.number, i, s.tokens[base + i], n)
-                return False
-        if base + len(d) < n:  # every draft token agreed with a lead; the next one is known
-            item.result = BlockResult(block.number, len(d), s.tokens[base + len(d)], n)
-            return False
-        if n + len(item.draft) + 1 > self.max_tokens:
-            item.error = SessionLimit(
-                f"session reached its {self.max_tokens} tokens: open a new one"
-            )
-            return False
-        return True
+    def _leaders(self) -> list[Session]:
+        """The sessions free to lead now; one at its token limit is told leading stops."""
+        free, at_limit = may_lead(self.sessions.values(), self.max_tokens)
+        self._apply([Outcome(s, None, session_limit(self.max_tokens)) for s in at_limit])
+        return free
 
-    def _finish(self, item: _Pending) -> None:
-        s = item.session
-        if item.block is not None:
-            if item.abandoned:
+    def _apply(self, outcomes: list[Outcome]) -> None:
+        """Commit each outcome to its session (tokens, the cache cropped to them, lead budget,
+        counts), then answer its waiter or tell the session's ``on_lead``."""
+        for o in outcomes:
+            s = o.session
+            if o.cache is not None:
+                s.cache = o.cache
+            s.tokens += o.commit
+            # Rejected draft tokens leave the cache (and whatever a failed pass appended).
+            extra = s.cache.get_seq_length() - (s.committed_len - 1)
+            if extra > 0:
+                s.cache.crop(-extra)
+            if o.lead_left is not None:
+                s.lead_left = o.lead_left
+            for key, value in o.tally:
+                self.stats[key] += value
+                if key in s.counts:
+                    s.counts[key] += value
+            if o.waiter is None:
+                self._tell(s, o.answer)
+                continue
+            o.waiter.answer = o.answer  # type: ignore[assignment]
+            if o.waiter.abandoned:
                 s.busy = False
-            item.done.set()
-        elif item.lead is not None:
-            self._tell(s, item.lead)
-        elif item.error is not None:  # the lead step failed: say so instead of going silent
-            self._tell(s, item.error)
+            o.waiter.done.set()
 
-    def _tell(self, s: _Session, news: Lead | VerifierError) -> None:
+    def _tell(self, s: Session, news: Lead | BlockResult | VerifierError) -> None:
         """Hand a lead token (or why leading stopped) to the session's callback."""
         if s.on_lead is None or s.sid not in self.sessions:
             return
         if not isinstance(news, Lead):
             s.lead_left = 0
         try:
-            s.on_lead(news)
+            s.on_lead(news)  # type: ignore[arg-type]
         except Exception:  # the session's consumer is gone (closed channel, ...): stop leading
             s.lead_left = 0
-
-    def _stop_leads_at_limit(self) -> None:
-        for s in self.sessions.values():
-            if s.lead_left > 0 and not s.busy and s.committed_len + 1 >= self.max_tokens:
-                msg = f"session reached its {self.max_tokens} tokens: open a new one"
-                self._tell(s, SessionLimit(msg))
 
     # -- worker-thread side (no trio calls below)
 
@@ -556,92 +371,29 @@ class BatchedVerifier:
         logits = self.target.model(
             input_ids=self._ids([ids]), past_key_values=cache, use_cache=True, logits_to_keep=1
         ).logits[0]
-        if options.greedy:
-            return verify_greedy(logits, ())[1]
-        p = probs_from_logits(logits.float().cpu(), options.temperature, options.top_p)
-        return verify_sampling(p, None, (), generator)[1]
+        return accept_draft(options, logits, (), None, generator)[1]
 
-    def _run_batch(self, batch: list[_Pending]) -> None:
+    @torch.inference_mode()
+    def _compute(self, rows: list[Row]) -> list[Outcome]:
+        """One forward pass over ``rows``, then each row's acceptance."""
         try:
-            with torch.inference_mode():
-                logits = self._forward(batch)
-            self.stats["batches"] += 1
-            for item, lg in zip(batch, logits, strict=True):
-                self._accept(item, lg)
+            forwards = self._forward(rows)
         except Exception as exc:  # a bug must not kill the loop nor hang the callers
-            for item in batch:
-                if item.result is None and item.lead is None:  # leads: reported by _finish
-                    item.error = VerifierError(f"verification failed: {exc!r}")
+            return [failed(row, exc) for row in rows]
+        self.stats["batches"] += 1
+        return accept(rows, forwards)
 
-    def _forward(self, batch: list[_Pending]) -> list[torch.Tensor]:
-        inputs = [[it.session.last_token, *it.draft] for it in batch]
-        model = self.target.model
-        if len(batch) == 1:
-            cache = batch[0].session.cache
+    def _forward(self, rows: list[Row]) -> list[tuple[torch.Tensor, DynamicCache]]:
+        """Each row's logits at its inputs and its cache after them (one pass for all)."""
+        model, inputs = self.target.model, [row.inputs for row in rows]
+        if len(rows) == 1:  # the session's own cache, extended in place
+            cache = rows[0].session.cache
             out = model(input_ids=self._ids(inputs), past_key_values=cache, use_cache=True)
-            return [out.logits[0]]
-        lens = [it.session.cache.get_seq_length() for it in batch]
-        lmax, nmax = max(lens), max(len(x) for x in inputs)
-        cache = DynamicCache()
-        if lmax:
-            cache = DynamicCache(
-                ddp_cache_data=[
-                    _stack_left_padded(batch, lens, li, lmax)
-                    for li in range(model.config.num_hidden_layers)
-                ]
-            )
-        ids = torch.zeros(len(batch), nmax, dtype=torch.long)
-        mask = torch.zeros(len(batch), lmax + nmax, dtype=torch.long)
-        pos = torch.zeros(len(batch), nmax, dtype=torch.long)
-        for i, (x, n) in enumerate(zip(inputs, lens, strict=True)):
-            ids[i, : len(x)] = torch.tensor(x)
-            mask[i, lmax - n : lmax + len(x)] = 1
-            pos[i] = torch.arange(n, n + nmax)
-        out = model(
-            input_ids=ids.to(self.device),
-            attention_mask=mask.to(self.device),
-            position_ids=pos.to(self.device),
-            past_key_values=cache,
-            use_cache=True,
-        )
-        for i, (it, n) in enumerate(zip(batch, lens, strict=True)):
-            rows = slice(lmax - n, lmax + len(inputs[i]))
-            it.session.cache = DynamicCache(
-                ddp_cache_data=[
-                    (lay.keys[i : i + 1, :, rows].clone(), lay.values[i : i + 1, :, rows].clone())
-                    for lay in cache.layers
-                ]
-            )
-        return [out.logits[i, : len(x)] for i, x in enumerate(inputs)]
-
-    def _accept(self, item: _Pending, logits: torch.Tensor) -> None:
-        s, block, draft = item.session, item.block, item.draft
-        if s.options.greedy:
-            n, nxt = verify_greedy(logits, draft)
-        else:  # on the CPU: the session's generator is a CPU one (seeded, device-independent)
-            p = probs_from_logits(logits.float().cpu(), s.options.temperature, s.options.top_p)
-            q = None if block is None or block.draft_probs is None else block.draft_probs
-            n, nxt = verify_sampling(p, None if q is None else q[item.skip :], draft, s.generator)
-        unused = len(draft) - n
-        if unused:
-            s.cache.crop(-unused)
-        s.tokens += [*draft[:n], nxt]
-        if block is None:
-            s.lead_left -= 1
-            self.stats["lead"] += 1
-            s.counts["lead"] += 1
-            item.lead = Lead(s.committed_len - 1, nxt)
-            return
-        # Lead only where the edge's pipeline broke (a rejection): its blocks in flight are dead
-        # and the next useful one is a round trip away. After a full acceptance the next block
-        # is usually on its way already, and a lead step would only delay it.
-        s.lead_left = s.lead if n < len(draft) or not draft else 0
-        self.stats["blocks"] += 1
-        self.stats["accepted"] += n
-        self.stats["drafted"] += len(draft)
-        for key, value in (("blocks", 1), ("accepted", n), ("drafted", len(draft))):
-            s.counts[key] += value
-        item.result = BlockResult(block.number, item.skip + n, nxt, s.committed_len)
+            return [(out.logits[0], cache)]
+        batch = pad_batch([r.session.cache for r in rows], inputs, model.config.num_hidden_layers)
+        out = model(**batch.model_inputs(self.device))
+        caches = batch.split()
+        return [(out.logits[i, : len(x)], caches[i]) for i, x in enumerate(inputs)]
 
 
 def _device_of(model) -> torch.device:
@@ -650,24 +402,3 @@ def _device_of(model) -> torch.device:
         return next(model.parameters()).device
     except (AttributeError, StopIteration):  # a wrapper without parameters (bench/gpu_check.py)
         return torch.device("cpu")
-
-
-def _stack_left_padded(
-    batch: list[_Pending], lens: list[int], li: int, lmax: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Layer ``li`` of every session's cache, left-padded with zeros to ``lmax`` and stacked."""
-    ks, vs = [], []
-    for it, n in zip(batch, lens, strict=True):
-        if n:
-            layer = it.session.cache.layers[li]
-            ks.append(F.pad(layer.keys, (0, 0, lmax - n, 0)))
-            vs.append(F.pad(layer.values, (0, 0, lmax - n, 0)))
-        else:
-            ks.append(None)
-            vs.append(None)
-    like = next(k for k in ks if k is not None)
-    zero = torch.zeros(1, like.shape[1], lmax, like.shape[3], dtype=like.dtype, device=like.device)
-    return (
-        torch.cat([zero if k is None else k for k in ks]),
-        torch.cat([zero if v is None else v for v in vs]),
-    )

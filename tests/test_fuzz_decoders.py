@@ -72,6 +72,7 @@ from p2pnode.overlay.wire import (
     read_frame,
     to_wire,
 )
+from p2pnode.speculation import BadBlock, BatchedVerifier
 from p2pnode.speculation import protocol as protocol_module
 from p2pnode.speculation.protocol import (
     LIMIT as VERIFY_LIMIT,
@@ -87,7 +88,6 @@ from p2pnode.speculation.protocol import (
     decode_q,
     serve_limited,
 )
-from p2pnode.speculation.verify import BadBlock, BatchedVerifier
 
 from testkit.streams import BytesStream, StubNode, feed, frame_bytes, read_frames, run_now
 

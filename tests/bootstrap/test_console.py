@@ -271,9 +271,7 @@ def test_why_sentence_names_the_numbers_behind_each_reason() -> None:
 
 async def test_speculation_panel_reads_a_real_verifier(loaded) -> None:
     from p2pnode.bootstrap.console.feed import ConsoleFeed
-    from p2pnode.speculation.client import SpecStats
-    from p2pnode.speculation.edge import EdgeResult
-    from p2pnode.speculation.verify import BatchedVerifier, Block, SamplingOptions
+    from p2pnode.speculation import BatchedVerifier, Block, EdgeResult, SamplingOptions, SpecStats
 
     feed = ConsoleFeed(lambda: {"peer_id": "me"})
     assert feed.speculation() == {"verifier": None, "edge": []}

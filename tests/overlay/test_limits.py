@@ -33,8 +33,8 @@ from p2pnode.overlay.limits import (
 )
 from p2pnode.overlay.service import RoutedService
 from p2pnode.overlay.views import PeerViews
+from p2pnode.speculation import BatchedVerifier, Block, PeerLimited, SamplingOptions
 from p2pnode.speculation.protocol import P2PVerifierTransport, serve_verifier
-from p2pnode.speculation.verify import BatchedVerifier, Block, PeerLimited, SamplingOptions
 
 from testkit import FakeClock
 

@@ -316,10 +316,10 @@ async def _verifier_node(model_id: str, verifier: Any, stop: trio.Event, *, task
 
 async def test_verifier_with_impossible_verdicts_is_failed_over_then_skipped(target) -> None:
     from p2pnode.overlay.node import OverlayConfig, open_overlay_node
+    from p2pnode.speculation import BatchedVerifier, BlockResult
     from p2pnode.speculation.client import target_generate
     from p2pnode.speculation.draft import DraftModel
     from p2pnode.speculation.edge import EdgeClient
-    from p2pnode.speculation.verify import BatchedVerifier, BlockResult
 
     class OverclaimingVerifier(BatchedVerifier):
         """Says it accepted one token more than the block holds (fast, and wrong)."""
@@ -378,8 +378,9 @@ async def test_verifier_calling_every_block_stale_is_cut_off(target) -> None:
 
 async def _edge_must_catch(target, verifier, match: str, *, delay_s: float = 0.0, **kw) -> None:
     """Generate against ``verifier``: the edge must stop with a BadVerdict matching ``match``."""
-    from p2pnode.speculation.client import BadVerdict, inprocess_transport, speculative_generate
+    from p2pnode.speculation import BadVerdict, speculative_generate
     from p2pnode.speculation.draft import DraftModel
+    from p2pnode.speculation.testing import inprocess_transport
 
     # The target stands in as its own draft (fast to build); what is tested is the edge's check.
     draft = DraftModel(
@@ -395,7 +396,7 @@ async def _edge_must_catch(target, verifier, match: str, *, delay_s: float = 0.0
 
 
 async def test_verifier_rewriting_history_with_leads_is_caught(target) -> None:
-    from p2pnode.speculation.verify import BatchedVerifier, Lead
+    from p2pnode.speculation import BatchedVerifier, Lead
 
     class LeadRewriter(BatchedVerifier):
         """Sends each lead token one position early: over a token the edge already holds."""
@@ -424,10 +425,13 @@ async def test_audit_catches_a_plausible_liar_and_clears_an_honest_result(target
     from p2pnode.speculation.verify import BatchedVerifier
 
     class RunnerUp(BatchedVerifier):
-        def _accept(self, item: Any, logits: torch.Tensor) -> None:
-            logits = logits.clone()
-            logits[0, logits[0].argmax()] = -math.inf
-            super()._accept(item, logits)
+        def _forward(self, rows: Any) -> list[tuple[torch.Tensor, Any]]:
+            out = []
+            for logits, cache in super()._forward(rows):
+                logits = logits.clone()
+                logits[0, logits[0].argmax()] = -math.inf
+                out.append((logits, cache))
+            return out
 
     draft = DraftModel(
         target.model, target.tokenizer, target.path, target.model_id, 0, torch.float32

@@ -17,11 +17,16 @@ import trio
 from p2pnode.inference.sampling import probs_from_logits
 from p2pnode.inference.scoring import ModelScorer
 from p2pnode.overlay.trust import TrustBook
+from p2pnode.speculation import (
+    BadRequest,
+    BatchedVerifier,
+    EdgeResult,
+    SamplingOptions,
+    load_draft,
+    speculative_generate,
+)
 from p2pnode.speculation._audit import SAMPLED_Z_MAX, audit_sampled
-from p2pnode.speculation.client import inprocess_transport, speculative_generate
-from p2pnode.speculation.draft import load_draft
-from p2pnode.speculation.edge import EdgeResult
-from p2pnode.speculation.verify import BadRequest, BatchedVerifier, SamplingOptions
+from p2pnode.speculation.testing import inprocess_transport
 
 QUESTIONS = ["Name a fruit.", "Why is the sky blue?", "Write a short poem.", "Count to five."]
 TEMPERATURE, TOP_P, TOKENS = 0.8, 0.95, 16

@@ -24,44 +24,38 @@ from p2pnode.inference.sampling import probs_from_logits
 from p2pnode.overlay.antientropy import AntiEntropy, AntiEntropyConfig
 from p2pnode.overlay.node import OverlayConfig, open_overlay_node
 from p2pnode.overlay.views import PeerViews
-from p2pnode.speculation.advert import VerifierAdvert, rank_verifiers, verify_digest_model
-from p2pnode.speculation.client import (
-    DraftRunner,
-    inprocess_transport,
-    remote_generate,
-    speculative_generate,
-    target_generate,
-)
-from p2pnode.speculation.draft import (
-    Int4Linear,
-    from_gptq,
-    load_draft,
-    quantize_sym_int4,
-    to_gptq,
-)
-from p2pnode.speculation.edge import EdgeClient, NoVerifier, open_edge
-from p2pnode.speculation.protocol import (
-    P2PVerifierTransport,
-    VerifyBlock,
-    decode_q,
-    encode_q,
-    serve_verifier,
-)
-from p2pnode.speculation.verify import (
+from p2pnode.speculation import (
     BadBlock,
     BadRequest,
     BatchedVerifier,
     Block,
+    DraftRunner,
+    EdgeClient,
+    Int4Linear,
     Lead,
+    NoVerifier,
+    P2PVerifierTransport,
     SamplingOptions,
     SessionLimit,
     UnknownSession,
+    VerifierAdvert,
     VerifierFull,
     WrongModel,
+    load_draft,
+    open_edge,
+    rank_verifiers,
+    remote_generate,
+    serve_verifier,
+    speculative_generate,
+    target_generate,
     truncate_probs,
+    verify_digest_model,
     verify_greedy,
     verify_sampling,
 )
+from p2pnode.speculation.draft import from_gptq, quantize_sym_int4, to_gptq
+from p2pnode.speculation.protocol import VerifyBlock, decode_q, encode_q
+from p2pnode.speculation.testing import inprocess_transport
 
 PROMPTS = ["Explain why the sky is blue.", "Write a haiku about autumn.", "Hi"]
 

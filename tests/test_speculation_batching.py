@@ -1,0 +1,106 @@
+"""The verifier's batching step without a model (``speculation/_batching.py``), the package face
+and the error codes the verify protocol carries (``speculation/_errors.py``)."""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+import p2pnode.speculation as spec
+from p2pnode.errors import P2PNodeError
+from p2pnode.speculation import protocol
+from p2pnode.speculation._batching import Row, Session, Waiter, accept, may_lead, plan
+from p2pnode.speculation._errors import VerifierError
+
+V = 8
+
+
+def _session(tokens: list[int], *, lead: int = 0, sid: str = "s") -> Session:
+    gen = torch.Generator().manual_seed(0)
+    return Session(sid, spec.SamplingOptions(), tokens, DynamicCache(), gen, 0.0, lead, lead)
+
+
+def _logits(best: list[int]) -> torch.Tensor:
+    """Logits whose argmax at row i is ``best[i]``."""
+    out = torch.zeros(len(best), V)
+    out[torch.arange(len(best)), best] = 1.0
+    return out
+
+
+def test_plan_answers_stale_superseded_and_led_blocks_without_computing() -> None:
+    s = _session([1, 2, 3, 4, 5], lead=3)  # committed 5: tokens 3..4 came from leads
+    blocks = {
+        "stale": spec.Block(0, 3, 9, (4,)),  # the edge believes token 2 is 9
+        "superseded": spec.Block(1, 3, 3, (4, 7)),  # a lead committed 5 where it drafted 7
+        "led": spec.Block(2, 3, 3, (4,)),  # every draft token agreed; the next is known
+        "compute": spec.Block(3, 3, 3, (4, 5, 6)),  # 2 agree with leads, 1 left to verify
+    }
+    for name, block in blocks.items():
+        s.busy = False
+        batch = plan([Waiter(s, block)], [], max_batch=8, max_tokens=100)
+        if name == "compute":
+            assert not batch.decided and [(r.skip, r.draft) for r in batch.rows] == [(2, (6,))]
+            continue
+        (out,) = batch.decided
+        assert not batch.rows
+        assert (
+            out.answer
+            == {
+                "stale": spec.BlockResult(0, -1, -1, 5),
+                "superseded": spec.BlockResult(1, 1, 5, 5),
+                "led": spec.BlockResult(2, 1, 5, 5),
+            }[name]
+        )
+        assert out.lead_left == (None if name == "led" else 3)  # a broken pipeline refills
+
+
+def test_plan_refuses_past_the_limit_and_fills_the_batch_with_lead_steps() -> None:
+    s = _session([1, 2, 3])
+    (out,) = plan([Waiter(s, spec.Block(0, 3, 3, (4, 5)))], [], 8, max_tokens=5).decided
+    assert isinstance(out.answer, spec.SessionLimit)
+    leaders = [_session([1], lead=2, sid=f"l{i}") for i in range(3)]
+    batch = plan([Waiter(s, spec.Block(0, 3, 3, ()))], leaders, max_batch=3, max_tokens=100)
+    assert [r.waiter is None for r in batch.rows] == [False, True, True]
+    free, at_limit = may_lead([*leaders, _session([1, 2, 3, 4], lead=1, sid="full")], 5)
+    assert [x.sid for x in free] == ["l0", "l1", "l2"] and [x.sid for x in at_limit] == ["full"]
+
+
+def test_accept_is_greedy_verification_and_leaves_sessions_alone() -> None:
+    s = _session([1, 2, 3], lead=4)
+    w = Waiter(s, spec.Block(0, 3, 3, (4, 5, 6)))
+    block_row, lead_row = Row(s, w), Row(_session([1], lead=2, sid="t"), None)
+    cache = DynamicCache()
+    out = accept([block_row, lead_row], [(_logits([4, 7, 0, 0]), cache), (_logits([6]), cache)])
+    assert out[0].answer == spec.BlockResult(0, 1, 7, 5) and out[0].commit == (4, 7)
+    assert out[0].lead_left == 4  # rejected: lead while the correction travels
+    assert out[1].answer == spec.Lead(1, 6) and out[1].lead_left == 1
+    assert s.tokens == [1, 2, 3]  # committing is BatchedVerifier._apply's
+    broken = accept([block_row], [(_logits([4]), cache)])  # too few logit rows: a bug
+    assert isinstance(broken[0].answer, VerifierError)
+
+
+def test_every_error_is_a_p2pnode_error_and_the_wire_codes_stay_the_class_names() -> None:
+    errors = [getattr(spec, n) for n in spec.__all__ if n.endswith(("Error", "Verdict"))]
+    errors += [spec.VerifierFull, spec.NoVerifier, spec.PeerLimited, spec.WrongModel]
+    assert all(issubclass(e, P2PNodeError) and "reason" in vars(e) for e in errors)
+    sent = (
+        spec.VerifierError,
+        spec.VerifierFull,
+        spec.SessionLimit,
+        spec.UnknownSession,
+        spec.SessionBusy,
+        spec.BadBlock,
+        spec.BadRequest,
+        spec.WrongModel,
+        spec.PeerLimited,
+    )
+    wire_codes = {c.__name__: c for c in sent}  # what the wire carried before ``reason``
+    assert wire_codes == protocol._BY_CODE
+    assert isinstance(protocol._error("BadVerdict", "x"), spec.VerifierError)
+    assert not isinstance(protocol._error("BadVerdict", "x"), spec.BadVerdict)
+    assert protocol._code(spec.SessionLimit("x")) == "SessionLimit"
+
+
+def test_the_face_exports_what_it_lists() -> None:
+    assert all(hasattr(spec, name) for name in spec.__all__)
+    assert len(set(spec.__all__)) == len(spec.__all__)
