@@ -4,7 +4,7 @@ Why: forwarding (``forward.py``), digest gossip (``antientropy.py``), challenges
 (``probation.py``) and their composition root (``service.py``) use five things of an
 ``OverlayNode`` (``node.py``). Written down here, that is the whole seam: a test can hand them
 a smaller node, and a change to the node assembly that breaks it fails the conformance test
-(tests/test_overlay.py), not a request at run time.
+(tests/overlay/test_node.py), not a request at run time.
 
 Contract:
 - ``OverlayHost``: ``peer_id`` (our base58 id), ``peers`` (the ``PeerTable`` of liveness and

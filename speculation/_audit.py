@@ -26,7 +26,7 @@ outside the (slightly widened) top-p nucleus fails at once, otherwise the summed
 compared with its mean and variance under the target's own sampling distribution,
 ``z = (S - sum H) / sqrt(sum Var)``, failing above ``z_max`` (4.0). False alarms: by
 Cantelli's inequality at most 1 / (1 + z_max^2) = 5.9 % for any distribution, and measured
-(tests/test_audit.py, real model) far lower, as the sum is close to normal. Each producer's
+(tests/speculation/test_audit.py, real model) far lower, as the sum is close to normal. Each producer's
 share of a failed-over result is tested on its own, so blame lands on the verifier whose
 tokens are implausible (``TrustBook.observe_fault``); a pass credits it (``observe_ok``). The
 scorer must run the target (``inference.scoring.ModelScorer``): the edge's own draft is a

@@ -5,7 +5,10 @@ Why a root: a caller that serves strangers (the HTTP API, a stream handler, the 
 read the machine-readable reason instead of a table per package.
 
 Contract: each subclass sets ``reason``, a short stable slug (``"prompt_too_long"``,
-``"bad_signature"``) that logs, metrics labels and wire refusals use as is. A subclass that adds
+``"bad_signature"``) that logs, metrics labels and wire refusals use as is. Where a refusal
+already travelled on the wire before this root existed, its reason is that wire word, so peers
+of older versions read it unchanged (``"limited"``; the verifier's refusals are their class
+names, ``"VerifierFull"``). A subclass that adds
 no reason of its own inherits its parent's. Package roots (``IdentityError``, ``OverlayError``,
 ``EngineError``, ...) derive from ``P2PNodeError``; this module imports nothing of ours, so every
 layer may use it.
