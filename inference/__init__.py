@@ -7,6 +7,14 @@ Public face:
 - errors: ``EngineError`` and ``EmptyPrompt``, ``PromptTooLong``, ``InvalidToken``,
   ``InvalidParams`` (all ``ValueError``), ``EngineClosed``
 - ``load_model`` / ``LoadedModel`` (models.py); block hashing lives in ``blockhash``.
+- ``ServingEngine`` (serving.py): what the routing layer needs of an engine, the seam that the
+  torch engine, the vLLM engine (vllm_engine.py, vllm_events.py) and the emulated one
+  (emulated.py) all fill; ``OutputLengths`` (lengths.py): how long an answer is expected to be.
+
+Map of the rest: the compute backends behind ``Engine`` (_backend.py, _backend_protocol.py,
+_fastpath.py and _kernels.c: the C decode stack, _kvslab.py: KV slabs, _attention.py), sampling
+and scoring (sampling.py, scoring.py), the tokenizer without transformers (tokenizer.py), the
+data sets the trials read (mmlu.py, chatdata.py).
 
 Import submodules directly (``from p2pnode.inference.engine import open_engine``) or use these
 lazy re-exports; importing this package alone does not import torch.
@@ -14,7 +22,7 @@ lazy re-exports; importing this package alone does not import torch.
 
 from __future__ import annotations
 
-import importlib
+from p2pnode._lazy import lazy_exports
 
 _EXPORTS = {
     "open_engine": "engine",
@@ -33,14 +41,11 @@ _EXPORTS = {
     "InvalidParams": "_errors",
     "EngineClosed": "_errors",
     "load_model": "models",
+    "ServingEngine": "serving",
+    "OutputLengths": "lengths",
     "LoadedModel": "models",
 }
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str) -> object:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'p2pnode.inference' has no attribute {name!r}")
-    return getattr(importlib.import_module(f"p2pnode.inference.{module}"), name)
+__getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -13,6 +13,17 @@ Public face (details in each module's docstring):
   circuit relay v2, relays found in the overlay, members only: `open_relay` (relay.py)
 - errors: `OverlayError`, `BadMultiaddr`, `BootstrapFailed`, `PeerUnreachable`,
   `InvalidNodeRecord`; framing errors live in `p2pnode.overlay.wire`.
+
+Map of the routing half (import from the modules; they pull in more than a node needs):
+- `RoutedService` (service.py): the one composition root of a served model: the router's
+  choice, the forward, fallback, audit and trust. What it needs of the node: `OverlayHost`
+  (seams.py); of an engine: `p2pnode.inference.serving.ServingEngine`.
+- the cost function that picks a peer, and placement of misses: `Router.decide` (router.py,
+  contract at the top); learned network cost: netcost.py; scoped views: scope.py.
+- what a digest holds and how it travels: digest.py (format, `DigestBuilder`), antientropy.py
+  (gossipsub deltas, full digests, pulls on a version gap), views.py (`PeerViews`).
+- the forward protocol, its server and client call: forward.py; the one wire format: wire.py.
+- checking peers: trust.py, audit.py, probation.py and challenge.py; per-peer budgets: limits.py.
 """
 
 from p2pnode.overlay._errors import BadMultiaddr, BootstrapFailed, OverlayError, PeerUnreachable
