@@ -59,7 +59,7 @@ import trio
 from prometheus_client import CollectorRegistry, Counter
 
 from p2pnode.inference.emulated import EmulatedRows
-from p2pnode.inference.sampling import SamplingParams
+from p2pnode.inference.sampling import SamplingParams, TokenLogprob
 from p2pnode.inference.scoring import Scorer
 from p2pnode.overlay.trust import TrustBook
 
@@ -259,18 +259,18 @@ class HeldAnswer:
         emit: Callable[[int], None],
         max_hold_s: float,
         *,
-        emit_logprob: Callable[[Any], None] | None = None,
+        emit_logprob: Callable[[TokenLogprob], None] | None = None,
     ) -> None:
         self.emit = emit
         self.emit_logprob = emit_logprob
         self.max_hold_s = max_hold_s
         self.tokens: list[int] = []
         # Log-probabilities travel with their tokens: held, released and dropped together.
-        self.logprobs: list[Any] = []
+        self.logprobs: list[TokenLogprob] = []
         self.released = False
         self._first: float | None = None
 
-    def logprob(self, value: Any) -> None:
+    def logprob(self, value: TokenLogprob) -> None:
         self.logprobs.append(value)
         if self.released and self.emit_logprob is not None:
             self.emit_logprob(value)
@@ -435,7 +435,7 @@ class Auditor:
         if self._metrics is not None:
             self._metrics.reserved.inc()
 
-    async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             task_status.started()

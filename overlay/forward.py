@@ -22,7 +22,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import trio
 
@@ -33,7 +33,10 @@ from p2pnode.overlay.digest import MAX_MODEL_ID_LEN
 from p2pnode.overlay.limits import LimitExceeded, PeerLimiter, remote_peer
 
 if TYPE_CHECKING:
-    from p2pnode.overlay.seams import OverlayHost
+    from libp2p.abc import INetStream
+
+    from p2pnode.inference._front import TokenStreamBase
+    from p2pnode.overlay.seams import OverlayHost, Stream
 
 log = logging.getLogger("p2pnode.overlay.forward")
 
@@ -171,7 +174,7 @@ class ForwardServer:
         self.served = 0
         self.refused: dict[str, int] = {}
 
-    async def handle(self, stream: Any) -> None:
+    async def handle(self, stream: INetStream) -> None:
         # Per-peer limits (overlay/limits.py): a stream slot and a rate token per request, its
         # bytes held until it ends; excess gets a ``limited`` error and never reaches the engine.
         self.received += 1
@@ -184,7 +187,7 @@ class ForwardServer:
         except trio.TooSlowError:  # only the request read is timed here; _run has its own
             await self._refuse(stream, "deadline", "no complete fwd-request within 10 s")
 
-    async def _serve(self, stream: Any) -> None:
+    async def _serve(self, stream: Stream) -> None:
         limit = wire.limit_for(FORWARD_PROTOCOL)
         with trio.fail_after(10):
             obj = await wire.read_frame(stream, limit=limit)
@@ -216,7 +219,9 @@ class ForwardServer:
             self.on_request(req.prompt)
         await self._run(stream, req, token_stream, limit)
 
-    async def _run(self, stream: Any, req: ForwardRequest, token_stream: Any, limit: int) -> None:
+    async def _run(
+        self, stream: Stream, req: ForwardRequest, token_stream: TokenStreamBase, limit: int
+    ) -> None:
         cached_now = self.engine.cached_prefix_len(req.prompt)
         sent = 0
         try:
@@ -254,7 +259,7 @@ class ForwardServer:
             await token_stream.aclose()  # the origin went away: free the engine slot
             raise
 
-    async def _refuse(self, stream: Any, code: str, message: str) -> None:
+    async def _refuse(self, stream: Stream, code: str, message: str) -> None:
         self.refused[code] = self.refused.get(code, 0) + 1
         with trio.move_on_after(2):
             await wire.write_frame(
