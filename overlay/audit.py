@@ -104,6 +104,8 @@ class AuditVerdict:
 
 
 def _shape_check(logits: torch.Tensor | EmulatedRows, tokens: Sequence[int]) -> AuditVerdict | None:
+    """Raise on a row count that is not one per token; a failed verdict for a token outside the
+    vocabulary (a lying peer can send one); None when the answer can be checked."""
     n = len(tokens)
     if logits.shape[0] != n:
         raise ValueError(f"{logits.shape[0]} rows of logits for {n} tokens")
@@ -139,19 +141,15 @@ def check_greedy(
 ) -> AuditVerdict:
     """Every ``tokens[i]`` within ``margin`` logits of the argmax of ``logits[i]``."""
     n = len(tokens)
+    refused = _shape_check(logits, tokens)
+    if refused is not None:
+        return refused
     if isinstance(logits, EmulatedRows):  # closed form: no tensors on an emulated node
-        bad = _shape_check(logits, tokens)
-        if bad is not None:
-            return bad
         rows = zip(logits, tokens, strict=True)
         return _greedy_verdict([r.logit(r.argmax()) - r.logit(t) for r, t in rows], margin)
     import torch
 
-    if logits.shape[0] != n:
-        raise ValueError(f"{logits.shape[0]} rows of logits for {n} tokens")
     ids = torch.tensor(list(tokens), dtype=torch.long)
-    if n and (int(ids.min()) < 0 or int(ids.max()) >= logits.shape[1]):
-        return AuditVerdict(False, n, 0, math.inf, "token outside the vocabulary")
     gaps = logits.max(dim=-1).values - logits[torch.arange(n), ids]
     bad = (gaps > margin).nonzero()
     worst = float(gaps.max()) if n else 0.0
@@ -186,10 +184,10 @@ def check_sampled(
 ) -> AuditVerdict:
     """The likelihood test of the module contract."""
     n = len(tokens)
+    refused = _shape_check(logits, tokens)
+    if refused is not None:
+        return refused
     if isinstance(logits, EmulatedRows):  # the same test in closed form (inference/emulated.py)
-        bad = _shape_check(logits, tokens)
-        if bad is not None:
-            return bad
         top = min(1.0, top_p + nucleus_slack)
         chosen = [r.log_prob(t, temperature, top) for r, t in zip(logits, tokens, strict=True)]
         moments = [r.entropy_and_variance(temperature, top) for r in logits]
@@ -198,11 +196,7 @@ def check_sampled(
         )
     import torch
 
-    if logits.shape[0] != n:
-        raise ValueError(f"{logits.shape[0]} rows of logits for {n} tokens")
     ids = torch.tensor(list(tokens), dtype=torch.long)
-    if n and (int(ids.min()) < 0 or int(ids.max()) >= logits.shape[1]):
-        return AuditVerdict(False, n, 0, math.inf, "token outside the vocabulary")
     logp = _nucleus_log_probs(logits, temperature, min(1.0, top_p + nucleus_slack))
     chosen = logp[torch.arange(n), ids]
     impossible = torch.isinf(chosen).nonzero()

@@ -350,19 +350,8 @@ def open_digest(
         opened = identity.open_envelope(
             bytes(data), DIGEST_KIND, max_age=max_age, now=now, max_size=max_size
         )
-    except identity.EnvelopeTooLarge as exc:
-        raise DigestError("oversized", str(exc)) from None
-    except identity.BadSignature as exc:
-        # Also a digest signed as another kind: the domain tag differs, so it never verifies.
-        raise DigestError("bad_signature", str(exc)) from None
-    except identity.ExpiredEnvelope as exc:
-        raise DigestError("expired", str(exc)) from None
-    except identity.UnknownKind as exc:
-        raise DigestError("wrong_kind", str(exc)) from None
-    except identity.WrongSigner as exc:
-        raise DigestError("wrong_signer", str(exc)) from None
     except identity.IdentityError as exc:
-        raise DigestError("malformed", str(exc)) from None
+        raise DigestError(_drop_reason(exc), str(exc)) from None
     if expected_peer is not None and opened.peer_id != expected_peer:
         raise DigestError("wrong_signer", f"signed by {opened.peer_id}, expected {expected_peer}")
     return digest_from_payload(
@@ -371,6 +360,21 @@ def open_digest(
         timestamp=opened.timestamp,
         max_fingerprints=max_fingerprints,
     )
+
+
+def _drop_reason(exc: Exception) -> str:
+    """The drop reason (``DigestError.reason``) for an envelope ``identity`` refused."""
+    from p2pnode import identity
+
+    reasons: tuple[tuple[type[Exception], str], ...] = (
+        (identity.EnvelopeTooLarge, "oversized"),
+        # Also a digest signed as another kind: the domain tag differs, so it never verifies.
+        (identity.BadSignature, "bad_signature"),
+        (identity.ExpiredEnvelope, "expired"),
+        (identity.UnknownKind, "wrong_kind"),
+        (identity.WrongSigner, "wrong_signer"),
+    )
+    return next((reason for kind, reason in reasons if isinstance(exc, kind)), "malformed")
 
 
 # --------------------------------------------------------------------------- builder

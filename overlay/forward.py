@@ -63,6 +63,43 @@ class ForwardRequest:
     request_id: str = field(default="", metadata=wire.bounded(max_len=64))
     logprobs: int | None = field(default=None, metadata=wire.bounded(ge=0, le=MAX_TOP_LOGPROBS))
 
+    # The request carries every field of SamplingParams: the origin writes them with ``of`` and
+    # the serving peer reads them back with ``sampling``, so both sides map them here, once.
+    @classmethod
+    def of(
+        cls,
+        model_id: str,
+        prompt: list[int],
+        params: SamplingParams,
+        *,
+        deadline_s: float,
+        request_id: str,
+    ) -> ForwardRequest:
+        """The request that asks a peer to run ``params`` over ``prompt``."""
+        return cls(
+            model_id=model_id,
+            prompt=prompt,
+            max_tokens=params.max_tokens,
+            temperature=float(params.temperature),
+            top_p=float(params.top_p),
+            seed=params.seed,
+            stop_token_ids=list(params.stop_token_ids),
+            deadline_s=deadline_s,
+            request_id=request_id,
+            logprobs=params.logprobs,
+        )
+
+    def sampling(self) -> SamplingParams:
+        """The request's sampling parameters; raises ``InvalidParams`` when they are invalid."""
+        return SamplingParams(
+            max_tokens=self.max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            seed=self.seed,
+            stop_token_ids=tuple(self.stop_token_ids),
+            logprobs=self.logprobs,
+        )
+
 
 @wire.message("fwd-accepted")
 @dataclass(frozen=True)
@@ -203,15 +240,7 @@ class ForwardServer:
             await self._refuse(stream, "busy", "queue over the push-back threshold")
             return
         try:
-            params = SamplingParams(
-                max_tokens=req.max_tokens,
-                temperature=req.temperature,
-                top_p=req.top_p,
-                seed=req.seed,
-                stop_token_ids=tuple(req.stop_token_ids),
-                logprobs=req.logprobs,
-            )
-            token_stream = self.engine.stream(req.prompt, params)
+            token_stream = self.engine.stream(req.prompt, req.sampling())
         except (ValueError, TypeError) as exc:  # EngineError subclasses are ValueErrors
             await self._refuse(stream, "bad_request", str(exc))
             return

@@ -359,17 +359,12 @@ class RoutedService:
                 )
             est = decision.estimate_for(target)
             assert est is not None
-            request = ForwardRequest(
-                model_id=self.model_id,
-                prompt=prompt + delivered,
-                max_tokens=remaining,
-                temperature=float(params.temperature),
-                top_p=float(params.top_p),
-                seed=params.seed,
-                stop_token_ids=list(params.stop_token_ids),
+            request = ForwardRequest.of(
+                self.model_id,
+                prompt + delivered,
+                cont_params,
                 deadline_s=self.forward_config.default_deadline_s,
                 request_id=decision.request_id,
-                logprobs=params.logprobs,
             )
             cfg = self.forward_config
             service_s = est.wait_s + est.prefill_s + est.decode_s
