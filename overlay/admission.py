@@ -21,7 +21,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable
 from contextlib import suppress
-from typing import Any
 
 import trio
 from libp2p.abc import IHost, INetConn, INetStream
@@ -114,7 +113,7 @@ class Admission:
 def _is_initiator(conn: INetConn) -> bool:
     """Did we dial this connection? (yamux keeps it; the secured session too)."""
     muxed = conn.muxed_conn
-    value: Any = getattr(muxed, "is_initiator_value", None)
+    value: object = getattr(muxed, "is_initiator_value", None)
     if value is None:
         value = getattr(getattr(muxed, "secured_conn", None), "is_initiator", False)
     return bool(value)

@@ -45,13 +45,14 @@ import math
 import random
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import trio
 from prometheus_client import CollectorRegistry, Counter
 
 from p2pnode.errors import P2PNodeError
 from p2pnode.overlay import wire
+from p2pnode.overlay._streams import close_quietly
 from p2pnode.overlay.digest import (
     DEFAULT_MAX_AGE_S,
     MAX_DIGEST_BYTES,
@@ -65,8 +66,11 @@ from p2pnode.overlay.limits import LimitExceeded, PeerLimiter, remote_peer
 from p2pnode.overlay.views import ApplyResult, PeerViews
 
 if TYPE_CHECKING:
+    from libp2p.abc import INetStream
+    from libp2p.pubsub.pb import rpc_pb2
+
     from p2pnode.identity import NodeKey
-    from p2pnode.overlay.seams import OverlayHost
+    from p2pnode.overlay.seams import OverlayHost, Stream, Subscription
 
 log = logging.getLogger("p2pnode.overlay.antientropy")
 # A pull refused by the peer's limits: ``digest-unavailable`` whose reason starts with this.
@@ -195,7 +199,7 @@ class AntiEntropy:
 
     # -- lifecycle --------------------------------------------------------------------------
 
-    async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Subscribe, serve pulls, publish every round; runs until cancelled."""
         self.node.set_stream_handler(DIGEST_PROTOCOL, self._serve_pull)
         try:
@@ -303,7 +307,7 @@ class AntiEntropy:
 
     # -- receiving --------------------------------------------------------------------------
 
-    async def _receive_loop(self, model: str, sub: Any) -> None:
+    async def _receive_loop(self, model: str, sub: Subscription) -> None:
         topic = digest_topic(model)
         while True:
             msg = await sub.get()
@@ -423,7 +427,7 @@ class AntiEntropy:
                     )
                 finally:
                     with trio.move_on_after(1):
-                        await _close_quietly(stream)
+                        await close_quietly(stream)
         except trio.TooSlowError:
             self._count_pull("timeout")
             raise PullFailed(f"no reply within {self.config.pull_timeout_s:.1f} s") from None
@@ -440,7 +444,7 @@ class AntiEntropy:
         self._count_pull("ok" if result is ApplyResult.APPLIED else "not_applied")
         return result
 
-    async def _serve_pull(self, stream: Any) -> None:
+    async def _serve_pull(self, stream: INetStream) -> None:
         """Per-peer limits (overlay/limits.py) around ``_answer_pull``."""
         peer = remote_peer(stream)
         try:
@@ -452,13 +456,15 @@ class AntiEntropy:
                 limit = wire.limit_for(DIGEST_PROTOCOL)
                 await wire.write_frame(stream, wire.to_wire(refusal), limit=limit)
 
-    async def _answer_pull(self, stream: Any) -> None:
+    async def _answer_pull(self, stream: Stream) -> None:
         limit = wire.limit_for(DIGEST_PROTOCOL)
         with trio.fail_after(self.config.pull_timeout_s):
             request = wire.from_wire(await wire.read_frame(stream, limit=limit), DigestPull)
             builder = self.builders.get(request.model_id)
             if builder is None:
-                reply: Any = DigestUnavailable(request.model_id, "model not served here")
+                reply: DigestReply | DigestUnavailable = DigestUnavailable(
+                    request.model_id, "model not served here"
+                )
             else:
                 if request.have_epoch == builder.epoch and request.have_version is not None:
                     digest = builder.delta_since(request.have_version)
@@ -471,7 +477,7 @@ class AntiEntropy:
             await wire.write_frame(stream, wire.to_wire(reply), limit=limit)
 
 
-def _publisher(msg: Any) -> str | None:
+def _publisher(msg: rpc_pb2.Message) -> str | None:
     """Peer id of a gossip message's original publisher (gossipsub verified its signature)."""
     from libp2p.peer.id import ID
 
@@ -479,9 +485,3 @@ def _publisher(msg: Any) -> str | None:
         return ID(bytes(msg.from_id)).to_base58() if msg.from_id else None
     except Exception:  # unparsable id bytes: treat as unauthenticated
         return None
-
-
-async def _close_quietly(stream: Any) -> None:
-    # A stream the peer already reset cannot be closed cleanly; nothing is left to do then.
-    with contextlib.suppress(Exception):
-        await stream.close()

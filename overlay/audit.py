@@ -59,7 +59,7 @@ import trio
 from prometheus_client import CollectorRegistry, Counter
 
 from p2pnode.inference.emulated import EmulatedRows
-from p2pnode.inference.sampling import SamplingParams
+from p2pnode.inference.sampling import SamplingParams, TokenLogprob
 from p2pnode.inference.scoring import Scorer
 from p2pnode.overlay.trust import TrustBook
 
@@ -104,6 +104,8 @@ class AuditVerdict:
 
 
 def _shape_check(logits: torch.Tensor | EmulatedRows, tokens: Sequence[int]) -> AuditVerdict | None:
+    """Raise on a row count that is not one per token; a failed verdict for a token outside the
+    vocabulary (a lying peer can send one); None when the answer can be checked."""
     n = len(tokens)
     if logits.shape[0] != n:
         raise ValueError(f"{logits.shape[0]} rows of logits for {n} tokens")
@@ -139,19 +141,15 @@ def check_greedy(
 ) -> AuditVerdict:
     """Every ``tokens[i]`` within ``margin`` logits of the argmax of ``logits[i]``."""
     n = len(tokens)
+    refused = _shape_check(logits, tokens)
+    if refused is not None:
+        return refused
     if isinstance(logits, EmulatedRows):  # closed form: no tensors on an emulated node
-        bad = _shape_check(logits, tokens)
-        if bad is not None:
-            return bad
         rows = zip(logits, tokens, strict=True)
         return _greedy_verdict([r.logit(r.argmax()) - r.logit(t) for r, t in rows], margin)
     import torch
 
-    if logits.shape[0] != n:
-        raise ValueError(f"{logits.shape[0]} rows of logits for {n} tokens")
     ids = torch.tensor(list(tokens), dtype=torch.long)
-    if n and (int(ids.min()) < 0 or int(ids.max()) >= logits.shape[1]):
-        return AuditVerdict(False, n, 0, math.inf, "token outside the vocabulary")
     gaps = logits.max(dim=-1).values - logits[torch.arange(n), ids]
     bad = (gaps > margin).nonzero()
     worst = float(gaps.max()) if n else 0.0
@@ -186,10 +184,10 @@ def check_sampled(
 ) -> AuditVerdict:
     """The likelihood test of the module contract."""
     n = len(tokens)
+    refused = _shape_check(logits, tokens)
+    if refused is not None:
+        return refused
     if isinstance(logits, EmulatedRows):  # the same test in closed form (inference/emulated.py)
-        bad = _shape_check(logits, tokens)
-        if bad is not None:
-            return bad
         top = min(1.0, top_p + nucleus_slack)
         chosen = [r.log_prob(t, temperature, top) for r, t in zip(logits, tokens, strict=True)]
         moments = [r.entropy_and_variance(temperature, top) for r in logits]
@@ -198,11 +196,7 @@ def check_sampled(
         )
     import torch
 
-    if logits.shape[0] != n:
-        raise ValueError(f"{logits.shape[0]} rows of logits for {n} tokens")
     ids = torch.tensor(list(tokens), dtype=torch.long)
-    if n and (int(ids.min()) < 0 or int(ids.max()) >= logits.shape[1]):
-        return AuditVerdict(False, n, 0, math.inf, "token outside the vocabulary")
     logp = _nucleus_log_probs(logits, temperature, min(1.0, top_p + nucleus_slack))
     chosen = logp[torch.arange(n), ids]
     impossible = torch.isinf(chosen).nonzero()
@@ -259,18 +253,18 @@ class HeldAnswer:
         emit: Callable[[int], None],
         max_hold_s: float,
         *,
-        emit_logprob: Callable[[Any], None] | None = None,
+        emit_logprob: Callable[[TokenLogprob], None] | None = None,
     ) -> None:
         self.emit = emit
         self.emit_logprob = emit_logprob
         self.max_hold_s = max_hold_s
         self.tokens: list[int] = []
         # Log-probabilities travel with their tokens: held, released and dropped together.
-        self.logprobs: list[Any] = []
+        self.logprobs: list[TokenLogprob] = []
         self.released = False
         self._first: float | None = None
 
-    def logprob(self, value: Any) -> None:
+    def logprob(self, value: TokenLogprob) -> None:
         self.logprobs.append(value)
         if self.released and self.emit_logprob is not None:
             self.emit_logprob(value)
@@ -435,7 +429,7 @@ class Auditor:
         if self._metrics is not None:
             self._metrics.reserved.inc()
 
-    async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             task_status.started()

@@ -58,7 +58,6 @@ import random
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import trio
 from prometheus_client import CollectorRegistry, Counter
@@ -188,7 +187,7 @@ class Challenger:
         self._metrics = _Metrics(registry) if registry is not None else None
         self.counts: dict[str, int] = {"passed": 0, "mismatch": 0, "failed": 0}
 
-    async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
             task_status.started()
             while True:  # a service task: it ends when the node's nursery is cancelled

@@ -22,7 +22,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import trio
 
@@ -34,7 +34,10 @@ from p2pnode.overlay.digest import MAX_MODEL_ID_LEN
 from p2pnode.overlay.limits import LimitExceeded, PeerLimiter, remote_peer
 
 if TYPE_CHECKING:
-    from p2pnode.overlay.seams import OverlayHost
+    from libp2p.abc import INetStream
+
+    from p2pnode.inference._front import TokenStreamBase
+    from p2pnode.overlay.seams import OverlayHost, Stream
 
 log = logging.getLogger("p2pnode.overlay.forward")
 
@@ -60,6 +63,43 @@ class ForwardRequest:
     deadline_s: float = field(default=60.0, metadata=wire.bounded(ge=0, le=3600))
     request_id: str = field(default="", metadata=wire.bounded(max_len=64))
     logprobs: int | None = field(default=None, metadata=wire.bounded(ge=0, le=MAX_TOP_LOGPROBS))
+
+    # The request carries every field of SamplingParams: the origin writes them with ``of`` and
+    # the serving peer reads them back with ``sampling``, so both sides map them here, once.
+    @classmethod
+    def of(
+        cls,
+        model_id: str,
+        prompt: list[int],
+        params: SamplingParams,
+        *,
+        deadline_s: float,
+        request_id: str,
+    ) -> ForwardRequest:
+        """The request that asks a peer to run ``params`` over ``prompt``."""
+        return cls(
+            model_id=model_id,
+            prompt=prompt,
+            max_tokens=params.max_tokens,
+            temperature=float(params.temperature),
+            top_p=float(params.top_p),
+            seed=params.seed,
+            stop_token_ids=list(params.stop_token_ids),
+            deadline_s=deadline_s,
+            request_id=request_id,
+            logprobs=params.logprobs,
+        )
+
+    def sampling(self) -> SamplingParams:
+        """The request's sampling parameters; raises ``InvalidParams`` when they are invalid."""
+        return SamplingParams(
+            max_tokens=self.max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            seed=self.seed,
+            stop_token_ids=tuple(self.stop_token_ids),
+            logprobs=self.logprobs,
+        )
 
 
 @wire.message("fwd-accepted")
@@ -180,7 +220,7 @@ class ForwardServer:
         self.served = 0
         self.refused: dict[str, int] = {}
 
-    async def handle(self, stream: Any) -> None:
+    async def handle(self, stream: INetStream) -> None:
         # Per-peer limits (overlay/limits.py): a stream slot and a rate token per request, its
         # bytes held until it ends; excess gets a ``limited`` error and never reaches the engine.
         self.received += 1
@@ -193,7 +233,7 @@ class ForwardServer:
         except trio.TooSlowError:  # only the request read is timed here; _run has its own
             await self._refuse(stream, "deadline", "no complete fwd-request within 10 s")
 
-    async def _serve(self, stream: Any) -> None:
+    async def _serve(self, stream: Stream) -> None:
         limit = wire.limit_for(FORWARD_PROTOCOL)
         with trio.fail_after(10):
             obj = await wire.read_frame(stream, limit=limit)
@@ -209,15 +249,7 @@ class ForwardServer:
             await self._refuse(stream, "busy", "queue over the push-back threshold")
             return
         try:
-            params = SamplingParams(
-                max_tokens=req.max_tokens,
-                temperature=req.temperature,
-                top_p=req.top_p,
-                seed=req.seed,
-                stop_token_ids=tuple(req.stop_token_ids),
-                logprobs=req.logprobs,
-            )
-            token_stream = self.engine.stream(req.prompt, params)
+            token_stream = self.engine.stream(req.prompt, req.sampling())
         except (ValueError, TypeError) as exc:  # EngineError subclasses are ValueErrors
             await self._refuse(stream, "bad_request", str(exc))
             return
@@ -225,7 +257,9 @@ class ForwardServer:
             self.on_request(req.prompt)
         await self._run(stream, req, token_stream, limit)
 
-    async def _run(self, stream: Any, req: ForwardRequest, token_stream: Any, limit: int) -> None:
+    async def _run(
+        self, stream: Stream, req: ForwardRequest, token_stream: TokenStreamBase, limit: int
+    ) -> None:
         cached_now = self.engine.cached_prefix_len(req.prompt)
         sent = 0
         try:
@@ -263,7 +297,7 @@ class ForwardServer:
             await token_stream.aclose()  # the origin went away: free the engine slot
             raise
 
-    async def _refuse(self, stream: Any, code: str, message: str) -> None:
+    async def _refuse(self, stream: Stream, code: str, message: str) -> None:
         self.refused[code] = self.refused.get(code, 0) + 1
         with trio.move_on_after(2):
             await wire.write_frame(

@@ -19,12 +19,15 @@ from __future__ import annotations
 
 import re
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 import trio
 
 from p2pnode.overlay._errors import OverlayError
 from p2pnode.overlay.wire import bounded_field, from_wire, message, read_frame, to_wire, write_frame
+
+if TYPE_CHECKING:
+    from p2pnode.overlay.seams import Stream
 
 __all__ = [
     "DEFAULT_NETWORK",
@@ -74,7 +77,7 @@ def mismatch(ours: Hello, theirs: Hello) -> str | None:
     return None
 
 
-async def say_hello(open_stream: Callable[[], Awaitable[Any]], ours: Hello) -> Hello:
+async def say_hello(open_stream: Callable[[], Awaitable[Stream]], ours: Hello) -> Hello:
     stream = await open_stream()
     try:
         with trio.fail_after(HELLO_TIMEOUT_S):
@@ -88,7 +91,7 @@ async def say_hello(open_stream: Callable[[], Awaitable[Any]], ours: Hello) -> H
             await stream.close()
 
 
-async def answer_hello(stream: Any, ours: Hello) -> Hello:
+async def answer_hello(stream: Stream, ours: Hello) -> Hello:
     with trio.fail_after(HELLO_TIMEOUT_S):
         obj = await read_frame(stream, limit=HELLO_LIMIT)
         if obj is None:

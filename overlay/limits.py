@@ -37,10 +37,17 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import trio
 
 from p2pnode.overlay._errors import OverlayError
 from p2pnode.overlay.digest import MAX_DIGEST_BYTES
+
+if TYPE_CHECKING:
+    from libp2p.abc import INetStream
+
+    from p2pnode.overlay.seams import Stream
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -152,7 +159,7 @@ class _Peer:
         return not (self.sessions or self.bytes or any(self.active.values()))
 
 
-def remote_peer(stream: Any) -> str:
+def remote_peer(stream: INetStream) -> str:
     """Base58 id of the authenticated remote peer of a libp2p stream; ``UNKNOWN_PEER`` else."""
     with contextlib.suppress(Exception):
         return stream.muxed_conn.peer_id.to_base58()
@@ -236,7 +243,7 @@ class PeerLimiter:
             state.sessions -= 1
 
     @contextlib.contextmanager
-    def metered(self, peer: str, stream: Any) -> Iterator[MeteredStream]:
+    def metered(self, peer: str, stream: Stream | trio.abc.Stream) -> Iterator[MeteredStream]:
         """``stream`` whose reads count toward ``peer``'s bytes in flight until the block ends."""
         metered = MeteredStream(self, peer, stream)
         try:
@@ -306,27 +313,39 @@ class MeteredStream:
     """A stream proxy whose reads count toward one peer's bytes in flight (``PeerLimiter``).
 
     ``release()`` gives back what was counted so far (call it once a request is answered);
-    everything else (write, close, reset, ``muxed_conn``) goes to the wrapped stream.
+    everything else (write, close, reset, ``muxed_conn``) goes to the wrapped stream, a libp2p
+    stream or a trio one (``read``/``write`` map to ``receive_some``/``send_all`` there).
     """
 
-    def __init__(self, limiter: PeerLimiter, peer: str, stream: Any) -> None:
+    def __init__(self, limiter: PeerLimiter, peer: str, stream: Stream | trio.abc.Stream) -> None:
         self._limiter = limiter
         self._peer = peer
         self._stream = stream
         self.held = 0
 
     async def read(self, n: int) -> bytes:
-        inner = getattr(self._stream, "read", None) or self._stream.receive_some
-        data = await inner(n)
+        s = self._stream
+        if isinstance(s, trio.abc.ReceiveStream):
+            data = bytes(await s.receive_some(n))  # trio may hand back a bytearray
+        else:
+            data = await s.read(n)
         self.held += len(data)
         self._limiter._add_bytes(self._peer, len(data))
         return data
 
     receive_some = read
 
+    async def write(self, data: bytes) -> None:
+        s = self._stream
+        await (s.send_all(data) if isinstance(s, trio.abc.SendStream) else s.write(data))
+
+    async def close(self) -> None:
+        s = self._stream
+        await (s.aclose() if isinstance(s, trio.abc.AsyncResource) else s.close())
+
     def release(self) -> None:
         self._limiter._sub_bytes(self._peer, self.held)
         self.held = 0
 
-    def __getattr__(self, name: str) -> Any:
+    def __getattr__(self, name: str) -> Any:  # a proxy: whatever the wrapped stream has
         return getattr(self._stream, name)

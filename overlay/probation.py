@@ -32,7 +32,7 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry
 
@@ -46,6 +46,8 @@ from p2pnode.overlay.trust import TrustBook
 from p2pnode.overlay.views import PeerViews
 
 if TYPE_CHECKING:
+    import trio
+
     from p2pnode.overlay.seams import OverlayHost
 
 # A challenge goes to a peer, and this node answers one, only while a new request there would
@@ -121,7 +123,7 @@ class ProbationChallenges:
     def counts(self) -> dict[str, int]:
         return self.challenger.counts
 
-    async def run(self, *, task_status: Any) -> None:
+    async def run(self, *, task_status: trio.TaskStatus[None]) -> None:
         await self.challenger.run(task_status=task_status)
 
     def know(self, prompt: list[int], params: SamplingParams, tokens: list[int]) -> None:

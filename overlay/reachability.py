@@ -38,6 +38,8 @@ from p2pnode.overlay.limits import PeerLimiter, remote_peer
 from p2pnode.overlay.wire import bounded_field, from_wire, message, read_frame, to_wire, write_frame
 
 if TYPE_CHECKING:
+    from libp2p.abc import INetStream
+
     from p2pnode.overlay.node import OverlayNode
 
 __all__ = [
@@ -103,9 +105,10 @@ async def probe_listener(ip: str, port: int, limit_s: float = DIAL_TIMEOUT_S) ->
         await stream.aclose()
 
 
-def _observed_ip(stream: Any) -> str | None:
+def _observed_ip(stream: INetStream) -> str | None:
     try:
-        remote = stream.get_remote_address()
+        # libp2p's NetStream has it; the INetStream abc does not declare it.
+        remote = stream.get_remote_address()  # type: ignore[attr-defined]
     except Exception:
         return None
     return str(remote[0]) if remote else None
@@ -148,7 +151,7 @@ class ReachabilityService:
 
     # -- server -------------------------------------------------------------------------
 
-    async def _serve(self, stream: Any) -> None:
+    async def _serve(self, stream: INetStream) -> None:
         peer = remote_peer(stream)
         with self.limiter.admit(peer, "dialback"):
             with trio.fail_after(REQUEST_TIMEOUT_S):
@@ -262,7 +265,7 @@ class ReachabilityService:
         with trio.move_on_after(10):
             await self.node.publish_record()
 
-    async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
         delay = 0.5
         while True:

@@ -52,7 +52,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 from libp2p.identity.identify_push.identify_push import push_identify_to_peers
@@ -69,6 +69,12 @@ from multiaddr import Multiaddr
 from p2pnode.overlay._errors import OverlayError, PeerUnreachable
 from p2pnode.overlay.host import parse_multiaddr
 from p2pnode.overlay.limits import LimitExceeded, PeerLimiter
+
+if TYPE_CHECKING:
+    from libp2p.abc import INetStream
+    from libp2p.relay.circuit_v2.pb.circuit_pb2 import HopMessage
+
+    from p2pnode.overlay.node import OverlayNode
 
 __all__ = [
     "RelayService",
@@ -123,7 +129,7 @@ class _MembersOnlyProtocol(CircuitV2Protocol):
         super().__init__(service.host, **kwargs)
         self._service = service
 
-    async def _handle_reserve(self, stream: Any, msg: Any) -> None:
+    async def _handle_reserve(self, stream: INetStream, msg: HopMessage) -> None:
         peer = str(stream.muxed_conn.peer_id)
         claimed = msg.peer.id if msg.HasField("peer") and msg.peer.id else None
         reason = await self._service.admit(peer, "relay_reserve")
@@ -138,7 +144,7 @@ class _MembersOnlyProtocol(CircuitV2Protocol):
             return
         await super()._handle_reserve(stream, msg)
 
-    async def _handle_connect(self, stream: Any, msg: Any) -> None:
+    async def _handle_connect(self, stream: INetStream, msg: HopMessage) -> None:
         peer = str(stream.muxed_conn.peer_id)
         reason = await self._service.admit(peer, "relay_circuit")
         if reason is not None:
@@ -147,7 +153,7 @@ class _MembersOnlyProtocol(CircuitV2Protocol):
         self._service.counters["circuits"] += 1
         await super()._handle_connect(stream, msg)
 
-    async def _refuse(self, stream: Any, peer: str, what: str, reason: str) -> None:
+    async def _refuse(self, stream: INetStream, peer: str, what: str, reason: str) -> None:
         self._service.counters[f"{what}s_refused"] += 1
         logger.info("relay %s for %s refused: %s", what, peer, reason)
         await self._send_status(stream, StatusCode.PERMISSION_DENIED, reason)
@@ -160,7 +166,7 @@ class RelayService:
 
     def __init__(
         self,
-        node: Any,
+        node: OverlayNode,
         *,
         relays: Sequence[str] = (),
         hop: bool | str = False,
@@ -495,7 +501,7 @@ def _uninstall(service: RelayService) -> None:
 
 @asynccontextmanager
 async def open_relay(
-    node: Any,
+    node: OverlayNode,
     *,
     relays: Sequence[str] = (),
     hop: bool | str = False,

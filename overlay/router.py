@@ -77,13 +77,17 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from p2pnode.inference.blockhash import BLOCK_SIZE
 from p2pnode.overlay.netcost import ForwardCost
 from p2pnode.overlay.views import PeerView, PeerViews, prefix_tokens
+
+if TYPE_CHECKING:
+    from p2pnode.overlay.peers import PeerTable
+    from p2pnode.overlay.trust import TrustBook
 
 log = logging.getLogger("p2pnode.overlay.router")
 
@@ -273,7 +277,7 @@ class RouterConfig:
             raise ValueError("placement_blocks >= 1 and placement_share in [0, 1]")
 
 
-def rtt_from_peer_table(table: Any) -> Callable[[str], float | None]:
+def rtt_from_peer_table(table: PeerTable) -> Callable[[str], float | None]:
     """Adapter: the smoothed RTT in seconds from a ``peers.PeerTable`` (None if unmeasured)."""
 
     def rtt(peer_id: str) -> float | None:
@@ -292,7 +296,7 @@ class Router:
         is_up: Callable[[str], bool] | None = None,
         config: RouterConfig | None = None,
         registry: CollectorRegistry | None = None,
-        trust: Any = None,
+        trust: TrustBook | None = None,
         self_id: str | None = None,
         netcost: ForwardCost | None = None,
         hold_s: Callable[[str, int], float] | None = None,

@@ -11,24 +11,57 @@ Contract:
   failures), ``pubsub`` (``PubSub``: gossipsub topics), ``set_stream_handler(protocol,
   handler)`` (serve a protocol; the handler's errors never escape), and ``open_stream(peer_id,
   protocol, timeout=)`` (dial if needed; raises ``PeerUnreachable``).
+- ``PubSub`` / ``Subscription``: the gossipsub calls they make; a subscription yields
+  py-libp2p's ``rpc_pb2.Message`` (``data``, ``from_id``).
+- Streams: ``Stream`` is the part of a libp2p ``INetStream`` that protocol code reads, writes
+  and closes through (``read(n)`` returns up to ``n`` bytes, ``b""`` or ``EOFError`` at the
+  end). Code that needs more of a stream (its ``muxed_conn`` for the remote peer id, ``reset``)
+  takes an ``INetStream``. The frame codec (``wire.py``) also takes trio byte streams:
+  ``FrameReader`` / ``FrameWriter``, so a test can hand it ``trio.testing.memory_stream_pair()``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol, TypeAlias, runtime_checkable
 
+import trio
 from libp2p.abc import INetStream
+from libp2p.pubsub.pb import rpc_pb2
 
 from p2pnode.overlay.peers import PeerTable
 
 StreamHandler = Callable[[INetStream], Awaitable[None]]
 
 
+class ByteReader(Protocol):
+    async def read(self, n: int, /) -> bytes: ...
+
+
+class ByteWriter(Protocol):
+    async def write(self, data: bytes, /) -> None: ...
+
+
+class Stream(ByteReader, ByteWriter, Protocol):
+    """What protocol code needs of a libp2p stream (see the module contract)."""
+
+    async def close(self) -> None: ...
+
+
+FrameReader: TypeAlias = ByteReader | trio.abc.ReceiveStream
+FrameWriter: TypeAlias = ByteWriter | trio.abc.SendStream
+
+
+class Subscription(Protocol):
+    """One gossipsub topic subscription (py-libp2p's ``ISubscriptionAPI`` has it)."""
+
+    async def get(self) -> rpc_pb2.Message: ...
+
+
 class PubSub(Protocol):
     """The gossipsub calls the services make (py-libp2p's ``Pubsub`` has them)."""
 
-    async def subscribe(self, topic_id: str) -> Any: ...  # an async iterator of messages
+    async def subscribe(self, topic_id: str) -> Subscription: ...
 
     async def unsubscribe(self, topic_id: str) -> None: ...
 

@@ -69,6 +69,7 @@ from p2pnode.overlay.views import PeerViews
 
 if TYPE_CHECKING:
     from p2pnode.identity import NodeKey
+    from p2pnode.inference.engine import GenerationResult
     from p2pnode.overlay.seams import OverlayHost
 
 log = logging.getLogger("p2pnode.overlay.service")
@@ -292,7 +293,7 @@ class RoutedService:
             overhead_s=e.cost.overhead_s,
         )
 
-    async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         if self.server is not None:
             self.node.set_stream_handler(FORWARD_PROTOCOL, self.server.handle)
         async with trio.open_nursery() as nursery:
@@ -359,17 +360,12 @@ class RoutedService:
                 )
             est = decision.estimate_for(target)
             assert est is not None
-            request = ForwardRequest(
-                model_id=self.model_id,
-                prompt=prompt + delivered,
-                max_tokens=remaining,
-                temperature=float(params.temperature),
-                top_p=float(params.top_p),
-                seed=params.seed,
-                stop_token_ids=list(params.stop_token_ids),
+            request = ForwardRequest.of(
+                self.model_id,
+                prompt + delivered,
+                cont_params,
                 deadline_s=self.forward_config.default_deadline_s,
                 request_id=decision.request_id,
-                logprobs=params.logprobs,
             )
             cfg = self.forward_config
             service_s = est.wait_s + est.prefill_s + est.decode_s
@@ -567,7 +563,7 @@ class RoutedService:
         emit: Callable[[int], None],
         on_logprob: Callable[[TokenLogprob], None] | None = None,
         private: bool = False,
-    ) -> Any:
+    ) -> GenerationResult:
         if not private or self.gate is None:
             self._note_use(prompt)
             return await self._stream_local(prompt, params, emit, on_logprob)
@@ -589,7 +585,7 @@ class RoutedService:
         params: SamplingParams,
         emit: Callable[[int], None],
         on_logprob: Callable[[TokenLogprob], None] | None = None,
-    ) -> Any:
+    ) -> GenerationResult:
         stream = self.engine.stream(prompt, params)
         try:
             n = 0
@@ -659,7 +655,7 @@ def _with_max_tokens(params: SamplingParams, n: int) -> SamplingParams:
     return replace(params, max_tokens=max(1, n))
 
 
-def _finished(delivered: list[int], params: SamplingParams, engine: Any) -> bool:
+def _finished(delivered: list[int], params: SamplingParams, engine: ServingEngine | None) -> bool:
     """The tokens received before a failure already form a complete answer."""
     if len(delivered) >= params.max_tokens:
         return True

@@ -39,13 +39,18 @@ import os
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING
 
 from libp2p.peer.envelope import consume_envelope
 from libp2p.peer.id import ID
 from libp2p.pubsub import gossipsub as _gossipsub_mod
 from libp2p.pubsub import pubsub as _pubsub_mod
 from libp2p.pubsub.gossipsub import GossipSub
+
+if TYPE_CHECKING:
+    from libp2p.abc import IHost
+    from libp2p.peer.envelope import Envelope
+    from libp2p.pubsub.pb import rpc_pb2
 
 __all__ = [
     "IDONTWANT_MIN_BYTES",
@@ -74,10 +79,12 @@ SUPERSEDED_RECORDS = [0]
 _installed = False
 
 
-def _memo_consume(real: Callable[..., bool]) -> Callable[..., bool]:
+def _memo_consume(
+    real: Callable[[rpc_pb2.RPC, IHost, ID], bool],
+) -> Callable[[rpc_pb2.RPC, IHost, ID], bool]:
     accepted: OrderedDict[tuple[int, bytes, bytes], float] = OrderedDict()
 
-    def consume(msg: Any, host: Any, peer_id: Any) -> bool:
+    def consume(msg: rpc_pb2.RPC, host: IHost, peer_id: ID) -> bool:
         if not msg.HasField("senderRecord"):
             return True
         key = (id(host), peer_id.to_bytes(), bytes(msg.senderRecord))
@@ -101,7 +108,7 @@ def _memo_consume(real: Callable[..., bool]) -> Callable[..., bool]:
     return consume
 
 
-def _superseded(msg: Any, host: Any, peer_id: Any) -> bool:
+def _superseded(msg: rpc_pb2.RPC, host: IHost, peer_id: ID) -> bool:
     """The RPC's record is valid and the sender's own, but older than the one stored."""
     try:
         envelope, record = consume_envelope(msg.senderRecord, PEER_RECORD_DOMAIN)
@@ -113,10 +120,12 @@ def _superseded(msg: Any, host: Any, peer_id: Any) -> bool:
         return False
 
 
-def _cached_local_record(real: Callable[..., tuple[bytes, bool]]) -> Callable[..., Any]:
-    cache: dict[int, tuple[float, Any, Any, bytes]] = {}
+def _cached_local_record(
+    real: Callable[[IHost], tuple[bytes, bool]],
+) -> Callable[[IHost], tuple[bytes, bool]]:
+    cache: dict[int, tuple[float, IHost, Envelope | None, bytes]] = {}
 
-    def env(host: Any) -> tuple[bytes, bool]:
+    def env(host: IHost) -> tuple[bytes, bool]:
         now = time.monotonic()
         hit = cache.get(id(host))
         current = host.get_peerstore().get_local_record()
@@ -160,7 +169,7 @@ class QuietGossipSub(GossipSub):
 
     _idontwant_worth_it = True
 
-    async def publish(self, msg_forwarder: Any, pubsub_msg: Any) -> None:
+    async def publish(self, msg_forwarder: ID, pubsub_msg: rpc_pb2.Message) -> None:
         # GossipSub.publish emits its IDONTWANTs before its first await, so the flag set here
         # is the one this message's emit reads.
         self._idontwant_worth_it = pubsub_msg.ByteSize() >= IDONTWANT_MIN_BYTES

@@ -9,10 +9,11 @@ plain data only (see ``p2pnode.identity.plaincbor``: no semantic tags, str/bytes
 bounded nesting, no trailing bytes). ``limit`` always bounds the BODY length in bytes; use
 ``PROTOCOL_LIMITS[protocol]``. Readers reject a declared length over ``limit`` before reading
 the body, loop on short reads, return ``None`` on a clean EOF before a frame, and raise
-``TruncatedFrame`` on EOF inside one. Streams are duck-typed: libp2p-style ``async read(n)`` /
-``async write(data)`` (EOF = ``b""`` or any ``EOFError``, e.g. libp2p's ``StreamEOF``) or trio
-``receive_some`` / ``send_all``. Stream resets and other transport errors propagate unchanged.
-Readers have no deadline of their own: wrap calls in ``trio.fail_after`` against slow peers.
+``TruncatedFrame`` on EOF inside one. Streams (``seams.FrameReader`` / ``FrameWriter``) are
+libp2p-style ``async read(n)`` / ``async write(data)`` (EOF = ``b""`` or any ``EOFError``, e.g.
+libp2p's ``StreamEOF``) or trio ``receive_some`` / ``send_all``. Stream resets and other
+transport errors propagate unchanged. Readers have no deadline of their own: wrap calls in
+``trio.fail_after`` against slow peers.
 
 Messages. ``@message("name")`` registers a frozen dataclass. ``to_wire(msg)`` gives
 ``{"t": name, field: value, ...}`` (tuples/frozensets as arrays, nested messages as maps without
@@ -37,10 +38,13 @@ import types
 import typing
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from p2pnode.errors import P2PNodeError
 from p2pnode.identity import plaincbor
+
+if TYPE_CHECKING:
+    from p2pnode.overlay.seams import FrameReader, FrameWriter
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -155,7 +159,7 @@ def _decode_body(body: bytes | bytearray | memoryview) -> object:
         raise MalformedFrame(str(exc)) from exc
 
 
-def _receiver(stream: Any) -> Callable[[int], Awaitable[bytes]]:
+def _receiver(stream: FrameReader) -> Callable[[int], Awaitable[bytes]]:
     read = getattr(stream, "read", None)
     if read is not None:
         return read
@@ -165,7 +169,7 @@ def _receiver(stream: Any) -> Callable[[int], Awaitable[bytes]]:
     raise WireError(f"{type(stream).__name__} has neither async read(n) nor receive_some(n)")
 
 
-def _sender(stream: Any) -> Callable[[bytes], Awaitable[None]]:
+def _sender(stream: FrameWriter) -> Callable[[bytes], Awaitable[None]]:
     write = getattr(stream, "write", None)
     if write is not None:
         return write
@@ -196,7 +200,7 @@ async def _read_exact(
     return buf
 
 
-async def read_frame(stream: Any, *, limit: int) -> object | None:
+async def read_frame(stream: FrameReader, *, limit: int) -> object | None:
     """Read one frame; ``None`` on a clean EOF before its first byte (see module doc)."""
     _check_limit(limit)
     recv = _receiver(stream)
@@ -211,7 +215,7 @@ async def read_frame(stream: Any, *, limit: int) -> object | None:
     return _decode_body(body)
 
 
-async def write_frame(stream: Any, obj: object, *, limit: int) -> None:
+async def write_frame(stream: FrameWriter, obj: object, *, limit: int) -> None:
     """Encode ``obj`` (raising before anything is sent if it is invalid or too big) and send it."""
     frame = encode_frame(obj, limit=limit)
     await _sender(stream)(frame)
