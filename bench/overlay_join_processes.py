@@ -3,7 +3,7 @@
 Starts `p2pnode bootstrap` and N `p2pnode join` processes on 127.0.0.1 (`--compute emulated`,
 the default: light emulated engines, as trials run them; `none`: no engine), all knowing only
 the bootstrap, and measures the time from launching the joiners until
-- ready: the overlay counts as formed for a trial (``testnet.launch.formation_missing``: every
+- ready: the overlay counts as formed for a trial (``testnet.formation.formation_missing``: every
   joiner sees all others up, or with bounded connections its low watermark of them less one;
   the up links make one graph; with engines, each holds a cache view of every peer it sees up);
 - full view: every joiner's /peers lists every other joiner as "up" (a full mesh: with more
@@ -31,7 +31,7 @@ from pathlib import Path
 
 import httpx
 
-from p2pnode.testnet.launch import formation_missing
+from p2pnode.testnet.formation import formation_missing
 from p2pnode.testnet.zygote import Zygote
 
 

@@ -1,5 +1,9 @@
 """vLLM 0.33 KV cache events (msgpack over ZMQ) translated into OUR block events.
 
+One file (~690 lines) on purpose: the wire schema below, the bounded decoder that enforces it
+and the translator to our block events are checked against each other in one reading (the
+decoder reads bytes from another process, so its limits must match the schema exactly).
+
 Wire schema, read from vLLM 0.33.0's own source (``vllm/distributed/kv_events.py`` in the
 ``vllm==0.33.0`` wheel; the publisher is ``ZmqEventPublisher`` in the same file, the events are
 built in ``vllm/v1/core/block_pool.py``):

@@ -1,5 +1,9 @@
 """Start a trial's nodes as separate OS processes on this machine, and stop them all.
 
+One file (~530 lines) on purpose: planning the nodes' addresses, starting them (forked, on
+loopback or in namespaces), waiting for the overlay and stopping them share ``RunningTrial``'s
+state; what counts as formed is judged apart, in ``formation.py``.
+
 Contract:
 - ``with launch_trial(spec, arm, workdir) as trial:`` starts one bootstrap node and
   ``spec.node_count`` serving nodes (``node_cmd``), each in its own home
@@ -9,7 +13,7 @@ Contract:
   spec's ``[node]`` settings, ``--backend`` from the compute mode and ``--routing`` or
   ``--no-routing`` by arm, and ``--adversary KIND --adversary-rate R`` for a node the spec's
   ``[[adversary]]`` names. It waits for every ``runtime.json`` and for the overlay to form
-  (``_mesh_missing``: every serving node sees every other one up in ``GET /status``, or with
+  (``formation.formation_missing``: every serving node sees every other one up in ``GET /status``, or with
   bounded connections at least its low watermark of them less one, the up links make one
   graph, and for the routing arm each node holds a cache view of every peer it sees up), all
   bounded by ``start_timeout_s`` (``LaunchError`` with the tail of the failing node's log
@@ -50,6 +54,7 @@ import httpx
 
 from p2pnode.errors import P2PNodeError
 from p2pnode.testnet import wan
+from p2pnode.testnet.formation import formation_missing
 from p2pnode.testnet.netns import Testbed, require_netns
 from p2pnode.testnet.spec import TrialSpec
 from p2pnode.testnet.zygote import ForkedProc, Zygote
@@ -268,74 +273,9 @@ class RunningTrial:
         return out
 
 
-def _wanted_up(status: dict[str, Any], others: int) -> int:
-    """Serving peers a node must see up for the overlay to count as formed: all of them, or
-    with bounded connections (``overlay/connmgr.py``) its low watermark less one (a trim keeps
-    that many, its bootstrap among them)."""
-    conns = status.get("connections") or {}
-    if not conns.get("enabled"):
-        return others
-    return min(others, max(1, int(conns.get("low", 0)) - 1))
-
-
-def _components(links: dict[str, set[str]]) -> int:
-    """Connected parts of the graph of up links among serving nodes (one: gossip can reach
-    every node; the bootstrap serves no model, so it forwards no digest and does not count)."""
-    seen: set[str] = set()
-    parts = 0
-    for start in links:
-        if start in seen:
-            continue
-        parts += 1
-        todo = [start]
-        while todo:
-            node = todo.pop()
-            if node not in seen:
-                seen.add(node)
-                todo += [p for p in links.get(node, ()) if p not in seen]
-    return parts
-
-
 def _mesh_missing(trial: RunningTrial, need_views: bool) -> list[str]:
     names = [node.name for node in trial.nodes]
     return formation_missing(names, trial.peer_ids, trial.statuses(), need_views)
-
-
-def formation_missing(
-    names: Sequence[str],
-    peer_ids: Sequence[str],
-    statuses: Sequence[dict[str, Any] | None],
-    need_views: bool,
-) -> list[str]:
-    """What is still missing for the overlay of these serving nodes (their ``GET /status``)
-    to count as formed (empty list: formed): every node sees the peers it should up
-    (``_wanted_up``), the up links make one graph, and with ``need_views`` each node holds a
-    cache view of every peer it sees up (those its router can send work to; with all peers
-    connected: of every other node)."""
-    ids = set(peer_ids)
-    missing = []
-    links: dict[str, set[str]] = {}
-    for name, pid, status in zip(names, peer_ids, statuses, strict=True):
-        if status is None:
-            missing.append(f"{name}: /status does not answer")
-            continue
-        others = ids - {pid}
-        up = {p.get("peer_id") for p in status.get("peers", []) if p.get("state") == "up"}
-        up &= others
-        links[pid] = up
-        want = _wanted_up(status, len(others))
-        if len(up) < want:
-            missing.append(f"{name} sees {len(up)} of {want} wanted peer(s) up")
-        views = (status.get("routing") or {}).get("views")
-        if need_views and isinstance(views, dict) and not up <= set(views):
-            missing.append(f"{name} holds no cache view of {len(up - set(views))}")
-    for pid, up in list(links.items()):  # links are symmetric; a status may lag one side
-        for other in up:
-            links.setdefault(other, set()).add(pid)
-    parts = _components(links)
-    if not missing and parts > 1:
-        missing.append(f"the up links make {parts} separate parts, not one overlay")
-    return missing
 
 
 def _wait_mesh(trial: RunningTrial, deadline: float, limit_s: float) -> None:

@@ -1,5 +1,8 @@
 """Trial specs: one TOML file describes a testnet trial (nodes, regions, links, workload, arms).
 
+One file (~630 lines) on purpose: the spec's dataclasses and the checks that read each table
+into them sit side by side, so a key's type, bound, default and error message are read at once.
+
 Contract:
 - ``load_spec(path) -> TrialSpec`` / ``parse_spec(data, source=...) -> TrialSpec`` read a spec
   with ``tomllib`` into frozen dataclasses, validating everything; every problem raises

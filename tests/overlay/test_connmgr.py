@@ -152,45 +152,6 @@ async def test_bounded_nodes_trim_and_gossip_still_reaches_every_node(overlay_ne
         assert status["enabled"] and status["low"] == 3 and status["high"] == 4
 
 
-def test_the_trial_waits_for_wanted_peers_one_graph_and_views_of_up_peers() -> None:
-    from types import SimpleNamespace
-
-    from p2pnode.testnet.launch import _mesh_missing
-
-    ids = ["a", "b", "c", "d"]
-    bounded = {"enabled": True, "low": 3, "high": 4}
-
-    def status(up: list[str], views: list[str], conns: dict | None = None) -> dict:
-        return {
-            "peers": [{"peer_id": p, "state": "up"} for p in up],
-            "routing": {"views": {v: {} for v in views}},
-            "connections": conns or {"enabled": False},
-        }
-
-    def trial(statuses: list[dict]) -> SimpleNamespace:
-        nodes = [SimpleNamespace(name=f"node{i}", peer_id=p) for i, p in enumerate(ids)]
-        return SimpleNamespace(peer_ids=ids, nodes=nodes, statuses=lambda: statuses)
-
-    full = [status([p for p in ids if p != me], [p for p in ids if p != me]) for me in ids]
-    assert _mesh_missing(trial(full), True) == []
-    # Bounded: two peers up each (low 3 less the bootstrap) is enough, in one graph ...
-    ring = {"a": ["b", "d"], "b": ["a", "c"], "c": ["b", "d"], "d": ["c", "a"]}
-    ok = [status(ring[p], ring[p], bounded) for p in ids]
-    assert _mesh_missing(trial(ok), True) == []
-    # ... but not two separate pairs, nor a view missing of an up peer.
-    pairs = {"a": ["b"], "b": ["a"], "c": ["d"], "d": ["c"]}
-    low2 = {"enabled": True, "low": 2, "high": 4}
-    split = [status(pairs[p], pairs[p], low2) for p in ids]
-    assert _mesh_missing(trial(split), True) == [
-        "the up links make 2 separate parts, not one overlay"
-    ]
-    no_view = [status(ring[p], ring[p][:1], bounded) for p in ids]
-    assert all("cache view" in m for m in _mesh_missing(trial(no_view), True))
-    assert _mesh_missing(trial(no_view), False) == []
-    lonely = [status(ring[p][:1], ring[p][:1], bounded) for p in ids]
-    assert any("sees 1 of 2 wanted" in m for m in _mesh_missing(trial(lonely), True))
-
-
 async def test_a_natd_node_dials_public_peers_at_once_and_they_wait_for_it(overlay_network) -> None:
     """A NAT'd node reaches a public one directly; the public one could only open a circuit.
     So discovery's tie-break gives way across a NAT (the NAT test's "NAT'd-public: direct")."""
