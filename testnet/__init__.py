@@ -7,7 +7,8 @@ Map of the package:
 - A trial: ``spec.py`` (``load_spec``: one TOML file, nodes, regions, links, workload, arms;
   shipped specs under ``specs/``) -> ``run_trial.py`` (``run_trial``: each arm on fresh
   processes) -> ``launch.py`` (node processes, forked by ``zygote.py``; ``capacity.py`` checks
-  they fit first; ``node.py``: a trial's node, with ``wan.py``'s userspace WAN delays) ->
+  they fit first; ``formation.py`` judges when the overlay has formed; ``node.py``: a trial's
+  node, with ``wan.py``'s userspace WAN delays) ->
   ``driver.py`` (MMLU requests through the nodes' HTTP API; ``chat.py``: chat sessions) ->
   ``report.py`` (tables, plots) and ``results_page.py`` (docs/results.md).
 - Trials with faults: ``churn.py`` (nodes leave and join), ``adversary.py`` and ``liars.py``
