@@ -130,6 +130,12 @@ async def calibrate(
 
 CALIBRATION_FIELDS = ("prefill_s_per_token", "decode_s_per_token", "overhead_s")
 MIN_CPU_SHARE = 0.85
+# Share of the last 10 s in which some runnable task waited for a core (Linux PSI). Above this
+# the figures measured the neighbours: one file, written while other processes held the cores
+# (load average 1.8, the measuring process "on a core" 99 % of the time, because torch's idle
+# OpenMP threads spin), held 18x the idle prefill time, and every later emulated trial on the
+# machine timed out.
+MAX_CPU_PRESSURE = 10.0
 _SHIPPED = "calibration.json"
 
 
@@ -185,6 +191,16 @@ def load_calibration(model_id: str) -> Calibration:
     return _parse(shipped.read_text(), f"{shipped} (shipped)")
 
 
+def cpu_pressure() -> float | None:
+    """Percent of the last 10 s in which some runnable task waited for a CPU (Linux PSI,
+    ``/proc/pressure/cpu``), or None where the kernel does not report it."""
+    try:
+        first = Path("/proc/pressure/cpu").read_text().splitlines()[0]
+        return float(dict(f.split("=") for f in first.split()[1:])["avg10"])
+    except (OSError, IndexError, KeyError, ValueError):
+        return None
+
+
 def save_calibration(model_id: str, cost: CostModel) -> Path | None:
     """Write ``cost`` as the calibration of ``model_id`` unless one exists; the path written,
     or None (one existed, or the cache is not writable: emulation then uses the shipped one)."""
@@ -205,6 +221,12 @@ def save_calibration(model_id: str, cost: CostModel) -> Path | None:
             "calibration not saved: it ran on a core %.0f %% of the time", 100 * cost.cpu_share
         )
         return None
+    pressure = cpu_pressure()
+    if pressure is not None and pressure > MAX_CPU_PRESSURE:
+        log.info(
+            "calibration not saved: tasks waited for a core %.0f %% of the last 10 s", pressure
+        )
+        return None
     record = {
         **{k: getattr(cost, k) for k in CALIBRATION_FIELDS},
         "model_id": model_id,
@@ -212,6 +234,7 @@ def save_calibration(model_id: str, cost: CostModel) -> Path | None:
         "cpus": os.cpu_count(),
         "loadavg": round(load, 2),
         "cpu_share": round(cost.cpu_share, 3),
+        "cpu_pressure": pressure,
     }
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -19,6 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from p2pnode.inference import costmodel
 from p2pnode.inference.costmodel import (
     CalibrationError,
     CostModel,
@@ -134,6 +135,11 @@ def test_calibration_written_once_then_read_and_the_shipped_one_otherwise(
     starved = CostModel(prefill_s_per_token=0.02, decode_s_per_token=0.26, cpu_share=0.5)
     assert save_calibration("some-model@0123", starved) is None
     assert not calibration_path("some-model@0123").exists()
+    # A quiet load average and a full share, but tasks queued for the cores: not saved.
+    monkeypatch.setattr(costmodel, "cpu_pressure", lambda: 35.0)
+    assert save_calibration("some-model@0123", measured) is None
+    assert not calibration_path("some-model@0123").exists()
+    monkeypatch.setattr(costmodel, "cpu_pressure", lambda: 0.5)
     assert save_calibration("some-model@0123", measured) == calibration_path("some-model@0123")
     again = CostModel(prefill_s_per_token=0.9)
     assert save_calibration("some-model@0123", again) is None  # written once
