@@ -17,8 +17,9 @@ Map of the package:
   started with the flags a user types).
 - In one process, for tests and benches: ``apicluster.py`` (full nodes), ``localcluster.py``
   (emulated engines); ``browser.py`` (headless Chromium for the console).
-- At swarm scale: ``simulate.py`` (``p2pnode simulate``: the real router, digests and views on
-  a simpy clock), ``simspec.py`` (a trial spec on the simulator).
+- At swarm scale: ``sim/`` (``p2pnode simulate``: the real router, digests and views on a simpy
+  clock; its package doc maps the world, workload, node, run and report modules), entered by
+  ``simulate.py``; ``simspec.py`` (a trial spec on the simulator).
 """
 
 from __future__ import annotations
