@@ -31,6 +31,7 @@ Contract:
 from __future__ import annotations
 
 import heapq
+import itertools
 import sys
 import threading
 from collections.abc import Callable, Sequence
@@ -55,8 +56,24 @@ KVSource: TypeAlias = "torch.Tensor | Callable[[int, int], torch.Tensor | None] 
 Listener = Callable[[BlockEvent], None]
 
 
+# Creation order breaks ties between leaves of equal last access when evicting: deterministic
+# within a run, where ``id(node)`` (a memory address) made two runs of the same seeded
+# simulation evict different leaves.
+_SERIALS = itertools.count()
+
+
 class _Node:
-    __slots__ = ("key", "kv", "children", "parent", "ref", "last_access", "start", "blocks")
+    __slots__ = (
+        "key",
+        "kv",
+        "children",
+        "parent",
+        "ref",
+        "last_access",
+        "start",
+        "blocks",
+        "serial",
+    )
 
     def __init__(
         self,
@@ -73,6 +90,7 @@ class _Node:
         self.last_access = 0
         self.start = start
         self.blocks: list[int] = []
+        self.serial = next(_SERIALS)
 
     @property
     def end(self) -> int:
@@ -352,7 +370,7 @@ class RadixCache:
             if node.children:
                 stack.extend(node.children.values())
             elif node.ref == 0:
-                heap.append((node.last_access, id(node), node))
+                heap.append((node.last_access, node.serial, node))
         heapq.heapify(heap)
         freed = 0
         while heap and not done():
@@ -369,7 +387,7 @@ class RadixCache:
                 self._hashes.difference_update(leaf.blocks)
                 self._emit(BlockRemoved(tuple(leaf.blocks)))
             if not parent.children and parent.ref == 0 and parent.parent is not None:
-                heapq.heappush(heap, (parent.last_access, id(parent), parent))
+                heapq.heappush(heap, (parent.last_access, parent.serial, parent))
         self.evicted_tokens += freed
         return freed
 
