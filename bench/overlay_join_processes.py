@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -56,11 +57,15 @@ def renice(pid: int, by: int) -> None:
             os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + by)
 
 
-def runtime(home: Path, deadline: float) -> dict:
+def runtime(home: Path, deadline: float, proc) -> dict:
     while time.monotonic() < deadline:
         try:
             return json.loads((home / "runtime.json").read_text())
         except (FileNotFoundError, json.JSONDecodeError):
+            if proc.poll() is not None:
+                log = home / "node.log"
+                tail = log.read_text()[-600:] if log.exists() else "(no log)"
+                raise RuntimeError(f"{home.name} exited with {proc.returncode}: {tail}") from None
             time.sleep(0.05)
     raise TimeoutError(f"{home} did not start")
 
@@ -136,7 +141,7 @@ def main() -> None:
     zygote = None if args.no_fork else Zygote.start(dict(os.environ))
     try:
         procs.append(spawn(["bootstrap"], root / "boot", zygote))
-        boot = runtime(root / "boot", time.monotonic() + 60)
+        boot = runtime(root / "boot", time.monotonic() + 60, procs[0])
         launched = time.monotonic()
         deadline = launched + args.timeout
         homes = [root / f"n{i}" for i in range(args.nodes)]
@@ -146,7 +151,7 @@ def main() -> None:
             procs.append(spawn(["join", *engine, "--bootstrap", boot["addrs"][0]], home, zygote))
             if args.joiner_nice:
                 renice(procs[-1].pid, args.joiner_nice)
-        infos = [runtime(home, deadline) for home in homes]
+        infos = [runtime(home, deadline, proc) for home, proc in zip(homes, procs[1:], strict=True)]
         started = time.monotonic() - launched
         ids = {info["peer_id"] for info in infos}
         full_view_at: dict[str, float] = {}
@@ -276,6 +281,7 @@ def main() -> None:
                 proc.kill()
         if zygote is not None:
             zygote.close()
+        shutil.rmtree(root, ignore_errors=True)
 
 
 if __name__ == "__main__":
