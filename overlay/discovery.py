@@ -22,9 +22,12 @@ Contract:
   node dials a public one at once, and a public node waits ``PRIVATE_PEER_WAIT_S`` for a
   NAT'd one (which can reach it directly; it could only open a circuit) (`dial_wait`).
 - `run_record_gossip()`: node records also travel over gossipsub (`RECORDS_TOPIC`): our
-  signed record is published every `RECORD_GOSSIP_INTERVAL` s while new peers keep
-  appearing; received ones are verified (invalid ones are not forwarded) and the newest seq
-  kept; the signed addresses of a peer not yet connected go to discovery, which dials it.
+  signed record is published again while new peers keep appearing and when it changes, at
+  most every `record_gossip_interval()` s: `RECORD_GOSSIP_INTERVAL`, stretched so that the
+  whole topic stays within `RECORDS_TOPIC_BUDGET` messages a second however many nodes
+  publish (each node receives and checks every record gossiped). Received ones are verified
+  once per distinct bytes (invalid ones are not forwarded) and the newest seq kept; the
+  signed addresses of a peer not yet connected go to discovery, which dials it.
 - `run_record_fetches()`: the DHT fetch of the records still missing, with per-peer
   backoff; the fallback of the gossip.
 """
@@ -35,7 +38,7 @@ import logging
 import math
 import secrets
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextlib import suppress
 
@@ -70,6 +73,15 @@ BACKGROUND_PARALLEL = 4
 RECORDS_TOPIC = "/p2pnode/records/1"
 # A node republishes its record at most this often, and only after new peers appeared.
 RECORD_GOSSIP_INTERVAL = 2.0
+# Records a second on the whole topic. Every node receives, checks and forwards each one, so
+# without a budget the topic grew with the swarm: 64 nodes joining at once gossiped ~32 a
+# second, and their bootstrap spent ~10 % of a saturated core checking signatures on them.
+RECORDS_TOPIC_BUDGET = 2.0
+# A record publisher counts towards the budget this long after we last heard from it.
+RECORD_PUBLISHER_MEMORY_S = 60.0
+# Distinct record bytes whose check result is kept (the topic validator and the reader both
+# need it, and an unchanged record comes again with every republish).
+VERIFIED_RECORDS_CACHE = 512
 # Addresses learned from gossiped records stay in the peerstore this long (s).
 GOSSIPED_ADDR_TTL = 600
 # Records gossiped for peers we are not connected to yet wait here (bounded).
@@ -130,6 +142,8 @@ class Discovery:
         # The table's size is no measure: trimmed and forgotten peers come and go in it.
         self._ever_seen: set[str] = set()
         self._next_round_by = math.inf  # trio time a deferred candidate needs a round by
+        self._verified: OrderedDict[bytes, NodeRecord | None] = OrderedDict()
+        self._record_publishers: dict[str, float] = {}  # peer id -> trio time last heard
 
     # -- the node's connection events ---------------------------------------------------
 
@@ -213,11 +227,36 @@ class Discovery:
         return out
 
     def _gossiped_record(self, data: bytes) -> NodeRecord | None:
+        if data in self._verified:
+            self._verified.move_to_end(data)
+            return self._verified[data]
         try:
-            return verify_node_record(data)
+            record: NodeRecord | None = verify_node_record(data)
         except IdentityError as exc:
             logger.debug("gossiped node record rejected: %s", exc)
-            return None
+            record = None
+        self._verified[data] = record
+        if len(self._verified) > VERIFIED_RECORDS_CACHE:
+            self._verified.popitem(last=False)
+        return record
+
+    def _note_record_publisher(self, pid: str) -> None:
+        now = trio.current_time()
+        self._record_publishers[pid] = now
+        if len(self._record_publishers) > MAX_PENDING_RECORDS:
+            for old, t in list(self._record_publishers.items()):
+                if now - t >= RECORD_PUBLISHER_MEMORY_S:
+                    del self._record_publishers[old]
+            while len(self._record_publishers) > MAX_PENDING_RECORDS:
+                del self._record_publishers[next(iter(self._record_publishers))]
+
+    def record_gossip_interval(self) -> float:
+        """Seconds between our record's republications (see the module contract)."""
+        now = trio.current_time()
+        heard = sum(
+            1 for t in self._record_publishers.values() if now - t < RECORD_PUBLISHER_MEMORY_S
+        )
+        return max(RECORD_GOSSIP_INTERVAL, (1 + heard) / RECORDS_TOPIC_BUDGET)
 
     async def run_record_gossip(self) -> None:
         """Publish our signed record while new peers appear; take in the others' records."""
@@ -231,7 +270,7 @@ class Discovery:
             nursery.start_soon(self._receive_records, sub)
             published_for: tuple[int, bytes | None] = (-1, None)
             while True:
-                await trio.sleep(RECORD_GOSSIP_INTERVAL)
+                await trio.sleep(self.record_gossip_interval())
                 # Again when new peers appeared, and when our record changed (a relay slot,
                 # a confirmed public address): peers holding the old one would keep it.
                 signed = self._signed_record()
@@ -265,6 +304,7 @@ class Discovery:
             if record is None or record.peer_id == self._peer_id:
                 continue
             self._counters["record_gossip_received"] += 1
+            self._note_record_publisher(record.peer_id)
             if record.peer_id in self._peers:
                 self._peers.set_record(record)
                 self._learn_addrs(record)  # a new relay slot: its circuit address

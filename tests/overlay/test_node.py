@@ -391,3 +391,30 @@ async def test_bootstrap_errors_are_clear_and_bounded() -> None:
     with trio.fail_after(15):
         async with open_overlay_node(config) as node:  # stays up alone, keeps retrying
             assert node.status()["connected"] == 0
+
+
+async def test_record_gossip_checks_each_record_once_and_keeps_the_topic_within_budget(
+    overlay_network, monkeypatch
+) -> None:
+    """Each node receives every gossiped record: the topic's rate must not grow with the swarm,
+    and an unchanged record republished must not cost a signature check again."""
+    from p2pnode.overlay import discovery as disc
+
+    async with overlay_network(1) as (node,):
+        d = node.discovery
+        assert d.record_gossip_interval() == disc.RECORD_GOSSIP_INTERVAL  # alone: the floor
+        for i in range(63):
+            d._note_record_publisher(f"peer-{i}")
+        # 64 publishers share RECORDS_TOPIC_BUDGET messages a second between them.
+        assert d.record_gossip_interval() == pytest.approx(64 / disc.RECORDS_TOPIC_BUDGET)
+
+        checks = []
+        real = disc.verify_node_record
+        monkeypatch.setattr(disc, "verify_node_record", lambda b: checks.append(b) or real(b))
+        other = NodeKey.generate()
+        record = new_node_record(other, ["/ip4/10.0.0.7/tcp/4001"], ["m"], [], {}, "1")
+        signed = sign_node_record(other, record)
+        for _ in range(3):  # the validator, the reader, a republication of the same bytes
+            assert d._gossiped_record(signed).peer_id == other.peer_id
+        assert d._gossiped_record(signed[:-1] + bytes([signed[-1] ^ 1])) is None
+        assert len(checks) == 2  # one per distinct bytes, forged ones included

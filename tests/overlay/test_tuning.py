@@ -98,3 +98,46 @@ async def test_an_rpc_with_a_superseded_record_of_its_sender_is_kept(overlay_net
         # The same older record under another sender's id is still refused.
         other = ID.from_base58(NodeKey.generate().peer_id)
         assert not consume(rpc_pb2.RPC(senderRecord=old.marshal_envelope()), b.host, other)
+
+
+async def test_small_reads_are_credited_in_batches_and_a_large_transfer_still_flows(
+    overlay_network, monkeypatch
+) -> None:
+    """yamux credits the sender's window in half-window batches, not one frame per message
+    read; a transfer of several windows still completes (credit arrives before it runs out)."""
+    import trio
+    from libp2p.stream_muxer.yamux.yamux import YamuxStream
+
+    from p2pnode.overlay.wire import PROTOCOL_LIMITS, read_frame, write_frame
+
+    tuning.install()
+    proto = "/p2pnode/control/1"
+    limit = PROTOCOL_LIMITS[proto]
+    updates: list[int] = []
+    real = YamuxStream.send_window_update
+
+    async def counted(self, delta: int, *args, **kwargs) -> None:
+        updates.append(delta)
+        await real(self, delta, *args, **kwargs)
+
+    monkeypatch.setattr(YamuxStream, "send_window_update", counted)
+    async with overlay_network(2) as (server, client):
+        got: list[int] = []
+
+        async def sink(stream) -> None:
+            while (frame := await read_frame(stream, limit=limit)) is not None:
+                got.append(len(frame["pad"]))
+
+        server.set_stream_handler(proto, sink)
+        with trio.fail_after(60):
+            stream = await client.open_stream(server.peer_id, proto)
+            updates.clear()
+            for _ in range(50):  # 50 small messages: ~10 KB, far below half a window
+                await write_frame(stream, {"pad": "x" * 100}, limit=limit)
+            await wait_until(lambda: len(got) == 50, 30, "50 small frames read")
+            assert len(updates) <= 1, updates  # was one WINDOW_UPDATE per message
+            big = "y" * 60_000
+            for _ in range(40):  # 2.4 MB: ~10 windows of 256 KB, so credit must flow back
+                await write_frame(stream, {"pad": big}, limit=limit)
+            await wait_until(lambda: len(got) == 90, 30, "the large transfer read")
+        assert len(updates) >= 5
