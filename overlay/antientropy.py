@@ -18,7 +18,9 @@ Contract:
   anyone else (a replay, or a forgery) is dropped as ``wrong_signer``; a pulled one must be
   signed by the peer it was pulled from. Every refusal is counted by reason (``drops``, plus the
   prometheus counter when a registry is given); STALE results are counted as ``stale``.
-- Repair: a GAP (lost delta, restart, new peer) schedules a pull of that (peer, model) over the
+- Repair: a GAP (lost delta, restart, new peer) of a peer we hold a live link to (up or
+  suspect in the peer table; for any other the next full digest repairs the view, since a
+  pull would dial it) schedules a pull of that (peer, model) over the
   stream protocol ``/p2pnode/digest/1`` (one ``digest-pull`` frame -> one ``digest-reply`` frame
   with a sealed digest: a delta when the origin's log still covers our version, else full).
   Pulls are deduplicated and at most one per ``pull_min_interval`` per (peer, model). Convergence
@@ -63,6 +65,7 @@ from p2pnode.overlay.digest import (
     seal_digest,
 )
 from p2pnode.overlay.limits import LimitExceeded, PeerLimiter, remote_peer
+from p2pnode.overlay.peers import PeerState
 from p2pnode.overlay.views import ApplyResult, PeerViews
 
 if TYPE_CHECKING:
@@ -381,6 +384,13 @@ class AntiEntropy:
         """Schedule a (deduplicated, rate-limited) pull of ``peer_id``'s digest for ``model``."""
         key = (peer_id, model)
         if key in self._pending_pulls or self._nursery is None:
+            return
+        if self.node.peers.state(peer_id) not in (PeerState.UP, PeerState.SUSPECT):
+            # The pull would dial a peer we hold no link to. With bounded connections most
+            # publishers are such peers, and those dials (32 node processes: ~260 a minute,
+            # the most of any dialer) grew every node's links past its high mark, to be
+            # trimmed and dialed again. The publisher's next full digest repairs the view.
+            self.pulls["unconnected"] = self.pulls.get("unconnected", 0) + 1
             return
         self._pending_pulls.add(key)
         self._nursery.start_soon(self._pull_task, peer_id, model)

@@ -13,6 +13,10 @@ Contract:
 - `provide(model_id)` announces us as a provider and then waits (bounded) until at least one
   remote peer answers with us among the providers: libp2p's provide is fire-and-forget and
   returns before the record lands. Returns how many remote peers confirmed.
+- `ask_connected(key, limit)`: the peers that up to `limit` of our connected peers (the
+  closest to `key` first) name as closest to it, in one hop over links we already hold: a
+  bounded node's discovery wants candidates, not the exact k closest, and libp2p's iterative
+  walk dials every peer it queries (see `Discovery`).
 - `find_providers(model_id)` always asks the network (libp2p's version returns only local
   records once any exist) and returns peers deduplicated, local record included.
 The DHT keeps dead peers and their provider records for hours: callers filter liveness with
@@ -129,6 +133,23 @@ class OverlayDHT:
         self.kad = KadDHT(host, DHTMode.SERVER, strict_validation=True)
         self.validator = NodeRecordValidator()
         self.kad.register_validator(NAMESPACE, self.validator)
+
+    async def ask_connected(self, key: bytes, limit: int = 4) -> set[ID]:
+        """Peers named closest to `key` by up to `limit` connected peers (one hop, no dials)."""
+        connected = list(self.host.get_connected_peers())
+        if not connected:
+            return set()
+        found: set[ID] = set()
+        routing = self.kad.peer_routing
+
+        async def one(peer: ID) -> None:
+            with trio.move_on_after(QUERY_TIMEOUT):
+                found.update(await routing._query_peer_for_closest(peer, key))
+
+        async with trio.open_nursery() as nursery:
+            for peer in _closest(connected, key)[:limit]:
+                nursery.start_soon(one, peer)
+        return found - {self.host.get_id()}
 
     # -- node records -------------------------------------------------------------------
 
@@ -266,3 +287,11 @@ class OverlayDHT:
             for peer in closest:
                 nursery.start_soon(one, peer)
         return list(merged.values())[:count]
+
+
+def _closest(peers: list[ID], key: bytes) -> list[ID]:
+    """`peers` by XOR distance of their SHA-256 to the key's (Kademlia's metric)."""
+    target = int.from_bytes(hashlib.sha256(key).digest(), "big")
+    return sorted(
+        peers, key=lambda p: int.from_bytes(hashlib.sha256(p.to_bytes()).digest(), "big") ^ target
+    )

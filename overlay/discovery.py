@@ -348,17 +348,24 @@ class Discovery:
             self._counters["dht_lookups_skipped"] += 1
             await self._dial_candidates(candidates - connected - {self._host.get_id()})
             return
+        # A bounded node asks only the peers it is connected to: libp2p's iterative walk dials
+        # every peer it queries, and those dials, not discovery's, made the links of 32 node
+        # processes on 2 cores grow to a median of 27-30 against a high mark of 12 (892 walk
+        # dials against 241 of discovery in a minute), each trimmed and dialed again.
+        lookup = (
+            self._dht.ask_connected
+            if self._connmgr.enabled
+            else kad.peer_routing.find_closest_peers_network
+        )
         with trio.move_on_after(BACKGROUND_TIMEOUT_FACTOR * self._config.connect_timeout):
             me = self._host.get_id()
             self._counters["dht_lookups"] += 1
-            candidates.update(await kad.peer_routing.find_closest_peers_network(me.to_bytes()))
+            candidates.update(await lookup(me.to_bytes()))
             if len(candidates) >= KAD_BUCKET_SIZE:
                 # A self lookup returns the k closest peers: only a network larger than one
                 # bucket hides peers from it.
                 self._counters["dht_lookups"] += 1
-                candidates.update(
-                    await kad.peer_routing.find_closest_peers_network(secrets.token_bytes(32))
-                )
+                candidates.update(await lookup(secrets.token_bytes(32)))
         await self._dial_candidates(candidates - connected - {self._host.get_id()})
 
     def _enough_without_lookups(self, connected: set[ID], candidates: set[ID]) -> bool:

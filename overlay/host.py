@@ -124,7 +124,7 @@ def make_host(
     install_tuning()  # per-RPC costs of libp2p's pubsub and yamux (overlay/tuning.py)
     noise = NoiseTransport(key_pair, noise_privkey=create_x25519_key_pair().private_key)
     quiet_libp2p_logs()
-    return new_host(
+    host = new_host(
         key_pair=key_pair,
         sec_opt={TProtocol(NOISE_PROTOCOL_ID): noise},
         muxer_opt={TProtocol(YAMUX_PROTOCOL_ID): Yamux},
@@ -137,3 +137,21 @@ def make_host(
             max_connections=max_connections,
         ),
     )
+    _no_auto_connect(host)
+    return host
+
+
+async def _never_connect() -> None:
+    return None
+
+
+def _no_auto_connect(host: IHost) -> None:
+    """Turn off libp2p's auto-connector. With watermarks of 0 it still aims at the midpoint
+    of 0 and ``high_watermark`` (= ``max_connections``, 128) and dials every peer in the
+    peerstore until 64 are connected: with bounded connections (overlay/connmgr.py) 32 node
+    processes held a median of 27-30 links against a high mark of 12 and trimmed ~900 in 3
+    minutes, redialed as fast (355 of a minute's dials were its own). Whom to dial is the
+    node's discovery's decision."""
+    connector = getattr(host.get_network(), "auto_connector", None)
+    if connector is not None:
+        connector.maybe_connect = _never_connect

@@ -9,6 +9,7 @@ import random
 
 import trio
 
+from p2pnode.identity import NodeKey
 from p2pnode.inference.blockhash import BlockRemoved, BlockStored
 from p2pnode.overlay.antientropy import AntiEntropy, AntiEntropyConfig
 from p2pnode.overlay.digest import DigestBuilder
@@ -109,4 +110,23 @@ async def test_cache_change_is_published_before_the_next_round() -> None:
             "the change published",
         )
         assert trio.current_time() - t0 < 2.5 and not aes[0].has_news()
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_view_of_a_peer_without_a_link_is_not_pulled() -> None:
+    """A pull opens a stream, and to a peer we hold no link to that is a dial: with bounded
+    connections those dials grew every node's links past its high mark. Such a view waits
+    for the publisher's next full digest; a linked peer is pulled as before."""
+    async with overlay_nodes(2) as (keys, nodes), trio.open_nursery() as nursery:
+        ae = AntiEntropy(nodes[0], keys[0], PeerViews(), models=[MODEL])
+        await nursery.start(ae.run)
+        stranger = NodeKey.generate().peer_id
+        ae.request_pull(stranger, MODEL)
+        assert ae.pulls == {"unconnected": 1}
+        linked = nodes[1].peer_id
+        await wait_until(lambda: nodes[0].peers.is_up(linked), 10, "the link to the peer up")
+        ae.request_pull(linked, MODEL)
+        # The linked peer serves no digest for MODEL: the pull is made and fails, not skipped.
+        await wait_until(lambda: sum(ae.pulls.values()) >= 2, 10, "the pull to the linked peer")
+        assert ae.pulls["unconnected"] == 1
         nursery.cancel_scope.cancel()

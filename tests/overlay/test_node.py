@@ -418,3 +418,23 @@ async def test_record_gossip_checks_each_record_once_and_keeps_the_topic_within_
             assert d._gossiped_record(signed).peer_id == other.peer_id
         assert d._gossiped_record(signed[:-1] + bytes([signed[-1] ^ 1])) is None
         assert len(checks) == 2  # one per distinct bytes, forged ones included
+
+
+async def test_libp2p_auto_connector_dials_nobody_the_node_did_not_choose(overlay_network) -> None:
+    """libp2p's auto-connector, with our watermarks of 0, still aimed at 64 connections and
+    dialed every peer in the peerstore; whom to dial is discovery's choice, so it is off."""
+    from libp2p.network.auto_connector import AutoConnector
+    from libp2p.peer.id import ID as PeerID
+
+    async with overlay_network(1) as (a,), overlay_network(1) as (b,):
+        other = PeerID.from_base58(b.peer_id)
+        a.host.get_peerstore().add_addrs(other, b.host.get_addrs(), 600)
+        connector = a.host.get_network().auto_connector
+        with trio.fail_after(20):
+            await connector.maybe_connect()
+            await trio.sleep(0.5)
+        assert other not in a.host.get_connected_peers()
+        # The same call of libp2p's own method dials it: the check above can fail.
+        with trio.fail_after(20):
+            await AutoConnector.maybe_connect(connector)
+        await wait_until(lambda: other in a.host.get_connected_peers(), 10, "libp2p's own dial")
