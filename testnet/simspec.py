@@ -25,7 +25,7 @@ from typing import Any
 
 from p2pnode.inference.costmodel import Calibration
 from p2pnode.overlay.scope import ScopePolicy
-from p2pnode.testnet.simulate import (
+from p2pnode.testnet.sim import (
     Network,
     SimConfig,
     SimResult,
