@@ -434,7 +434,7 @@ def simulate(args: tuple[str, ...]) -> None:
     A discrete-event simulation (simpy) of the router, digests, views and scoped views on a
     simulated WAN; `p2pnode simulate --help` lists every option.
     """
-    from p2pnode.testnet.simulate import main as simulate_main
+    from p2pnode.testnet.sim import main as simulate_main
 
     sys.exit(simulate_main(list(args)))
 

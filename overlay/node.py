@@ -17,7 +17,8 @@ Contract:
   logged in one line each and retried by the discovery loop; with `require_bootstrap=True`
   `BootstrapFailed` is raised instead); publishes the signed node record to the DHT and
   provides each model id in the background (`await node.wait_announced()` to wait for it).
-  Leaving the block stops everything.
+  Leaving the block closes every connection (bounded by `CLOSE_ON_STOP_S`, so neighbours see
+  the leave at once), then stops everything.
 - Background loops: discovery and record gossip (``discovery.py``); node-record fetches
   (per-peer backoff); liveness (``liveness.py``); the connection trim (``trimming.py``);
   pruning of peers down longer than `peer_grace_period`; republishing our node record every
@@ -38,6 +39,7 @@ Contract:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections import Counter
@@ -85,6 +87,10 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+# How long a stopping node spends closing its connections: a peer that does not take the close
+# (a hung process) must not hold the stop up; its socket goes with our process anyway.
+CLOSE_ON_STOP_S = 2.0
 
 
 class _NodeEvents(Protocol):
@@ -463,6 +469,7 @@ async def open_overlay_node(config: OverlayConfig) -> AsyncIterator[OverlayNode]
                         nursery.cancel_scope.cancel()
             finally:
                 node._nursery = None
+                await _close_connections(host)  # before the cancel below: it would cut it short
                 connection_tasks.cancel_scope.cancel()
     except BaseExceptionGroup as group:
         # Our nurseries wrap everything (also the caller's own exceptions) in groups; hand a
@@ -471,6 +478,28 @@ async def open_overlay_node(config: OverlayConfig) -> AsyncIterator[OverlayNode]
         if len(leaves) == 1:
             raise leaves[0] from None
         raise
+
+
+async def _close_connections(host: IHost) -> None:
+    """Close every connection ourselves, at once and shielded (this runs on the way out, maybe
+    under a cancel), errors ignored.
+
+    libp2p's own stop path closes them inside its cancelled service, so the installed build
+    gives up at the first await and leaves them open at the transport: neighbours kept a stopped
+    node up until a probe of theirs went unanswered (seconds with the default `ping_interval`,
+    a minute with a long one), and the sockets lived as long as the process.
+    """
+    network = host.get_network()
+
+    async def close(peer: ID) -> None:
+        with contextlib.suppress(Exception):
+            await network.close_peer(peer)
+
+    with trio.move_on_after(CLOSE_ON_STOP_S) as scope:
+        scope.shield = True
+        async with trio.open_nursery() as nursery:
+            for peer in list(network.connections):
+                nursery.start_soon(close, peer)
 
 
 def _leaves(group: BaseExceptionGroup) -> list[BaseException]:

@@ -37,7 +37,7 @@ fewer). Every node then keeps its whole cell in view and ranks homes over its ce
 (``Router(placement_pool=...)``), so every entry node of a cell sends a miss of one prefix to
 the same home. Views per node are then about ``max(max_views, 2 * cell_nodes) + k_nearest``.
 Cells are off by default (``cell_nodes = 0``: homes are ranked over the node's own scope, the
-nearest peers): in the simulator (``testnet/simulate.py``) cells of 32 lost hit rate at 100 and
+nearest peers): in the simulator (``testnet/sim/``) cells of 32 lost hit rate at 100 and
 1,000 nodes against the nearest-peer scope, because the misses that placement could make
 converge are few next to those a lookup resolves, and a cell spread over a region is farther
 than the nearest peers.

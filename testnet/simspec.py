@@ -25,7 +25,7 @@ from typing import Any
 
 from p2pnode.inference.costmodel import Calibration
 from p2pnode.overlay.scope import ScopePolicy
-from p2pnode.testnet.simulate import (
+from p2pnode.testnet.sim import (
     Network,
     SimConfig,
     SimResult,
@@ -62,10 +62,7 @@ def spec_config(
 ) -> SimConfig:
     """The simulator's settings for ``spec``: its node settings and the trial nodes' cost
     model (``calibration``; by default this machine's, as an emulated node reads it)."""
-    from p2pnode.inference.costmodel import load_calibration
-    from p2pnode.inference.models import load_light_model
-
-    cal = calibration or load_calibration(load_light_model().model_id)
+    cal = calibration or _machine_calibration()
     return replace(
         base or SimConfig(),
         nodes=spec.node_count,
@@ -80,6 +77,14 @@ def spec_config(
         jitter_ms=0.0,
         seed=spec.seed,
     )
+
+
+def _machine_calibration() -> Calibration:
+    """This machine's calibration of the default model, as an emulated node reads it."""
+    from p2pnode.inference.costmodel import load_calibration
+    from p2pnode.inference.models import load_light_model
+
+    return load_calibration(load_light_model().model_id)
 
 
 def shipped_calibration() -> Calibration:
@@ -127,10 +132,14 @@ def simulate_spec(
 ) -> dict[str, Any]:
     """Both arms of ``spec`` on the simulator: per arm the ``SimResult`` fields and the mean
     latency of the second half of the requests (by send order, once the first misses are
-    past), and the routing arm's mean latency over the baseline's, whole run and second half."""
+    past), and the routing arm's mean latency over the baseline's, whole run and second half.
+
+    A cost model under which the baseline's requests take no time (its latencies round to 0 s)
+    gives no ratio: a ``ValueError`` names the calibration."""
     from p2pnode.testnet.driver import oracle_cached
 
-    cfg = spec_config(spec, base, calibration)
+    cal = calibration or _machine_calibration()
+    cfg = spec_config(spec, base, cal)
     prompts, plan = spec_plan(spec)
     cfg = replace(cfg, duration_s=max(at for at, _, _ in plan) + 1.0)
     out: dict[str, Any] = {"spec": spec.name, "requests": len(plan)}
@@ -142,8 +151,13 @@ def simulate_spec(
         out[arm] = _arm_row(result)
         late = [r["latency"] for r in sim.records if r["seq"] >= len(plan) // 2]
         out[arm]["second_half_latency_s"] = round(sum(late) / max(1, len(late)), 4)
-    out["latency_ratio"] = _ratio(out, "mean_latency_s")
-    out["second_half_ratio"] = _ratio(out, "second_half_latency_s")
+    why = (
+        f"the cost model makes requests take no time (calibration {cal.source}: prefill "
+        f"{cal.prefill_s_per_token:g} s/token, decode {cal.decode_s_per_token:g} s/token, "
+        f"overhead {cal.overhead_s:g} s)"
+    )
+    out["latency_ratio"] = _ratio(out, "mean_latency_s", why)
+    out["second_half_ratio"] = _ratio(out, "second_half_latency_s", why)
     return out
 
 
@@ -169,8 +183,9 @@ def trial_figures(trial_dir: str | Path) -> dict[str, Any]:
             "forwarded": s["forwarded_fraction"],
             "second_half_latency_s": round(sum(late) / max(1, len(late)), 4),
         }
-    out["latency_ratio"] = _ratio(out, "mean_latency_s")
-    out["second_half_ratio"] = _ratio(out, "second_half_latency_s")
+    why = f"{trial_dir}: the baseline arm answered {out['baseline']['requests']} requests"
+    out["latency_ratio"] = _ratio(out, "mean_latency_s", why)
+    out["second_half_ratio"] = _ratio(out, "second_half_latency_s", why)
     return out
 
 
@@ -191,26 +206,35 @@ def _get(d: dict[str, Any], path: tuple[str, ...]) -> float:
 
 
 def compare(sim: dict[str, Any], real: dict[str, Any]) -> list[dict[str, Any]]:
-    """One row per toleranced figure: both values, the difference, within or not."""
+    """One row per toleranced figure: both values, the difference, within or not. A relative
+    difference to a real figure of 0 has no value: ``None``, and not within."""
     rows = []
     for path, (kind, tol) in TOLERANCE.items():
         s, r = _get(sim, path), _get(real, path)
-        diff = s - r if kind == "abs" else (s - r) / r
+        if kind == "abs":
+            diff: float | None = s - r
+        else:
+            diff = (s - r) / r if r else None
         rows.append(
             {
                 "figure": ".".join(path),
                 "simulated": s,
                 "real": r,
-                "difference": round(diff, 4),
+                "difference": None if diff is None else round(diff, 4),
                 "tolerance": f"+-{tol:g}" if kind == "abs" else f"+-{tol * 100:g}%",
-                "within": abs(diff) <= tol,
+                "within": diff is not None and abs(diff) <= tol,
             }
         )
     return rows
 
 
-def _ratio(out: dict[str, Any], key: str) -> float:
-    return round(out["routing"][key] / out["baseline"][key], 3)
+def _ratio(out: dict[str, Any], key: str, why: str) -> float:
+    """The routing arm's ``key`` over the baseline's; a ``ValueError`` saying ``why`` the
+    baseline's may be 0 (or missing) instead of dividing by it."""
+    baseline = out["baseline"][key]
+    if baseline is None or baseline <= 0:
+        raise ValueError(f"the baseline arm's {key} is {baseline}, so no ratio to it: {why}")
+    return round(out["routing"][key] / baseline, 3)
 
 
 def _set_ceiling(r: SimResult, oracle: Sequence[int], prompts, order: Sequence[int]) -> None:

@@ -41,8 +41,8 @@ node (fingerprints and view objects, bytes), routing decision time (wall clock o
 prompt), busiest node's share of requests, mean latency, and the same workload's mean latency
 without routing (every request served where it arrives).
 
-Map of the package (the face re-exports what other code uses; ``testnet/simulate.py`` is the
-command's entry point and re-exports the same):
+Map of the package (the face re-exports what other code uses; ``testnet/simulate.py`` is only
+the ``python -m`` entry point):
 - ``_config.py``: ``SimConfig`` (every knob), ``SimResult`` (one run's figures), ``MODEL_ID``.
 - ``_world.py``: ``Network``, the simulated WAN (positions, great-circle RTTs, access delay,
   jitter, each node's scope and cell).

@@ -246,6 +246,29 @@ async def test_node_closed_abruptly_is_marked_down_within_5s(overlay_network) ->
         assert took < 5.0
 
 
+async def test_node_stopped_gracefully_is_seen_gone_at_once(overlay_network) -> None:
+    """A node leaving its ``open_overlay_node`` block closes its connections itself, so its
+    neighbours see the leave from the closed connections, not from missed probes: once a first
+    RTT is measured, the next probe comes 60 s later here, far beyond the bound. (Left to
+    libp2p, the connections stayed open at the transport and both neighbours kept the stopped
+    node up for as long as the process lived.)"""
+    async with overlay_network(2, ping_interval=60.0) as nodes:
+        cfg = OverlayConfig(key=NodeKey.generate(), bootstrap=[nodes[0].addrs[0]])
+        async with open_overlay_node(cfg) as leaver:
+
+            def up_with_rtt(n) -> bool:
+                entry = n.peers.get(leaver.peer_id)
+                return n.peers.is_up(leaver.peer_id) and entry.rtt_ms is not None
+
+            await wait_until(lambda: all(map(up_with_rtt, nodes)), 15, "the node up, RTT known")
+        took = await wait_until(
+            lambda: all(n.peers.state(leaver.peer_id) is PeerState.DOWN for n in nodes),
+            5,
+            "the stopped node marked down by both neighbours",
+        )
+        assert took < 5.0
+
+
 CHILD = """
 import sys, trio
 from p2pnode.identity import NodeKey

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from p2pnode.overlay.scope import ScopedViews, ScopePolicy, cell_of, prefix_key
-from p2pnode.testnet.simulate import SimConfig, mmlu_prompts, simulate
+from p2pnode.testnet.sim import SimConfig, mmlu_prompts, simulate
 
 
 @pytest.fixture(scope="module")
