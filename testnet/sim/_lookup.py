@@ -8,6 +8,9 @@ in Coral's DSHT), at most 8 each. ``_lookup_wanted`` says whether a request's lo
 (``ScopePolicy.lookup_worth`` at ``ceil(log2 n) / 2`` hops); ``_lookup`` is the lookup as a
 simpy process: the DHT answers, a pull of the holders' digests, and a new decision with them
 admitted; ``redirect`` says whether that decision should move the running request.
+``hot_loop`` merges every node's hot-prefix table once per gossip interval and hands the summary
+down after the aggregation tree's trip; ``_hot_pull`` pulls the holders it names for a prompt
+before the request starts, when that pays (``ScopePolicy.lookup_worth``).
 """
 
 from __future__ import annotations
