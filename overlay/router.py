@@ -60,7 +60,9 @@ Contract:
   margin rule above: the most a peer can save is a full prefill of the longest prompt, and a
   forward costs ``forward_round_trips`` RTTs plus a margin of one), at most ``max_views`` of
   them, nearest first, plus the ``k_nearest`` always (and, with cells, the node's whole cell):
-  memory and digest traffic per node are O(max_views + k_nearest), whatever the swarm's size.
+  memory and digest traffic per node are O(max_views + k_nearest), whatever the swarm's size;
+  the hot-prefix summary that names far holders of the most served prefixes
+  (``overlay/hotprefix.py``) adds O(max_keys * max_zones * holders_per_zone) to both.
   Placement and scope are one design: the home of a miss is ranked over the peers in scope (or
   the cell), the same leading blocks are the placement key and the key of the prefix lookup
   that finds far holders of a long prefix, and the holders a lookup finds are admitted to the

@@ -28,6 +28,15 @@ when ``lookup_worth``: when its answer comes, the prefill left to save must stil
 forward to the holder, i.e. ``uncached * prefill_s_per_token > lookup_s + (forward_round_trips
 + rtt_margin) * rtt``.
 
+The prefixes served most across the swarm are found without a lookup: the hot-prefix summary
+(``overlay/hotprefix.py``) names, for at most ``HotPolicy.max_keys`` keys, at most
+``holders_per_zone`` holders in each of at most ``max_zones`` zones; a node routing a prompt
+whose key it names, with no in-scope holder, pulls the nearest holders' digests before the
+request starts when ``lookup_worth`` holds with the pull's round trip as the lookup, and the DHT
+lookup above is left for the keys the summary does not name. The summary adds a bounded copy
+per node and ``fanout + 1`` summaries received per gossip interval, independent of the swarm's
+size, so the bound below still holds.
+
 Placement on misses (``overlay/router.py``) ranks rendezvous homes over a set of peers; for
 misses of one prefix to converge, every entry node should rank the same set. ``cell_nodes > 0``
 makes that set the node's *cell*: the peers of its region whose name hashes to the same bucket

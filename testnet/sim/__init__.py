@@ -32,6 +32,14 @@ What is simulated (stated so figures are read right):
   holders found are pulled (their digest as of now) and admitted for the decision, and the
   request moves to the best of them if the router expects it to finish before what is left of
   the first path (``redirects``; the work done there is lost).
+- Hot-prefix summary (``overlay/hotprefix.py``, scoped views, ``SimConfig.hot``): each node
+  counts the requests it served under each key; once per gossip interval every up node's table
+  is merged (as an aggregation tree over the DHT would merge it) and the result reaches every
+  node after ``2 * ceil(log2 n)`` one-way delays. A request with no in-scope holder of its key
+  whose key the summary names pulls the ``hot_pull`` nearest holders' digests (one round trip)
+  before it starts, when ``lookup_worth`` holds with that round trip as the lookup; otherwise
+  the DHT lookup above. Each node is counted as receiving ``fanout + 1`` summaries per interval
+  (real peer-id lengths) in the digest bytes, and one copy of it in the view memory.
 - Churn: ``churn_per_min`` of the nodes leave per minute (cache lost) and come back at once
   with an empty cache; others see them down after ``detect_s``.
 
@@ -48,7 +56,8 @@ the ``python -m`` entry point):
   jitter, each node's scope and cell).
 - ``_workload.py``: ``mmlu_prompts`` and the seeded Poisson arrivals.
 - ``_node.py``: ``SimNode``, a node's real cache, digest builder, load and gossip.
-- ``_lookup.py``: the simulated DHTs and scoped views' prefix lookups (mixed into the run).
+- ``_lookup.py``: the simulated DHTs, the hot-prefix summary's aggregation and scoped views'
+  prefix lookups and pulls (mixed into the run).
 - ``_run.py``: ``Simulation`` (the event loop: requests, serving, churn) and ``simulate``.
 - ``_metrics.py``: a finished run's figures.
 - ``_report.py``: ``run_grid``, ``markdown_table``, ``plot``; ``_cli.py``: ``main``.

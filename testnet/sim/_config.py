@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from p2pnode.overlay.hotprefix import HotPolicy
 from p2pnode.overlay.scope import ScopePolicy
 
 MODEL_ID = "sim-model@0000000000000000"
@@ -39,6 +40,10 @@ class SimConfig:
     placement: bool = True  # the router's placement on misses (RouterConfig.placement)
     lookup: str = "overlap"  # "overlap": beside the first path; "before": on the critical path
     lookup_levels: str = "region"  # "region": the region's DHT, then the world's; "world"
+    # Scoped views: the hot-prefix summary (overlay/hotprefix.py) names holders of the most
+    # served prefixes, pulled at once instead of looked up; None: DHT lookups only.
+    hot: HotPolicy | None = field(default_factory=HotPolicy)
+    hot_pull: int = 2  # holders of a summary entry pulled, nearest first
     seed: int = 1
 
     @property
@@ -66,3 +71,5 @@ class SimResult:
     lookups: int
     wall_s: float
     redirects: int = 0  # requests a lookup moved to a far holder while they ran
+    hot_bytes_per_node_s: float = 0.0  # hot-prefix summaries received (part of the digest B/s)
+    hot_pulls: int = 0  # requests that pulled holders the summary named

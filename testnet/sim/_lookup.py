@@ -8,6 +8,9 @@ in Coral's DSHT), at most 8 each. ``_lookup_wanted`` says whether a request's lo
 (``ScopePolicy.lookup_worth`` at ``ceil(log2 n) / 2`` hops); ``_lookup`` is the lookup as a
 simpy process: the DHT answers, a pull of the holders' digests, and a new decision with them
 admitted; ``redirect`` says whether that decision should move the running request.
+``hot_loop`` merges every node's hot-prefix table once per gossip interval and hands the summary
+down after the aggregation tree's trip; ``_hot_pull`` pulls the holders it names for a prompt
+before the request starts, when that pays (``ScopePolicy.lookup_worth``).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import math
 from typing import Any
 
 from p2pnode.overlay.digest import seal_digest
+from p2pnode.overlay.hotprefix import HotPrefixes
 from p2pnode.overlay.router import Router, RoutingDecision
 from p2pnode.overlay.scope import ScopedViews, prefix_key
 from p2pnode.testnet.sim._node import SimNode, fields
@@ -38,6 +42,86 @@ class Lookups:
             self.region_size[r] = self.region_size.get(r, 0) + 1
         # Diagnostics, not read by any router: every node that ever stored a key's prefix.
         self.ever_held: dict[bytes, set[int]] = {}
+        # The hot-prefix summary as the aggregation tree hands it down (one copy: every node
+        # receives the same merged summary), and the bytes each node received for it.
+        self.hot_world = HotPrefixes(self.cfg.hot)
+        self.hot_bytes = 0.0
+        self.hot_pulls = 0
+
+    def hot_loop(self):
+        """Once per gossip interval, every node's table merged up the aggregation tree
+        (``overlay/hotprefix.py``); the result reaches every node after the trip up and down
+        the tree (``ceil(log2 n)`` levels at the mean one-way delay each way)."""
+        cfg = self.cfg
+        if cfg.views != "scoped" or cfg.hot is None:
+            return
+        levels = math.ceil(math.log2(max(2, cfg.nodes)))
+        one_way = sum(n.mean_rtt_s for n in self.nodes) / len(self.nodes) / 2
+        while True:
+            yield self.env.timeout(cfg.gossip_interval_s)
+            merged = HotPrefixes(cfg.hot)
+            for node in self.nodes:
+                if node.up and len(node.hot):
+                    merged.merge(node.hot)
+                node.hot.decay()
+            # received per node per round: the children's summaries and the parent's
+            # (the simulation's peer ids are short: a real one is counted instead)
+            pad = sum(
+                len(self.keys[0].peer_id) - len(h.peer_id)
+                for _, _, holders in merged.entries()
+                for h in holders
+            )
+            self.hot_bytes += (cfg.hot.fanout + 1) * (len(merged.encode()) + pad)
+            self.env.process(self._hand_down(merged, 2 * levels * one_way))
+
+    def _hand_down(self, merged: HotPrefixes, after_s: float):
+        yield self.env.timeout(after_s)
+        self.hot_world = merged
+
+    def note_served(self, server: SimNode, hashes) -> None:
+        """``server`` served a prompt: count it under the prompt's key, as its holder."""
+        key = prefix_key(hashes, self.cfg.scope.key_blocks)
+        if key is not None and self.cfg.hot is not None:
+            server.hot.note_served(key, server.pid, self.net.region[server.index], self.env.now)
+
+    def _hot_pull(self, router: Router, node: SimNode, ids, hashes, info):
+        """Holders the summary names for the prompt's key, nearest first, pulled before the
+        request starts when the prefill they could save beats the pull and the forward
+        (``ScopePolicy.lookup_worth`` with the pull's round trip as the lookup); the new
+        decision, or None when the summary names nobody worth pulling."""
+        cfg = self.cfg
+        key = prefix_key(hashes, cfg.scope.key_blocks)
+        region = self.net.region[node.index]
+        found = [
+            int(h.peer_id)
+            for h in self.hot_world.holders(key, region)
+            if int(h.peer_id) != node.index and self.nodes[int(h.peer_id)].up
+        ]
+        near = sorted(found, key=lambda h: (self.net.base_rtt(node.index, h), h))[: cfg.hot_pull]
+        if not near:
+            return None
+        pull_s = max(self.net.base_rtt(node.index, h) for h in near)
+        nearest = self.net.base_rtt(node.index, near[0])
+        if not cfg.scope.lookup_worth(info["uncached"], pull_s, nearest):
+            return None
+        self.hot_pulls += 1
+        yield self.env.timeout(pull_s)
+        self._pull(router, near)
+        info["lookup"] = "summary"
+        return self._decide(router, node, ids, hashes)
+
+    def _pull(self, router: Router, holders: list[int]) -> None:
+        """The holders' digests as of now, admitted to the router's views for a while."""
+        views = router.views
+        assert isinstance(views, ScopedViews)
+        for h in holders:
+            views.admit_temporarily(str(h), 2 * self.cfg.gossip_interval_s)
+            # A pull answers with the holder's digest as of now (the shared view would lag
+            # by up to a gossip interval); everyone's copy of that view gets it, as the
+            # holder's next publish would bring it anyway.
+            full = self.nodes[h].builder.full()
+            self.pull_bytes += len(seal_digest(self.keys[h % len(self.keys)], full, now=0.0))
+            self.store.apply(type(full)(**{**fields(full), "timestamp": self.env.now}))
 
     def _index_keys(self) -> None:
         """Which block hash completes which prompt's key, for the listener to look up."""
@@ -77,21 +161,27 @@ class Lookups:
         holders = self.ever_held.get(key, ()) if key is not None else ()
         return max((self.nodes[h].tree.prefix_len(ids) for h in holders), default=0)
 
-    def _lookup_wanted(self, node: SimNode, ids, hashes, decision, info) -> bool:
-        """A prefix lookup when nobody in view holds the key and the saving could still pay
-        for the lookup and a forward to a holder (``ScopePolicy.lookup_worth``)."""
+    def _uncached_without_holder(self, node: SimNode, ids, hashes, decision, info) -> bool:
+        """Nobody in view (nor this node) holds more of the prompt than its key: put the
+        tokens a far holder could save in ``info["uncached"]``."""
         kb = self.cfg.scope.key_blocks
         best = max((c.view_cached_tokens for c in decision.candidates), default=0)
         here = node.tree.prefix_len(ids)
         if prefix_key(hashes, kb) is None or best > kb * 16 or here > kb * 16:
             return False
-        uncached = len(ids) - max(best, here)
-        steps = self._lookup_steps(node, uncached)
+        info["uncached"] = len(ids) - max(best, here)
+        return True
+
+    def _lookup_wanted(self, node: SimNode, ids, hashes, decision, info) -> bool:
+        """A prefix lookup when nobody in view holds the key and the saving could still pay
+        for the lookup and a forward to a holder (``ScopePolicy.lookup_worth``)."""
+        if not self._uncached_without_holder(node, ids, hashes, decision, info):
+            return False
+        steps = self._lookup_steps(node, info["uncached"])
         if not steps:
             info["lookup"] = "not_worth"
             return False
         info["lookup"] = "pending"
-        info["uncached"] = uncached
         return True
 
     def _hops(self, n: int) -> int:
@@ -134,17 +224,8 @@ class Lookups:
             info["lookup"] = "no_holder"
             return None
         info["lookup"] = "found"
-        views = router.views
-        assert isinstance(views, ScopedViews)
         yield self.env.timeout(rtt)  # the holders' digests, pulled
-        for h in holders:
-            views.admit_temporarily(str(h), 2 * self.cfg.gossip_interval_s)
-            # A pull answers with the holder's digest as of now (the shared view would lag
-            # by up to a gossip interval); everyone's copy of that view gets it, as the
-            # holder's next publish would bring it anyway.
-            full = self.nodes[h].builder.full()
-            self.pull_bytes += len(seal_digest(self.keys[h % len(self.keys)], full, now=0.0))
-            self.store.apply(type(full)(**{**fields(full), "timestamp": self.env.now}))
+        self._pull(router, holders)
         return self._decide(router, node, ids, hashes), {str(h) for h in holders}
 
 

@@ -19,6 +19,7 @@ import simpy
 
 from p2pnode.inference.radix import RadixCache
 from p2pnode.overlay.digest import DigestBuilder, LoadInfo, open_digest, seal_digest
+from p2pnode.overlay.hotprefix import HotPrefixes
 from p2pnode.overlay.router import LocalState, PushBack
 from p2pnode.overlay.views import ApplyResult
 from p2pnode.testnet.sim._config import MODEL_ID
@@ -50,6 +51,8 @@ class SimNode:
         self.builder = DigestBuilder(self.pid, MODEL_ID, load_fn=self.load)
         self.tree.add_listener(self.builder.on_event)
         self.tree.add_listener(self.sim.on_block_event(self))
+        # the prefixes this node served, for the hot-prefix summary (lost with the cache)
+        self.hot = HotPrefixes(self.sim.cfg.hot)
         self.last_published: int | None = None
 
     def load(self) -> LoadInfo:

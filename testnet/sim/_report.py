@@ -24,6 +24,7 @@ COLUMNS = (
     ("nodes", "N"),
     ("views", "views"),
     ("digest_bytes_per_node_s", "digest B/node/s"),
+    ("hot_bytes_per_node_s", "of which summary"),
     ("view_bytes_per_node", "view memory B/node"),
     ("views_per_node", "views/node"),
     ("decide_ms_mean", "decide ms"),
@@ -32,6 +33,7 @@ COLUMNS = (
     ("busiest_share", "busiest"),
     ("mean_latency_s", "mean latency s"),
     ("latency_vs_baseline", "vs no routing"),
+    ("hot_pulls", "summary pulls"),
     ("lookups", "lookups"),
     ("redirects", "redirects"),
     ("wall_s", "wall s"),
@@ -62,7 +64,7 @@ def markdown_table(rows: Sequence[dict[str, Any]], header: bool = True) -> str:
         lines.append("| " + " | ".join(title for _, title in COLUMNS) + " |")
         lines.append("|" + "---|" * len(COLUMNS))
     for r in rows:
-        lines.append("| " + " | ".join(str(r[k]) for k, _ in COLUMNS) + " |")
+        lines.append("| " + " | ".join(str(r.get(k, "-")) for k, _ in COLUMNS) + " |")
     return "\n".join(lines)
 
 

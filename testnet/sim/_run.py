@@ -132,6 +132,10 @@ class Simulation(Lookups):
             router = self.routers[entry]
             decision = self._decide(router, node, ids, hashes)
             visible = max(visible, *(c.view_cached_tokens for c in decision.candidates))
+            hot = cfg.views == "scoped" and cfg.hot is not None
+            if hot and self._uncached_without_holder(node, ids, hashes, decision, info):
+                pulled = yield from self._hot_pull(router, node, ids, hashes, info)
+                decision = pulled or decision
             if cfg.views == "scoped" and self._lookup_wanted(node, ids, hashes, decision, info):
                 lookup = self.env.process(self._lookup(router, node, ids, hashes, info))
                 if cfg.lookup == "before":
@@ -156,6 +160,7 @@ class Simulation(Lookups):
                     self.redirects += 1
                     attempt = self.env.process(self._attempt(entry, target, ids, estimate))
         cached = yield attempt
+        self.note_served(self.nodes[target], hashes)
         self.records.append(
             {
                 "i": i,
@@ -283,6 +288,7 @@ class Simulation(Lookups):
             self.env.process(node.gossip_loop())
         self.env.process(self.arrivals())
         self.env.process(self.churn())
+        self.env.process(self.hot_loop())
         self.env.run(until=self.cfg.duration_s + 30.0)
         return result_of(self, time.perf_counter() - t0)
 

@@ -40,6 +40,27 @@ def test_routing_beats_no_routing_and_scoped_views_stay_bounded(prompts) -> None
     assert scoped.mean_latency_s < baseline.mean_latency_s
 
 
+@pytest.mark.slow
+def test_the_hot_summary_names_far_holders_pulled_at_once(prompts) -> None:
+    from dataclasses import replace
+
+    policy = ScopePolicy(max_views=4, k_nearest=2, cell_nodes=0)
+    cfg = _cfg(nodes=40, views="scoped", scope=policy, seed=3)
+    hot = simulate(cfg, prompts)
+    again = simulate(cfg, prompts)
+    without = simulate(replace(cfg, hot=None), prompts)
+    # holders named by the summary were pulled before the request started, so fewer
+    # requests needed a DHT lookup beside them
+    assert hot.hot_pulls > 0 and without.hot_pulls == 0
+    assert hot.lookups < without.lookups
+    # the summary's bytes are counted in the digest traffic, and it is bounded
+    assert 0 < hot.hot_bytes_per_node_s < hot.digest_bytes_per_node_s
+    assert without.hot_bytes_per_node_s == 0
+    # seeded: the same figures again (decision and wall time aside)
+    same = ("hit_rate", "mean_latency_s", "lookups", "hot_pulls", "digest_bytes_per_node_s")
+    assert [getattr(hot, f) for f in same] == [getattr(again, f) for f in same]
+
+
 def test_scope_policy_keeps_the_nearest_within_budget() -> None:
     policy = ScopePolicy(
         max_prompt_tokens=860, prefill_s_per_token=1 / 430, max_views=2, k_nearest=1
