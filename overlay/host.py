@@ -79,8 +79,8 @@ def connection_config(
         max_connections_per_peer=1,
         max_connections=max_connections,
         high_watermark=max_connections,
-        # libp2p's auto-connector redials every known peer every 30 s while below 50
-        # connections; the node's discovery loop decides whom to dial instead.
+        # No pruning or redialing by libp2p: the node's connection manager and discovery
+        # decide. Watermarks of 0 alone do not stop the auto-connector (_no_auto_connect).
         min_connections=0,
         low_watermark=0,
         enable_health_monitoring=monitor,
