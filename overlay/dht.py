@@ -13,10 +13,6 @@ Contract:
 - `provide(model_id)` announces us as a provider and then waits (bounded) until at least one
   remote peer answers with us among the providers: libp2p's provide is fire-and-forget and
   returns before the record lands. Returns how many remote peers confirmed.
-- `keep_to_links()`: from then on the DHT's own walks (record puts, provider announcements,
-  value and provider lookups) use only the peers we are connected to: a node with bounded
-  connections (``overlay/connmgr.py``) calls it, since every walk dialed each peer it queried
-  or stored at (up to 20 a walk), links the connection manager then trimmed again.
 - `ask_connected(key, limit)`: the peers that up to `limit` of our connected peers (the
   closest to `key` first) name as closest to it, in one hop over links we already hold: a
   bounded node's discovery wants candidates, not the exact k closest, and libp2p's iterative
@@ -137,14 +133,6 @@ class OverlayDHT:
         self.kad = KadDHT(host, DHTMode.SERVER, strict_validation=True)
         self.validator = NodeRecordValidator()
         self.kad.register_validator(NAMESPACE, self.validator)
-
-    def keep_to_links(self) -> None:
-        """Walks over existing connections only (see the module contract)."""
-
-        async def connected_closest(target_key: bytes, count: int = 20) -> list[ID]:
-            return _closest(list(self.host.get_connected_peers()), target_key)[:count]
-
-        self.kad.peer_routing.find_closest_peers_network = connected_closest  # type: ignore[method-assign]
 
     async def ask_connected(self, key: bytes, limit: int = 4) -> set[ID]:
         """Peers named closest to `key` by up to `limit` connected peers (one hop, no dials)."""

@@ -166,8 +166,6 @@ class OverlayNode:
             ConnLimits(low=config.conn_low, high=config.conn_high, grace_s=config.conn_grace)
         )
         self.connmgr.protect(self.dialer.bootstrap_ids)
-        if self.connmgr.enabled:
-            dht.keep_to_links()
         self.liveness = Liveness(
             host,
             self.peers,

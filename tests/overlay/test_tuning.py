@@ -140,4 +140,6 @@ async def test_small_reads_are_credited_in_batches_and_a_large_transfer_still_fl
             for _ in range(40):  # 2.4 MB: ~10 windows of 256 KB, so credit must flow back
                 await write_frame(stream, {"pad": big}, limit=limit)
             await wait_until(lambda: len(got) == 90, 30, "the large transfer read")
-        assert len(updates) >= 5
+        # 2.4 MB is ~10 initial windows: it completes only if credit came back (how many
+        # updates carried it depends on yamux's window auto-tuning and timing).
+        assert updates
