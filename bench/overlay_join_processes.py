@@ -89,6 +89,22 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _keep_diagnostics(
+    into: Path, root: Path, names: list[str], not_ready: list[str], final: list
+) -> None:
+    """Status and log of each node named in `not_ready` ("n12 sees ..."), and the bootstrap's."""
+    into.mkdir(parents=True, exist_ok=True)
+    named = {line.split()[0].rstrip(":") for line in not_ready}
+    (into / "not_ready.txt").write_text("\n".join(not_ready) + "\n")
+    for name, status in zip(names, final, strict=True):
+        if name in named:
+            (into / f"{name}.status.json").write_text(json.dumps(status, indent=1))
+    for name in sorted(named | {"boot"}):
+        for log in (root / name).glob("*.log"):
+            shutil.copy(log, into / f"{name}.{log.name}")
+    print(f"diagnostics of {len(named)} node(s) in {into}", file=sys.stderr)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nodes", type=int, default=16)
@@ -114,6 +130,13 @@ def main() -> None:
         help="run the joiners this much nicer than the bootstrap (emulates a bootstrap with a "
         "machine of its own: on shared cores each process gets an equal CPU share, and the "
         "one node every joiner goes through starves first)",
+    )
+    parser.add_argument(
+        "--diagnose",
+        type=Path,
+        default=None,
+        help="if the swarm is not ready in time, copy the final /status and log of every node "
+        "named as missing something into this folder (it is not removed)",
     )
     parser.add_argument(
         "--no-fork",
@@ -268,6 +291,8 @@ def main() -> None:
             "rss_mb_mean": round(sum(r for r in rss if r) / max(1, sum(1 for r in rss if r)), 1),
         }
         print(json.dumps(result, indent=2))
+        if args.diagnose is not None and ready_at is None:
+            _keep_diagnostics(args.diagnose, root, names, not_ready, final)
         out = Path(__file__).parent / "results" / f"overlay_join_processes-{args.nodes}.json"
         out.parent.mkdir(exist_ok=True)
         out.write_text(json.dumps(result, indent=2))

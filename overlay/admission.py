@@ -12,6 +12,9 @@ Contract:
   ``serve_hello`` is the listener side (the node serves it on ``HELLO_PROTOCOL``).
 - A mismatch (another network id or version) logs once, marks the peer down and closes its
   connection; ``refused`` (peer id -> why) keeps it out for the rest of the run.
+- Referrals (``hello.py``): ``use_referrals(give, take)``: our hello answers name
+  ``give(asker_pid)`` as peers to dial; the peers named in an answer we got go to
+  ``take(addrs)``.
 - ``wait_hellos(peer_ids)`` waits for the hello of those peers still under way (the
   bootstrap's check that it joined the right overlay).
 """
@@ -48,6 +51,17 @@ class Admission:
         self._spawn = spawn
         self.refused: dict[str, str] = {}  # peer id -> why (another network or version)
         self._hello_done: dict[str, trio.Event] = {}
+        self._give: Callable[[str], tuple[str, ...]] = lambda _asker: ()
+        self._take: Callable[[tuple[str, ...]], None] = lambda _addrs: None
+
+    def use_referrals(
+        self,
+        give: Callable[[str], tuple[str, ...]],
+        take: Callable[[tuple[str, ...]], None],
+    ) -> None:
+        """Name peers in our hello answers, and pass on those named in answers we get."""
+        self._give = give
+        self._take = take
 
     def admit(self, conn: INetConn) -> bool:
         """False for a refused peer (closed again); starts our hello on a connection we dialed."""
@@ -70,7 +84,8 @@ class Admission:
     async def serve_hello(self, stream: INetStream) -> None:
         """Listener side of the hello: answer, then refuse the peer on a mismatch."""
         peer = stream.muxed_conn.peer_id
-        theirs = await answer_hello(stream, self.hello)
+        pid = peer.to_base58()
+        theirs = await answer_hello(stream, self.hello, lambda: self._give(pid))
         reason = mismatch(self.hello, theirs)
         if reason is not None:
             self._refuse(peer, reason)
@@ -105,6 +120,8 @@ class Admission:
             reason = mismatch(self.hello, theirs)
             if reason is not None:
                 self._refuse(peer, reason)
+            elif theirs.peers:
+                self._take(theirs.peers)
         finally:
             done.set()
             self._hello_done.pop(pid, None)

@@ -25,6 +25,12 @@ Contract:
   with a sealed digest: a delta when the origin's log still covers our version, else full).
   Pulls are deduplicated and at most one per ``pull_min_interval`` per (peer, model). Convergence
   therefore needs only *some* later message from the origin to arrive, not every message.
+- A peer that comes up (a new link, or one back from down) whose view we lack is pulled at
+  once for each of our models its signed record says it serves (waiting up to
+  ``RECORD_WAIT_S`` for the record): with bounded
+  connections a node links to peers whose gossip it has not heard yet, and the origin's
+  publish interval grows with the number of publishers (64 nodes: ~16 s a round), so
+  waiting for its gossip left views missing for minutes while the links churned.
 - A view silent for ``silent_pull_rounds`` publish intervals is pulled too (its origin's gossip
   does not reach us, so no gap would show). Pulls are jittered (``pull_jitter_s``) and at most
   ``max_concurrent_pulls`` run at once.
@@ -112,6 +118,11 @@ class PullFailed(P2PNodeError):
     """A direct digest pull did not produce a usable digest; the message says why."""
 
     reason = "pull_failed"
+
+
+# How long a peer that came up may take to hand us its signed record before we give up
+# pulling its view on up (gossip and the silent-view pull still repair it).
+RECORD_WAIT_S = 10.0
 
 
 @dataclass
@@ -208,6 +219,7 @@ class AntiEntropy:
         try:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
+                self.node.peers.add_listener(self._on_peer_state)
                 for model in self.models:
                     sub = await self.node.pubsub.subscribe(digest_topic(model))
                     nursery.start_soon(self._receive_loop, model, sub)
@@ -216,6 +228,7 @@ class AntiEntropy:
         finally:
             # Leave the topics so peers stop sending us digests nobody will read (and a node
             # shutting down does not receive gossip after its pubsub stopped).
+            self._nursery = None
             with trio.CancelScope(shield=True), trio.move_on_after(1):
                 for model in self.models:
                     with contextlib.suppress(Exception):
@@ -379,6 +392,27 @@ class AntiEntropy:
         return result
 
     # -- pulls --------------------------------------------------------------------------------
+
+    def _on_peer_state(self, peer_id: str, old: PeerState | None, new: PeerState) -> None:
+        if new is PeerState.UP and old not in (PeerState.UP, PeerState.SUSPECT) and self._nursery:
+            self._nursery.start_soon(self._pull_new_peer, peer_id)
+
+    async def _pull_new_peer(self, peer_id: str) -> None:
+        # Its signed record says which models it serves; it may arrive a moment after the
+        # link. Without one (a bootstrap's, say, before its record came) nothing is pulled:
+        # a pull of a model the peer does not serve is a stream for nothing, to the node
+        # every joiner links to first.
+        with trio.move_on_after(RECORD_WAIT_S):
+            # The peer table has no record event to wait on; a few polls, bounded above.
+            while (entry := self.node.peers.get(peer_id)) is None or entry.record is None:  # noqa: ASYNC110
+                await trio.sleep(0.25)
+        entry = self.node.peers.get(peer_id)
+        if entry is None or entry.record is None or not self.node.peers.is_up(peer_id):
+            return
+        for model in self.models:
+            if model in entry.record.models and self.views.get(peer_id, model) is None:
+                self.pulls["on_up"] = self.pulls.get("on_up", 0) + 1
+                self.request_pull(peer_id, model)
 
     def request_pull(self, peer_id: str, model: str) -> None:
         """Schedule a (deduplicated, rate-limited) pull of ``peer_id``'s digest for ``model``."""

@@ -13,6 +13,13 @@ Contract:
 - `provide(model_id)` announces us as a provider and then waits (bounded) until at least one
   remote peer answers with us among the providers: libp2p's provide is fire-and-forget and
   returns before the record lands. Returns how many remote peers confirmed.
+- `keep_to_links()`: from then on libp2p's own walks (record puts, provider announcements,
+  routing-table refreshes) use only the peers we are connected to, or walk as before while we
+  have none: a node with bounded connections (``overlay/connmgr.py``) calls it, since every
+  such walk dialed each peer it queried or stored at (up to 20 a walk), links the connection
+  manager then trimmed again. Lookups the node asks for itself (`find_providers`,
+  `get_record`'s walk) still walk the network: an edge whose one linked verifier just stopped
+  must find the others through peers it is not linked to.
 - `ask_connected(key, limit)`: the peers that up to `limit` of our connected peers (the
   closest to `key` first) name as closest to it, in one hop over links we already hold: a
   bounded node's discovery wants candidates, not the exact k closest, and libp2p's iterative
@@ -133,6 +140,20 @@ class OverlayDHT:
         self.kad = KadDHT(host, DHTMode.SERVER, strict_validation=True)
         self.validator = NodeRecordValidator()
         self.kad.register_validator(NAMESPACE, self.validator)
+        # The iterative lookup, kept for our own lookups whatever `keep_to_links` does.
+        self._walk = self.kad.peer_routing.find_closest_peers_network
+
+    def keep_to_links(self) -> None:
+        """libp2p's own walks go over existing connections only (see the module contract)."""
+        walk = self._walk
+
+        async def connected_closest(target_key: bytes, count: int = 20) -> list[ID]:
+            connected = list(self.host.get_connected_peers())
+            if not connected:
+                return list(await walk(target_key, count))
+            return _closest(connected, target_key)[:count]
+
+        self.kad.peer_routing.find_closest_peers_network = connected_closest  # type: ignore[method-assign]
 
     async def ask_connected(self, key: bytes, limit: int = 4) -> set[ID]:
         """Peers named closest to `key` by up to `limit` connected peers (one hop, no dials)."""
@@ -230,6 +251,13 @@ class OverlayDHT:
         return newest
 
     async def _closest(self, key_bytes: bytes) -> list[ID]:
+        """The k closest peers to the key by an iterative walk of the network."""
+        with trio.move_on_after(QUERY_TIMEOUT * 2):
+            return list(await self._walk(key_bytes))
+        return self.kad.routing_table.find_local_closest_peers(key_bytes)
+
+    async def _stored_at(self, key_bytes: bytes) -> list[ID]:
+        """Where libp2p's own puts and announcements went (links only after `keep_to_links`)."""
         with trio.move_on_after(QUERY_TIMEOUT * 2):
             return list(await self.kad.peer_routing.find_closest_peers_network(key_bytes))
         return self.kad.routing_table.find_local_closest_peers(key_bytes)
@@ -243,7 +271,7 @@ class OverlayDHT:
         me = self.host.get_id()
         with trio.move_on_after(confirm_timeout):
             while True:
-                closest = [p for p in await self._closest(key) if p != me][:3]
+                closest = [p for p in await self._stored_at(key) if p != me][:3]
                 if not closest:
                     return 0  # alone in the network: the local record is all there is
                 confirmed = [0]

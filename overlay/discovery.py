@@ -28,6 +28,10 @@ Contract:
   publish (each node receives and checks every record gossiped). Received ones are verified
   once per distinct bytes (invalid ones are not forwarded) and the newest seq kept; the
   signed addresses of a peer not yet connected go to discovery, which dials it.
+- Referrals (``overlay/hello.py``): `referrals(asker)` names up to `REFERRAL_PEERS` peers we
+  hold a direct link to and whose signed record we have (chosen at random, so joiners spread
+  over the swarm), up to two addresses each from that record; `referred(addrs)` takes those
+  named to us: candidates of the next round (bounded, `MAX_REFERRED`), which comes at once.
 - `run_record_fetches()`: the DHT fetch of the records still missing, with per-peer
   backoff; the fallback of the gossip.
 """
@@ -36,6 +40,7 @@ from __future__ import annotations
 
 import logging
 import math
+import random
 import secrets
 import time
 from collections import Counter, OrderedDict
@@ -96,6 +101,9 @@ TIE_BREAK_WAIT_S = 3.0
 PRIVATE_PEER_WAIT_S = 8.0
 # A node with no connection at all runs discovery (its bootstrap retries) at least this often.
 ISOLATED_RETRY_S = 5.0
+# Peers named in one hello answer, and referred candidates kept for discovery (bounded).
+REFERRAL_PEERS = 4
+MAX_REFERRED = 256
 # Distinct peers remembered as seen (beyond it every peer counts as known).
 MAX_EVER_SEEN = 65536
 
@@ -118,6 +126,7 @@ class Discovery:
         refused: Mapping[str, str],
         signed_record: Callable[[], bytes | None],
         after_round: Callable[[], Awaitable[None]],
+        connection_kind: Callable[[str], str | None] = lambda _pid: "direct",
     ) -> None:
         self._host = host
         self._dht = dht
@@ -131,6 +140,7 @@ class Discovery:
         self._refused = refused
         self._signed_record = signed_record
         self._after_round = after_round
+        self._connection_kind = connection_kind
         self._peer_id = config.key.peer_id
         self._pending_records: dict[str, NodeRecord] = {}
         self._record_retry: dict[str, tuple[float, float]] = {}  # pid -> (next try, delay)
@@ -144,6 +154,7 @@ class Discovery:
         self._next_round_by = math.inf  # trio time a deferred candidate needs a round by
         self._verified: OrderedDict[bytes, NodeRecord | None] = OrderedDict()
         self._record_publishers: dict[str, float] = {}  # peer id -> trio time last heard
+        self._referred: OrderedDict[ID, None] = OrderedDict()
 
     # -- the node's connection events ---------------------------------------------------
 
@@ -172,6 +183,48 @@ class Discovery:
         """The table forgot the peer: so do the dial timestamps."""
         self._dialer.last_dial.pop(pid, None)
         self._first_seen.pop(pid, None)
+
+    # -- referrals ------------------------------------------------------------------------
+
+    def referrals(self, asker: str) -> tuple[str, ...]:
+        """Addresses of a few peers to name in our hello answer to `asker`."""
+        connected = {p.to_base58() for p in self._host.get_connected_peers()}
+        pool = []
+        for pid in self._peers.peer_ids(PeerState.UP):
+            entry = self._peers.get(pid)
+            if pid == asker or pid not in connected or entry is None or entry.record is None:
+                continue
+            if self._connection_kind(pid) != "direct" or any(
+                "/p2p-circuit" in a for a in entry.record.addrs
+            ):
+                continue  # a NAT'd peer (relayed to us, or holding a relay slot): not dialable
+            pool.append(entry.record)
+        out: list[str] = []
+        for record in random.sample(pool, min(REFERRAL_PEERS, len(pool))):
+            out.extend(record.addrs[:2])
+        return tuple(out)
+
+    def referred_peers(self) -> list[str]:
+        """Peers named to us by hello answers (newest last; bounded)."""
+        return [p.to_base58() for p in self._referred]
+
+    def referred(self, addrs: tuple[str, ...]) -> None:
+        """Peers a hello answer named: their addresses to the peerstore, and a round now."""
+        me = self._host.get_id()
+        for addr in addrs:
+            try:
+                info = parse_peer_addr(addr)
+            except BadMultiaddr:
+                continue
+            if info.peer_id == me or not info.addrs:
+                continue
+            self._host.get_peerstore().add_addrs(info.peer_id, info.addrs, GOSSIPED_ADDR_TTL)
+            self._referred[info.peer_id] = None
+            self._referred.move_to_end(info.peer_id)
+            self._counters["referrals_received"] += 1
+        while len(self._referred) > MAX_REFERRED:
+            self._referred.popitem(last=False)
+        self._wake_discovery.set()
 
     # -- discovery rounds ---------------------------------------------------------------
 
@@ -341,6 +394,7 @@ class Discovery:
         candidates: set[ID] = set(kad.routing_table.get_peer_ids())
         # Peers whose signed records arrived by gossip: their addresses are in the peerstore.
         candidates.update(ID.from_base58(pid) for pid in self._pending_records)
+        candidates.update(self._referred)
         if self._enough_without_lookups(connected, candidates):
             # Lookups (new negotiated streams to several peers, and work for them) were the
             # largest idle cost of 16 node processes on 2 cores: a bounded node that holds its

@@ -13,10 +13,17 @@ Contract:
 - ``mismatch(ours, theirs) -> str | None``: what differs, in words, or None.
 - ``say_hello(open_stream, ours) -> Hello`` (dialer); ``answer_hello(stream, ours) -> Hello``
   (listener: reads theirs, sends ours back; ``WireError`` on a malformed frame).
+- Referrals: the listener's answer may carry ``peers``, up to ``MAX_REFERRALS`` addresses
+  (``/.../p2p/<id>``) of peers it is connected to. A joiner's first connection is to a
+  bootstrap, the busiest node of a growing swarm: the answer it waits for anyway names peers
+  to dial, where a DHT lookup would be another negotiated stream to that busy node (measured:
+  64 node processes on 2 cores, a quarter of the joiners never got one answered). Addresses
+  are hints, not trust: the dial's secure handshake proves who answers.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
@@ -43,6 +50,9 @@ __all__ = [
 HELLO_PROTOCOL = "/p2pnode/hello/1"
 DEFAULT_NETWORK = "main"
 HELLO_LIMIT = 1024
+MAX_REFERRALS = 8
+# An answer with referrals: MAX_REFERRALS addresses of up to 256 characters, with room to spare.
+HELLO_ANSWER_LIMIT = HELLO_LIMIT + MAX_REFERRALS * 300
 HELLO_TIMEOUT_S = 10.0
 _NETWORK_RE = re.compile(r"[a-z0-9][a-z0-9._-]{0,63}")
 
@@ -67,6 +77,7 @@ def check_network_id(network: str) -> str:
 class Hello:
     network: str = bounded_field(max_len=64)
     version: str = bounded_field(max_len=64)
+    peers: tuple[str, ...] = bounded_field(default=(), max_len=MAX_REFERRALS, item_max_len=256)
 
 
 def mismatch(ours: Hello, theirs: Hello) -> str | None:
@@ -82,7 +93,7 @@ async def say_hello(open_stream: Callable[[], Awaitable[Stream]], ours: Hello) -
     try:
         with trio.fail_after(HELLO_TIMEOUT_S):
             await write_frame(stream, to_wire(ours), limit=HELLO_LIMIT)
-            obj = await read_frame(stream, limit=HELLO_LIMIT)
+            obj = await read_frame(stream, limit=HELLO_ANSWER_LIMIT)
         if obj is None:
             raise OverlayError("the peer closed the hello stream without answering")
         return from_wire(obj, Hello)
@@ -91,11 +102,15 @@ async def say_hello(open_stream: Callable[[], Awaitable[Stream]], ours: Hello) -
             await stream.close()
 
 
-async def answer_hello(stream: Stream, ours: Hello) -> Hello:
+async def answer_hello(
+    stream: Stream, ours: Hello, referrals: Callable[[], tuple[str, ...]] = tuple
+) -> Hello:
+    """Read the dialer's hello and answer with ours, naming ``referrals()`` as ``peers``."""
     with trio.fail_after(HELLO_TIMEOUT_S):
         obj = await read_frame(stream, limit=HELLO_LIMIT)
         if obj is None:
             raise OverlayError("the peer closed the hello stream before its hello")
         theirs = from_wire(obj, Hello)
-        await write_frame(stream, to_wire(ours), limit=HELLO_LIMIT)
+        answer = dataclasses.replace(ours, peers=referrals()[:MAX_REFERRALS])
+        await write_frame(stream, to_wire(answer), limit=HELLO_ANSWER_LIMIT)
     return theirs

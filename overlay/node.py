@@ -166,6 +166,8 @@ class OverlayNode:
             ConnLimits(low=config.conn_low, high=config.conn_high, grace_s=config.conn_grace)
         )
         self.connmgr.protect(self.dialer.bootstrap_ids)
+        if self.connmgr.enabled:
+            dht.keep_to_links()
         self.liveness = Liveness(
             host,
             self.peers,
@@ -187,7 +189,9 @@ class OverlayNode:
             refused=self.refused,
             signed_record=lambda: self._signed_record,
             after_round=self._republish_if_grown,
+            connection_kind=self.connection_kind,
         )
+        self.admission.use_referrals(self.discovery.referrals, self.discovery.referred)
         self.trimmer = Trimmer(host, self.peers, self.connmgr, self.counters, self.peer_id)
 
     @property

@@ -11,8 +11,15 @@ from multiaddr import Multiaddr
 from p2pnode.bootstrap.invite import InviteError, make_invite, parse_invite
 from p2pnode.identity import NodeKey
 from p2pnode.overlay.addrs import AddressBook, classify, dial_order, interface_ips
-from p2pnode.overlay.hello import Hello, NetworkMismatch, check_network_id, mismatch
+from p2pnode.overlay.hello import (
+    MAX_REFERRALS,
+    Hello,
+    NetworkMismatch,
+    check_network_id,
+    mismatch,
+)
 from p2pnode.overlay.node import VERSION, OverlayConfig, open_overlay_node
+from p2pnode.overlay.wire import SchemaError, to_wire
 
 LAN = [
     (ipaddress.ip_address("127.0.0.1"), ipaddress.ip_network("127.0.0.0/8")),
@@ -110,6 +117,34 @@ async def test_a_node_of_another_network_is_refused_with_a_message_naming_both()
             while not main.refused or main.host.get_connected_peers():  # noqa: ASYNC110
                 await trio.sleep(0.05)
         assert "network 'lab'" in next(iter(main.refused.values()))
+
+
+def test_a_hello_names_at_most_a_few_peers():
+    addrs = tuple(f"/ip4/10.0.0.{i}/tcp/4001/p2p/{PEER}" for i in range(MAX_REFERRALS + 1))
+    to_wire(Hello(network="main", version=VERSION, peers=addrs[:MAX_REFERRALS]))
+    with pytest.raises(SchemaError, match="over the maximum"):
+        to_wire(Hello(network="main", version=VERSION, peers=addrs))
+
+
+async def test_a_joiner_learns_peers_from_its_bootstraps_hello_answer():
+    """A joiner's first answer names peers to dial: a DHT lookup at a busy bootstrap is one
+    more negotiated stream to it, and on starved cores many were never answered."""
+    async with (
+        open_overlay_node(OverlayConfig(key=NodeKey.generate())) as boot,
+        open_overlay_node(OverlayConfig(key=NodeKey.generate(), bootstrap=boot.addrs)) as b,
+    ):
+        with trio.fail_after(15):  # the bootstrap needs b's signed record to name it
+            while (entry := boot.peers.get(b.peer_id)) is None or entry.record is None:  # noqa: ASYNC110
+                await trio.sleep(0.05)
+        config = OverlayConfig(key=NodeKey.generate(), bootstrap=boot.addrs)
+        async with open_overlay_node(config) as c:
+            with trio.fail_after(10):
+                while not c.counters["referrals_received"]:  # noqa: ASYNC110
+                    await trio.sleep(0.05)
+            assert c.discovery.referred_peers() == [b.peer_id]  # never c itself
+            with trio.fail_after(15):
+                while not c.peers.is_up(b.peer_id):  # noqa: ASYNC110
+                    await trio.sleep(0.05)
 
 
 async def test_announced_address_is_in_the_signed_record_others_read():

@@ -130,3 +130,32 @@ async def test_a_view_of_a_peer_without_a_link_is_not_pulled() -> None:
         await wait_until(lambda: sum(ae.pulls.values()) >= 2, 10, "the pull to the linked peer")
         assert ae.pulls["unconnected"] == 1
         nursery.cancel_scope.cancel()
+
+
+async def test_a_peer_that_comes_up_without_a_view_is_pulled_at_once() -> None:
+    """A new link to a peer whose gossip has not reached us: waiting for its next round (with
+    many publishers, many seconds) left views missing while links churned. Here gossip from
+    the peer never arrives and its rounds are a minute apart: only the pull on up helps."""
+    config = AntiEntropyConfig(interval_s=60.0)
+    async with overlay_nodes(2, models=[MODEL]) as (keys, nodes), trio.open_nursery() as nursery:
+        a, b = nodes
+        # a's signed record names the model it serves: only those are pulled on up.
+        await wait_until(lambda: b.peers.get(a.peer_id).record is not None, 10, "a's record")
+        builder = DigestBuilder(a.peer_id, MODEL, load_fn=load)
+        builder.on_event(BlockStored(tuple(hashes_of(prompt(64, seed=3))), None))
+        publisher = AntiEntropy(a, keys[0], PeerViews(), builders={MODEL: builder}, config=config)
+        await nursery.start(publisher.run)
+        deaf = AntiEntropy(
+            b, keys[1], PeerViews(), models=[MODEL], config=config, drop_filter=lambda *_: True
+        )
+        await nursery.start(deaf.run)
+        assert deaf.views.get(a.peer_id, MODEL) is None
+        b.peers.mark_down(a.peer_id, "test: the link went away")
+        b.peers.observe(a.peer_id)  # and came back (a new link)
+        await wait_until(
+            lambda: deaf.views.get(a.peer_id, MODEL) is not None, 10, "a view of the peer"
+        )
+        assert deaf.pulls.get("on_up") == 1 and deaf.pulls.get("ok") == 1
+        view = deaf.views.get(a.peer_id, MODEL)
+        assert view is not None and view.fingerprints == set(builder.fingerprints)
+        nursery.cancel_scope.cancel()

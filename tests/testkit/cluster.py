@@ -17,14 +17,20 @@ from p2pnode.overlay.node import OverlayConfig, OverlayNode, open_overlay_node
 
 
 @contextlib.asynccontextmanager
-async def overlay_nodes(n: int) -> AsyncIterator[tuple[list[NodeKey], list[OverlayNode]]]:
-    """``n`` real overlay nodes on 127.0.0.1, all bootstrapped from the first."""
+async def overlay_nodes(
+    n: int, models: list[str] | None = None
+) -> AsyncIterator[tuple[list[NodeKey], list[OverlayNode]]]:
+    """``n`` real overlay nodes on 127.0.0.1, all bootstrapped from the first; their signed
+    records name ``models`` as served."""
     keys = [NodeKey.generate() for _ in range(n)]
+    served = list(models or [])
     async with contextlib.AsyncExitStack() as stack:
-        first = await stack.enter_async_context(open_overlay_node(OverlayConfig(key=keys[0])))
+        first = await stack.enter_async_context(
+            open_overlay_node(OverlayConfig(key=keys[0], models=served))
+        )
         nodes = [first]
         for key in keys[1:]:
-            cfg = OverlayConfig(key=key, bootstrap=[first.addrs[0]])
+            cfg = OverlayConfig(key=key, bootstrap=[first.addrs[0]], models=served)
             nodes.append(await stack.enter_async_context(open_overlay_node(cfg)))
         with trio.fail_after(10):  # full mesh of connections and first RTTs within 10 s
             while not all(len(nd.peers.up_peers()) == n - 1 for nd in nodes):  # noqa: ASYNC110
