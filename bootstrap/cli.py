@@ -256,6 +256,11 @@ def _node_options(fn):
             help="Seconds between digest publications (default {default}).",
         ),
         _setting(
+            "--gossip-budget",
+            type=float,
+            help="Digests a second on a model's topic, whole swarm (default {default}).",
+        ),
+        _setting(
             "--min-connections",
             type=int,
             help="Peers a trim keeps: the nearest, plus bootstrap and relays (default {default}).",

@@ -48,6 +48,7 @@ def default_home() -> Path:
 def _overlay_defaults() -> dict[str, Any]:
     """The defaults of the settings the overlay owns, by setting name, from their definitions."""
     from p2pnode.overlay import OverlayConfig
+    from p2pnode.overlay.antientropy import AntiEntropyConfig
     from p2pnode.overlay.audit import AuditConfig
     from p2pnode.overlay.challenge import ChallengeConfig
     from p2pnode.overlay.router import DEFAULT_PUSHBACK_HIGH
@@ -57,6 +58,7 @@ def _overlay_defaults() -> dict[str, Any]:
         "ping_timeout": OverlayConfig.ping_timeout,
         "connect_timeout": OverlayConfig.connect_timeout,
         "gossip_interval": OverlayConfig.gossip_heartbeat,
+        "gossip_budget": AntiEntropyConfig.topic_budget_msgs_per_s,
         "min_connections": OverlayConfig.conn_low,
         "max_connections": OverlayConfig.conn_high,
         "pushback_threshold": DEFAULT_PUSHBACK_HIGH,
@@ -91,6 +93,10 @@ class NodeSettings:
     ping_timeout: float = _overlay("ping_timeout")
     connect_timeout: float = _overlay("connect_timeout")
     gossip_interval: float = _overlay("gossip_interval")
+    # Digests a second on a model's gossip topic, the whole swarm together: every node receives
+    # and forwards each one, so this, not the swarm's size, sets a node's gossip cost (a larger
+    # swarm publishes less often each). Lower it where many nodes share few cores.
+    gossip_budget: float = _overlay("gossip_budget")
     # Connections kept (overlay/connmgr.py): above max_connections the node closes all but
     # min_connections, keeping the nearest peers, its bootstrap and relays. 0 = unbounded.
     min_connections: int = _overlay("min_connections")
@@ -180,6 +186,11 @@ class NodeSettings:
         for name in ("ping_interval", "gossip_interval", "ping_timeout", "connect_timeout"):
             if not 0.05 <= getattr(self, name) <= 600:
                 raise ConfigError(f"{name} must be between 0.05 and 600 seconds")
+        if not 0.1 <= self.gossip_budget <= 9.0:
+            raise ConfigError(
+                f"gossip_budget must be between 0.1 and 9 messages a second (gossipsub drops a "
+                f"peer's messages above 10 a second), got {self.gossip_budget}"
+            )
         if self.backend not in ENGINES:
             raise ConfigError(f"backend {self.backend!r}: use hf, vllm or emulated (see engine)")
         if not self.engine:

@@ -365,7 +365,10 @@ async def _run_locked(settings: NodeSettings, timeouts: dict[str, float], task_s
                 router_config=RouterConfig(
                     max_remote_attempts=RouterConfig.max_remote_attempts if settings.routing else 0
                 ),
-                antientropy_config=AntiEntropyConfig(interval_s=settings.gossip_interval),
+                antientropy_config=AntiEntropyConfig(
+                    interval_s=settings.gossip_interval,
+                    topic_budget_msgs_per_s=settings.gossip_budget,
+                ),
                 pushback_high=settings.pushback_threshold,
                 registry=registry,
                 trust=trust,

@@ -405,6 +405,7 @@ def _serving_node(
         "--routing" if arm == "routing" else "--no-routing",
         "--pushback-threshold", str(s.pushback_threshold),
         "--gossip-interval", str(s.gossip_interval),
+        "--gossip-budget", str(s.gossip_budget),
         "--cache-budget-tokens", str(s.cache_budget_tokens),
         "--max-batch", str(s.max_batch),
         "--ping-interval", str(s.ping_interval),

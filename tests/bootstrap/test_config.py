@@ -11,9 +11,10 @@ import click
 import pytest
 
 from p2pnode.bootstrap import cli
-from p2pnode.bootstrap.config import NodeSettings, settings_from
+from p2pnode.bootstrap.config import ConfigError, NodeSettings, settings_from
 from p2pnode.inference.engine import Engine, open_engine
 from p2pnode.overlay import OverlayConfig
+from p2pnode.overlay.antientropy import AntiEntropyConfig
 from p2pnode.overlay.audit import AuditConfig
 from p2pnode.overlay.challenge import ChallengeConfig
 from p2pnode.overlay.service import RoutedService
@@ -89,11 +90,18 @@ def test_node_settings_read_the_engine_and_overlay_defaults():
     }
     for setting, field in overlay.items():
         assert getattr(s, setting) == _field_default(OverlayConfig, field), setting
+    assert s.gossip_budget == _field_default(AntiEntropyConfig, "topic_budget_msgs_per_s")
     assert s.pushback_threshold == _default(RoutedService, "pushback_high")
     assert s.audit_rate == _field_default(AuditConfig, "trusted_rate")
     assert s.audit_budget == _field_default(AuditConfig, "budget_share")
     assert s.probation_answers == _field_default(AuditConfig, "probation_answers")
     assert s.probation_challenges == _field_default(ChallengeConfig, "enabled")
+
+
+def test_a_gossip_budget_over_gossipsubs_spam_cap_is_refused_with_the_reason():
+    with pytest.raises(ConfigError, match="gossipsub drops"):
+        NodeSettings(gossip_budget=12.0).validate()
+    NodeSettings(gossip_budget=2.0).validate()
 
 
 def test_setting_flags_keep_no_default_of_their_own():
