@@ -72,6 +72,7 @@ from p2pnode.overlay.host import make_host, parse_multiaddr
 from p2pnode.overlay.limits import PeerLimiter
 from p2pnode.overlay.liveness import PING_LENGTH, PING_PROTOCOL, Liveness, serve_ping
 from p2pnode.overlay.peers import PeerState, PeerTable
+from p2pnode.overlay.safepubsub import SafePubsub
 from p2pnode.overlay.seams import StreamHandler
 from p2pnode.overlay.trimming import Trimmer
 from p2pnode.overlay.tuning import QuietGossipSub
@@ -318,7 +319,7 @@ class OverlayNode:
             "record_seq": self.record.seq if self.record else None,
             "announced": self.announced.is_set(),
             "pubsub_topics": sorted(self.pubsub.topic_ids),
-            "counters": dict(self.counters),
+            "counters": dict(self.counters + getattr(self.pubsub, "counters", Counter())),
         }
 
     async def trim_connections(self) -> list[str]:
@@ -440,7 +441,7 @@ async def open_overlay_node(config: OverlayConfig) -> AsyncIterator[OverlayNode]
         heartbeat_interval=config.gossip_heartbeat,  # type: ignore[arg-type]  # float works
         heartbeat_initial_delay=0.1,
     )
-    pubsub = Pubsub(host, gossipsub, strict_signing=True)
+    pubsub = SafePubsub(host, gossipsub, strict_signing=True)
     dht = OverlayDHT(host)
     node = OverlayNode(config, host, pubsub, dht, address_book=book)
     host.connect = filtered_connect(host)  # type: ignore[method-assign]
