@@ -64,6 +64,7 @@ from p2pnode.overlay.addrs import AddressBook, classify
 from p2pnode.overlay.admission import Admission
 from p2pnode.overlay.config import VERSION, OverlayConfig
 from p2pnode.overlay.connmgr import ConnLimits, ConnManager
+from p2pnode.overlay.containment import contain_stream_errors
 from p2pnode.overlay.dht import OverlayDHT
 from p2pnode.overlay.dialing import Dialer, filter_peerstore, filtered_connect, parse_peer_addr
 from p2pnode.overlay.discovery import Discovery
@@ -446,6 +447,7 @@ async def open_overlay_node(config: OverlayConfig) -> AsyncIterator[OverlayNode]
     node = OverlayNode(config, host, pubsub, dht, address_book=book)
     host.connect = filtered_connect(host)  # type: ignore[method-assign]
     filter_peerstore(host)
+    contain_stream_errors(host, node.counters)
     node.set_stream_handler(HELLO_PROTOCOL, node.admission.serve_hello)
     node.dialer.bootstrap_infos = [b for b in bootstrap if b.peer_id.to_base58() != node.peer_id]
     host.get_network().register_notifee(_ConnectionWatcher(node))
