@@ -104,6 +104,7 @@ ISOLATED_RETRY_S = 5.0
 # Peers named in one hello answer, and referred candidates kept for discovery (bounded).
 REFERRAL_PEERS = 4
 MAX_REFERRED = 256
+MAX_REFERRAL_LEN = 256  # what a hello answer carries per address (overlay/hello.py)
 # Distinct peers remembered as seen (beyond it every peer counts as known).
 MAX_EVER_SEEN = 65536
 
@@ -201,7 +202,7 @@ class Discovery:
             pool.append(entry.record)
         out: list[str] = []
         for record in random.sample(pool, min(REFERRAL_PEERS, len(pool))):
-            out.extend(record.addrs[:2])
+            out.extend([a for a in record.addrs if len(a) <= MAX_REFERRAL_LEN][:2])
         return tuple(out)
 
     def referred_peers(self) -> list[str]:
