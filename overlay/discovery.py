@@ -61,6 +61,7 @@ from p2pnode.overlay.config import BACKGROUND_TIMEOUT_FACTOR, OverlayConfig
 from p2pnode.overlay.connmgr import ConnManager
 from p2pnode.overlay.dht import OverlayDHT
 from p2pnode.overlay.dialing import Dialer, parse_peer_addr
+from p2pnode.overlay.hello import MAX_REFERRAL_LEN
 from p2pnode.overlay.peers import PeerState, PeerTable
 
 __all__ = ["PRIVATE_PEER_WAIT_S", "RECORDS_TOPIC", "TIE_BREAK_WAIT_S", "Discovery"]
@@ -104,7 +105,6 @@ ISOLATED_RETRY_S = 5.0
 # Peers named in one hello answer, and referred candidates kept for discovery (bounded).
 REFERRAL_PEERS = 4
 MAX_REFERRED = 256
-MAX_REFERRAL_LEN = 256  # what a hello answer carries per address (overlay/hello.py)
 # Distinct peers remembered as seen (beyond it every peer counts as known).
 MAX_EVER_SEEN = 65536
 

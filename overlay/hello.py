@@ -51,8 +51,9 @@ HELLO_PROTOCOL = "/p2pnode/hello/1"
 DEFAULT_NETWORK = "main"
 HELLO_LIMIT = 1024
 MAX_REFERRALS = 8
-# An answer with referrals: MAX_REFERRALS addresses of up to 256 characters, with room to spare.
-HELLO_ANSWER_LIMIT = HELLO_LIMIT + MAX_REFERRALS * 300
+MAX_REFERRAL_LEN = 256
+# An answer with referrals: MAX_REFERRALS addresses of MAX_REFERRAL_LEN characters at most.
+HELLO_ANSWER_LIMIT = HELLO_LIMIT + MAX_REFERRALS * (MAX_REFERRAL_LEN + 8)
 HELLO_TIMEOUT_S = 10.0
 _NETWORK_RE = re.compile(r"[a-z0-9][a-z0-9._-]{0,63}")
 
@@ -77,7 +78,9 @@ def check_network_id(network: str) -> str:
 class Hello:
     network: str = bounded_field(max_len=64)
     version: str = bounded_field(max_len=64)
-    peers: tuple[str, ...] = bounded_field(default=(), max_len=MAX_REFERRALS, item_max_len=256)
+    peers: tuple[str, ...] = bounded_field(
+        default=(), max_len=MAX_REFERRALS, item_max_len=MAX_REFERRAL_LEN
+    )
 
 
 def mismatch(ours: Hello, theirs: Hello) -> str | None:
