@@ -78,9 +78,12 @@ async def probe_listener(ip: str, port: int, limit_s: float = DIAL_TIMEOUT_S) ->
     """Does a libp2p listener answer at ip:port? (it greets with the multistream header)
 
     The TCP connect gets ``limit_s``; once the port accepted, the greeting gets
-    ``GREETING_FACTOR`` times longer: a listener whose process is starved (64 nodes on 2
-    cores) greets late, and a late greeting counted as "unreachable" made public nodes call
-    themselves private and reserve relay slots they never needed."""
+    ``GREETING_FACTOR`` times longer. A connection that stays open and silent all that time
+    counts as reached: the kernel completes the TCP handshake for a listening socket however
+    starved its process is (64 nodes on 2 cores greeted after the window), while a NAT without
+    a mapping never lets the handshake complete, and another service on the port greets with
+    something else or closes. Counting such a connection as unreachable made public nodes on
+    a starved machine call themselves private and relay through their bootstrap."""
     stream = None
     with trio.move_on_after(limit_s):
         try:
@@ -90,15 +93,15 @@ async def probe_listener(ip: str, port: int, limit_s: float = DIAL_TIMEOUT_S) ->
     if stream is None:
         return False  # no TCP connection within limit_s
     try:
+        data = b""
         with trio.move_on_after(limit_s * GREETING_FACTOR):
-            data = b""
             while len(data) < 1 + len(MULTISTREAM_GREETING):
                 chunk = await stream.receive_some(64)
                 if not chunk:
-                    break
+                    return False  # closed without a greeting
                 data += chunk
             return MULTISTREAM_GREETING in data
-        return False
+        return MULTISTREAM_GREETING.startswith(data[1:]) if data else True
     except (OSError, trio.BrokenResourceError):
         return False
     finally:

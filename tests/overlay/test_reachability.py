@@ -7,6 +7,7 @@ routers in tests/system/test_swarm_netns.py; here: the server's rules and a verd
 from __future__ import annotations
 
 import socket
+from functools import partial
 
 import trio
 
@@ -41,6 +42,34 @@ async def test_probe_tells_a_libp2p_listener_from_a_closed_port():
         port = int(node.addrs[0].split("/tcp/")[1].split("/")[0])
         assert await probe_listener("127.0.0.1", port)
         assert not await probe_listener("127.0.0.1", _closed_port())
+
+
+async def test_a_listener_that_accepts_but_greets_late_counts_as_reached():
+    """The kernel accepts for a starved process; a NAT without a mapping never completes
+    the TCP handshake, and another service greets otherwise or hangs up."""
+
+    async def serve(stream: trio.SocketStream, reply: bytes | None) -> None:
+        async with stream:
+            if reply is None:
+                await trio.sleep(5)  # silent: a process too starved to greet in time
+            else:
+                await stream.send_all(reply)  # then closes
+
+    async with trio.open_nursery() as nursery:
+        ports = {}
+        for name, reply in (
+            ("silent", None),
+            ("http", b"HTTP/1.1 400 Bad Request\r\n"),
+            ("closes", b""),
+        ):
+            listeners = await nursery.start(
+                partial(trio.serve_tcp, partial(serve, reply=reply), 0, host="127.0.0.1")
+            )
+            ports[name] = listeners[0].socket.getsockname()[1]
+        assert await probe_listener("127.0.0.1", ports["silent"], limit_s=0.1)
+        assert not await probe_listener("127.0.0.1", ports["http"], limit_s=0.1)
+        assert not await probe_listener("127.0.0.1", ports["closes"], limit_s=0.1)
+        nursery.cancel_scope.cancel()
 
 
 async def test_a_node_a_peer_can_dial_back_is_public_with_that_address_confirmed():
