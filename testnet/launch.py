@@ -203,6 +203,7 @@ class RunningTrial:
     root: Path
     bootstrap: NodeProc
     nodes: list[NodeProc]
+    extra_bootstraps: list[NodeProc] = field(default_factory=list)
     formed_s: float = 0.0
     warnings: list[str] = field(default_factory=list)
 
@@ -316,7 +317,8 @@ def plan_nodes(
     node_cmd: Sequence[str] = NODE_CMD,
     addressing: str = "loopback",
 ):
-    """The bootstrap and serving node definitions of one arm (not started)."""
+    """The bootstrap nodes (the first is the trial's bootstrap) and serving node definitions
+    of one arm (not started)."""
     spec_path = str(spec.path) if spec.path else ""
     if not spec_path:
         raise LaunchError(
@@ -330,12 +332,33 @@ def plan_nodes(
         return wan.node_ip(spec, region, k, addressing)
 
     base = root / arm
-    boot_ip = next_ip(spec.bootstrap_region)
-    boot_home = base / "bootstrap"
+    bootstraps = [
+        _bootstrap_node(spec, base, k, region, next_ip(region), log_level, node_cmd, spec_path)
+        for k, region in enumerate(spec.bootstrap_regions())
+    ]
+    nodes = [
+        _serving_node(spec, arm, base, i, region, next_ip(region), log_level, node_cmd)
+        for i, region in enumerate(spec.placement)
+    ]
+    return bootstraps, nodes
+
+
+def _bootstrap_node(
+    spec: TrialSpec,
+    base: Path,
+    k: int,
+    region: str,
+    boot_ip: str,
+    log_level: str,
+    node_cmd: Sequence[str],
+    spec_path: str,
+) -> NodeProc:
+    name = "bootstrap" if k == 0 else f"bootstrap{k}"
+    boot_home = base / name
     boot_home.mkdir(parents=True, exist_ok=True)
-    bootstrap = NodeProc(
-        name="bootstrap",
-        region=spec.bootstrap_region,
+    return NodeProc(
+        name=name,
+        region=region,
         ip=boot_ip,
         home=boot_home,
         args=[
@@ -351,16 +374,11 @@ def plan_nodes(
             "--wan-spec",
             spec_path,
             "--region",
-            spec.bootstrap_region,
+            region,
         ],  # fmt: skip
         env=node_env(1),
         cmd=list(node_cmd),
     )
-    nodes = [
-        _serving_node(spec, arm, base, i, region, next_ip(region), log_level, node_cmd)
-        for i, region in enumerate(spec.placement)
-    ]
-    return bootstrap, nodes
 
 
 def plan_new_node(
@@ -485,12 +503,13 @@ def launch_trial(
     if spec.model == "default":
         default_model_path()  # convert once here, not in every node at the same time
     addressing = "netns" if hosts == "netns" else "loopback"
-    bootstrap, nodes = plan_nodes(
+    bootstraps, nodes = plan_nodes(
         spec, arm, workdir, log_level=log_level, node_cmd=node_cmd, addressing=addressing
     )
-    bed = _onto_testbed(spec, [bootstrap, *nodes]) if hosts == "netns" else None
+    bootstrap, extra = bootstraps[0], bootstraps[1:]
+    bed = _onto_testbed(spec, [*bootstraps, *nodes]) if hosts == "netns" else None
     trial = RunningTrial(
-        spec, arm, workdir / arm, bootstrap, nodes, log_level=log_level, node_cmd=node_cmd
+        spec, arm, workdir / arm, bootstrap, nodes, extra, log_level=log_level, node_cmd=node_cmd
     )
     started = time.monotonic()
     deadline = started + start_timeout_s
@@ -499,27 +518,31 @@ def launch_trial(
         if spec.compute == "emulated" and tuple(node_cmd) == NODE_CMD and bed is None:
             # Emulated nodes import the same modules: fork them from one process that did.
             zygote = Zygote.start(node_env(1))
-            for node in [bootstrap, *nodes]:
+            for node in [*bootstraps, *nodes]:
                 node.zygote = zygote
         # The bootstrap's address is known before it runs (its key is made here, its port
         # picked free), so every process starts at once: start-up is mostly imports and
         # model loading, and nodes retry the bootstrap until it listens.
-        addr = _prepare_bootstrap(bootstrap, default_port=bed is not None)
-        trial.bootstrap_addr = addr
+        addrs = [_prepare_bootstrap(b, default_port=bed is not None) for b in bootstraps]
+        addr = trial.bootstrap_addr = addrs[0]
         _spawn(bootstrap)
+        for other in extra:  # the other bootstraps link with the first
+            other.args[1:1] = ["--bootstrap", addr]
+            _spawn(other)
         for k, node in enumerate(nodes):
-            node.args[1:1] = ["--bootstrap", addr]
+            node.args[1:1] = ["--bootstrap", addrs[spec.bootstrap_of(node.region)]]
             if k and len(nodes) > STAGGER_ABOVE:
                 time.sleep(STAGGER_S)
             _spawn(node)
-        _wait_runtime(bootstrap, deadline)
+        for b in bootstraps:
+            _wait_runtime(b, deadline)
         for node in nodes:
             _wait_runtime(node, deadline)
         _wait_mesh(trial, deadline, start_timeout_s)
         trial.formed_s = time.monotonic() - started
         yield trial
     finally:
-        everyone = [bootstrap, *trial.nodes]  # churn: nodes that joined meanwhile too
+        everyone = [*bootstraps, *trial.nodes]  # churn: nodes that joined meanwhile too
         _stop(everyone)
         logs = workdir / arm / "logs"
         logs.mkdir(parents=True, exist_ok=True)

@@ -31,6 +31,7 @@ Contract:
     count = 4
     placement = ["eu", "us", "eu", "us"]   # or: distribution = {eu = 3, us = 1} (weights)
     bootstrap_region = "eu"                # default: the first region
+    bootstraps = 1                         # >1: one bootstrap per region, the first region's first
 
     [node]                      # settings every node gets (p2pnode join flags and defaults)
     pushback_threshold = 8
@@ -213,6 +214,21 @@ class TrialSpec:
     workload: Workload
     churn: tuple[ChurnEvent, ...] = field(default=())
     adversaries: tuple[AdversarySpec, ...] = field(default=())
+    bootstraps: int = 1
+
+    def bootstrap_regions(self) -> list[str]:
+        """Region of each bootstrap node: ``bootstrap_region`` first, then the other regions
+        in order, round-robin (a public network runs several, joiners use a near one)."""
+        order = [self.bootstrap_region] + [
+            r for r in self.network.regions if r != self.bootstrap_region
+        ]
+        return [order[k % len(order)] for k in range(self.bootstraps)]
+
+    def bootstrap_of(self, region: str) -> int:
+        """Index of the bootstrap a node of ``region`` joins through: the first in its region,
+        else the first of all."""
+        regions = self.bootstrap_regions()
+        return regions.index(region) if region in regions else 0
 
     def adversary_of(self, node: int) -> AdversarySpec | None:
         return next((a for a in self.adversaries if a.node == node), None)
@@ -360,7 +376,7 @@ def _network(table: _Table) -> Network:
     return Network(regions, tuple(links), default_bw)
 
 
-def _placement(table: _Table, regions: tuple[str, ...]) -> tuple[tuple[str, ...], str]:
+def _placement(table: _Table, regions: tuple[str, ...]) -> tuple[tuple[str, ...], str, int]:
     count = table.int_("count", None, 1, MAX_NODES)
     has_list, has_dist = table.has("placement"), table.has("distribution")
     if has_list and has_dist:
@@ -387,8 +403,9 @@ def _placement(table: _Table, regions: tuple[str, ...]) -> tuple[tuple[str, ...]
     bootstrap_region = table.str_("bootstrap_region", regions[0])
     if bootstrap_region not in regions:
         raise table.fail("bootstrap_region", f"{bootstrap_region!r} is not in network.regions")
+    bootstraps = table.int_("bootstraps", 1, 1, 16)
     table.finish()
-    return placement, bootstrap_region
+    return placement, bootstrap_region, bootstraps
 
 
 def _distribute(table: _Table, count: int, regions: tuple[str, ...]) -> tuple[str, ...]:
@@ -570,7 +587,7 @@ def parse_spec(data: Mapping[str, Any], *, source: str = "<spec>", path: Path | 
     network = _network(_Table(top.raw("network"), "network", source))
     if "nodes" not in data:
         raise SpecError(f"{source}: missing [nodes] table (count = N)")
-    placement, bootstrap_region = _placement(
+    placement, bootstrap_region, bootstraps = _placement(
         _Table(top.raw("nodes"), "nodes", source), network.regions
     )
     node = _node_settings(_Table(top.raw("node", {}), "node", source))
@@ -578,6 +595,11 @@ def parse_spec(data: Mapping[str, Any], *, source: str = "<spec>", path: Path | 
     churn = _churn(top.raw("churn", []), source, len(placement), network.regions)
     adversaries = _adversaries(top.raw("adversary", []), source, len(placement))
     top.finish()
+    if bootstraps > 1 and any(e.action == "join" and e.node >= len(placement) for e in churn):
+        raise SpecError(
+            f"{source}: churn that adds new nodes needs nodes.bootstraps = 1 (their addresses "
+            "follow the initial nodes and the one bootstrap of their region)"
+        )
     if compute == "real" and len(placement) > 8:
         raise SpecError(
             f"{source}: compute = 'real' with {len(placement)} nodes will not fit on a few "
@@ -598,6 +620,7 @@ def parse_spec(data: Mapping[str, Any], *, source: str = "<spec>", path: Path | 
         workload=workload,
         churn=churn,
         adversaries=adversaries,
+        bootstraps=bootstraps,
     )
 
 

@@ -167,6 +167,30 @@ def test_adversaries_reach_the_node_command_line(tmp_path):
         split_adversary_args(["--adversary", "liar"])
 
 
+def test_a_spec_with_a_bootstrap_per_region_plans_them_apart(tmp_path):
+    from p2pnode.testnet.launch import plan_nodes
+
+    spec = load_spec(builtin_spec_path("scale-64"))
+    assert spec.bootstraps == 4 and spec.bootstrap_regions() == ["eu", "us", "ap", "sa"]
+    bootstraps, nodes = plan_nodes(spec, "routing", tmp_path)
+    assert [b.name for b in bootstraps] == ["bootstrap", "bootstrap1", "bootstrap2", "bootstrap3"]
+    assert [b.region for b in bootstraps] == ["eu", "us", "ap", "sa"]
+    ips = [n.ip for n in [*bootstraps, *nodes]]
+    assert len(set(ips)) == len(ips)  # every process its own address
+    for b in bootstraps:
+        assert b.args[0] == "bootstrap" and b.args[b.args.index("--region") + 1] == b.region
+    assert {spec.bootstrap_of(r) for r in spec.placement} == {0, 1, 2, 3}
+    one = load_spec(builtin_spec_path("paper-lan-zipf"))
+    assert one.bootstraps == 1 and one.bootstrap_of(one.placement[-1]) == 0
+    data = {
+        "network": {"regions": ["eu"]},
+        "nodes": {"count": 2, "bootstraps": 2},
+        "churn": [{"at_s": 5, "node": 2, "action": "join"}],
+    }
+    with pytest.raises(SpecError, match="bootstraps = 1"):
+        parse_spec(data, source="t.toml")
+
+
 def test_spec_file_errors(tmp_path):
     with pytest.raises(SpecError, match="does not exist"):
         load_spec(tmp_path / "nope.toml")
