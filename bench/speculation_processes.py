@@ -23,7 +23,9 @@ wan.py's per-write delays apart from the algorithm's.
 ``--warm`` starts each session on a stream opened beforehand (as ``EdgeClient`` does for every
 request after its first), so the first token pays no stream negotiation (2 RTT in py-libp2p).
 Every speculative output is checked token for token against the target's greedy output.
-Writes bench/results/speculation_processes.json.
+Writes bench/results/speculation_processes.json. ``SPEC_TRACE=FILE`` also writes a timeline:
+``FILE.verifier`` (each forward pass: wall-clock start, end, rows) and ``FILE.edge`` (each draft
+step, block sent, verdict and lead token received), to see what each side waits on.
 """
 
 from __future__ import annotations
@@ -162,6 +164,7 @@ def serve(spec: Path, n_prompts: int, new_tokens: int) -> None:
     from p2pnode.testnet import wan
 
     wan.install(str(spec), "cloud")
+    trace = os.environ.get("SPEC_TRACE")
     target = load_model(None)
     prompts = [chat_ids(target.tokenizer, p) for p in PROMPTS[:n_prompts]]
     target_generate(target, prompts[0], 4)  # warm-up
@@ -182,6 +185,8 @@ def serve(spec: Path, n_prompts: int, new_tokens: int) -> None:
             **_timeouts(spec, "cloud"),
         )
         verifier = BatchedVerifier(target)
+        if trace:
+            _trace_verifier(verifier, trace + ".verifier")
         async with open_overlay_node(cfg) as node, trio.open_nursery() as nursery:
             await nursery.start(verifier.run)
             serve_verifier(node, verifier)
@@ -201,6 +206,57 @@ def serve(spec: Path, n_prompts: int, new_tokens: int) -> None:
     trio.run(main)
 
 
+def _trace_verifier(verifier, path: str) -> None:
+    """``SPEC_TRACE=FILE``: one JSON line per forward pass (wall-clock start and end, each row's
+    kind and draft length), to see where the verifier's time goes."""
+    out = open(path, "w")  # noqa: SIM115 (open for the process's life)
+    compute = verifier._compute
+
+    def traced(rows):
+        t0 = time.time()
+        res = compute(rows)
+        kinds = [("lead" if r.waiter is None else f"block{len(r.draft)}") for r in rows]
+        out.write(json.dumps({"t0": t0, "t1": time.time(), "rows": kinds}) + "\n")
+        out.flush()
+        return res
+
+    verifier._compute = traced
+
+
+class TracedTransport:
+    """``SPEC_TRACE=FILE``: the edge's sends and receipts with wall-clock times."""
+
+    def __init__(self, inner, out) -> None:
+        self.inner, self.out = inner, out
+        self.max_block = None
+
+    def _log(self, **kw) -> None:
+        self.out.write(json.dumps({"t": time.time(), **kw}) + "\n")
+
+    async def open(self, prompt, options, *, lead: int = 0) -> int:
+        self._log(ev="open")
+        granted = await self.inner.open(prompt, options, lead=lead)
+        self.max_block = getattr(self.inner, "max_block", None)
+        self._log(ev="opened")
+        return granted
+
+    async def send_block(self, block) -> None:
+        self._log(ev="send", n=block.number, base=block.base_len, k=len(block.tokens))
+        await self.inner.send_block(block)
+
+    async def receive_result(self):
+        res = await self.inner.receive_result()
+        if hasattr(res, "position"):
+            self._log(ev="lead", pos=res.position)
+        else:
+            self._log(ev="result", n=res.number, acc=res.accepted, clen=res.committed_len)
+        return res
+
+    async def close(self) -> None:
+        self._log(ev="close")
+        await self.inner.close()
+
+
 # ---------------------------------------------------------------- edge process
 
 
@@ -216,6 +272,20 @@ async def edge_runs(
     from p2pnode.testnet import wan
 
     draft = load_draft()
+    trace = os.environ.get("SPEC_TRACE")
+    edge_trace = open(trace + ".edge", "w") if trace else None  # noqa: SIM115, ASYNC230
+    if edge_trace is not None:
+        from p2pnode.speculation import client
+
+        extend = client.DraftRunner.extend
+
+        def traced_extend(self, n, *, argmax=False):
+            t0 = time.time()
+            out = extend(self, n, argmax=argmax)
+            edge_trace.write(json.dumps({"t0": t0, "t": time.time(), "ev": "draft"}) + "\n")
+            return out
+
+        client.DraftRunner.extend = traced_extend
     eos = (draft.tokenizer.eos_token_id,)
     prompts = [chat_ids(draft.tokenizer, p) for p in PROMPTS[: len(info["refs"])]]
     t_d = forward_ms(draft.model, prompts[0], 1)
@@ -249,6 +319,9 @@ async def edge_runs(
                 async with trio.open_nursery() as nursery:
                     if delay_in == "transport":
                         tr = DelayedTransport(tr, rtt / 2000, nursery)
+                    if edge_trace is not None:
+                        edge_trace.write(json.dumps({"run": [rtt, depth, gamma, lead]}) + "\n")
+                        tr = TracedTransport(tr, edge_trace)
                     if depth == 0:  # target-only remote generation
                         r = await remote_generate(
                             tr, prompt, n, eos_token_ids=eos, on_commit=on_commit

@@ -84,7 +84,8 @@ def _describe(mod: nn.Module, refs: list) -> _Lin | None:
     if q4 is not None and getattr(mod, "stream", False):  # speculation.draft.Int4Linear
         refs += [(mod, "q4", q4), (mod, "q4_scales", mod.q4_scales)]
         n, k = q4.shape[0], q4.shape[1] * 2
-        return _Lin(2, n, k, int(mod.group_size), q4.data_ptr(), mod.q4_scales.data_ptr())
+        kind = 3 if getattr(mod, "int8_act", False) else 2  # 3: int8 activations (gemv_q4a8)
+        return _Lin(kind, n, k, int(mod.group_size), q4.data_ptr(), mod.q4_scales.data_ptr())
     w = getattr(mod, "weight", None)
     if not isinstance(w, torch.Tensor) or w.dim() != 2 or not w.is_contiguous():
         return None

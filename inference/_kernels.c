@@ -11,7 +11,9 @@
  * Each output is a 16-lane accumulation over k in order, then a fixed-order lane sum, so row
  * m's result is bitwise the same whatever M is (a verify block and a decode step agree).
  */
+#include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 typedef float v16 __attribute__((vector_size(64), aligned(4)));
@@ -25,7 +27,23 @@ typedef uint32_t v16u __attribute__((vector_size(64), aligned(4)));
 #include <immintrin.h>
 #endif
 
-static inline v16 ld(const float *p) { v16 v; memcpy(&v, p, 64); return v; }
+/* An explicit 64-byte load: from memcpy, GCC tuned for a CPU that prefers 256-bit vectors
+ * (-march=native on some AVX-512 machines) builds two 32-byte stores to the stack and one
+ * 64-byte reload, a store-forwarding stall per load: the fp32 kernels ran at ~1.2 GFMA/s. */
+static inline v16 ld(const float *p) {
+#ifdef __AVX512F__
+  return (v16)_mm512_loadu_ps(p);
+#else
+  v16 v; memcpy(&v, p, 64); return v;
+#endif
+}
+static inline void st(float *p, v16 v) {
+#ifdef __AVX512F__
+  _mm512_storeu_ps(p, (__m512)v);
+#else
+  memcpy(p, &v, 64);
+#endif
+}
 static inline v16 ld_bf16(const uint16_t *p) {
 #ifdef __AVX512F__
   __m512i u = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16);
@@ -177,6 +195,134 @@ void gemv_int4(const uint8_t *P, const float *S, const float *X, float *Y, int M
 }
 
 /* ---------------------------------------------------------------------------------------------
+ * int4 weights x int8 activations (the draft's decode steps): gemv_q4a8.
+ *
+ * Why: the fp32 path above turns every nibble into a float (a conversion, two permutes) before
+ * its FMA, and the draft's decode step is bound by those instructions, not by its reads. With
+ * AVX-512 VNNI one vpdpbusd multiplies 64 unsigned nibbles by 64 int8 activations and sums them
+ * in fours into 16 int32 lanes, exactly. The only rounding added is the activations' (one int8
+ * scale per group of 64 inputs, round to nearest: |error| <= scale / 2 per input, the usual
+ * Q8 activations of llama.cpp's int4 paths). Only a draft uses it: its outputs are proposals
+ * the target verifies, so its numerics move acceptance, never what is committed.
+ *
+ * Per row the activations are quantized once per call into the weights' nibble order: in a
+ * chunk of 128 inputs (64 weight bytes; 64 at the end when K % 128 == 64) byte b of the low
+ * plane is input 32 (b / 16) + b % 16 and of the high plane that + 16, so lanes 0-7 of a chunk
+ * belong to its first group and 8-15 to its second. The weights' offset (q - 8) goes in as
+ * -8 x the lane's activation sum, the lane's starting value. Each row's arithmetic is the same
+ * whatever M is. Without VNNI (or for a group size other than 64) it is gemv_int4. */
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512VL__) && \
+    defined(__AVX512BW__)
+#define HAVE_Q4A8 1
+
+/* One row: xq [K] int8 in nibble order, co [K / 8] lane offsets, sx [K / 8] lane scales. */
+static void q8_row(const float *x, int K, int8_t *xq, int32_t *co, float *sx) {
+  for (int g = 0; g < K; g += 64) {
+    float amax = 0;
+    for (int i = 0; i < 64; i++) amax = fmaxf(amax, fabsf(x[g + i]));
+    const float scale = amax / 127.0f, inv = amax > 0 ? 127.0f / amax : 0.0f;
+    const int k0 = g & ~127, lo_bytes = (K - k0 >= 128 ? 64 : 32);
+    int8_t *c = xq + k0;
+    for (int i = 0; i < 64; i++) {
+      const int k = g + i, r = (k - k0) / 32, j = (k - k0) % 32;
+      c[(j < 16 ? 0 : lo_bytes) + 16 * r + j % 16] = (int8_t)lrintf(x[k] * inv);
+    }
+    for (int L = (g - k0) / 8; L < (g - k0) / 8 + 8; L++) sx[k0 / 8 + L] = scale;
+  }
+  for (int k0 = 0; k0 < K; k0 += 128) {
+    const int lo_bytes = (K - k0 >= 128 ? 64 : 32);
+    for (int L = 0; L < lo_bytes / 4; L++) {
+      int32_t t = 0;
+      for (int b = 4 * L; b < 4 * L + 4; b++) t += xq[k0 + b] + xq[k0 + lo_bytes + b];
+      co[k0 / 8 + L] = -8 * t;
+    }
+  }
+}
+
+#define Q8_MT(MT) \
+static void q8_##MT(const uint8_t *p, const float *s, const int8_t *XQ, const int32_t *CO, \
+                    const float *SX, float *Y, int N, int K, int n, int m0) { \
+  __m512 acc[MT]; \
+  for (int m = 0; m < MT; m++) acc[m] = _mm512_setzero_ps(); \
+  const __m512i nib = _mm512_set1_epi8(15); \
+  int k = 0; \
+  for (; k + 128 <= K; k += 128) { \
+    const __m512i w = _mm512_loadu_si512((const void *)(p + k / 2)); \
+    const __m512i lo = _mm512_and_si512(w, nib); \
+    const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), nib); \
+    const __m512 sw = _mm512_insertf32x8(_mm512_set1_ps(s[k / 64]), \
+                                         _mm256_set1_ps(s[k / 64 + 1]), 1); \
+    for (int m = 0; m < MT; m++) { \
+      const size_t r = (size_t)(m0 + m); \
+      const int8_t *xq = XQ + r * K + k; \
+      __m512i a = _mm512_loadu_si512((const void *)(CO + r * (K / 8) + k / 8)); \
+      a = _mm512_dpbusd_epi32(a, lo, _mm512_loadu_si512((const void *)xq)); \
+      a = _mm512_dpbusd_epi32(a, hi, _mm512_loadu_si512((const void *)(xq + 64))); \
+      const __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(a), \
+                                     _mm512_loadu_ps(SX + r * (K / 8) + k / 8)); \
+      acc[m] = _mm512_fmadd_ps(f, sw, acc[m]); \
+    } \
+  } \
+  if (k < K) { /* the last 64 inputs: half a chunk */ \
+    const __m256i w = _mm256_loadu_si256((const __m256i *)(p + k / 2)); \
+    const __m256i nib8 = _mm256_set1_epi8(15); \
+    const __m256i lo = _mm256_and_si256(w, nib8); \
+    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), nib8); \
+    const __m256 sw = _mm256_set1_ps(s[k / 64]); \
+    for (int m = 0; m < MT; m++) { \
+      const size_t r = (size_t)(m0 + m); \
+      const int8_t *xq = XQ + r * K + k; \
+      __m256i a = _mm256_loadu_si256((const __m256i *)(CO + r * (K / 8) + k / 8)); \
+      a = _mm256_dpbusd_epi32(a, lo, _mm256_loadu_si256((const __m256i *)xq)); \
+      a = _mm256_dpbusd_epi32(a, hi, _mm256_loadu_si256((const __m256i *)(xq + 32))); \
+      const __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(a), \
+                                     _mm256_loadu_ps(SX + r * (K / 8) + k / 8)); \
+      acc[m] = _mm512_add_ps(acc[m], _mm512_zextps256_ps512(_mm256_mul_ps(f, sw))); \
+    } \
+  } \
+  for (int m = 0; m < MT; m++) Y[(size_t)(m0 + m) * N + n] = _mm512_reduce_add_ps(acc[m]); \
+}
+#define Q8_ONE(unused, MT) Q8_MT(MT)
+EACH_MT(Q8_ONE, 0)
+#else
+#define HAVE_Q4A8 0
+#endif
+
+int q4a8_native(void) { return HAVE_Q4A8; }
+
+void gemv_q4a8(const uint8_t *P, const float *S, const float *X, float *Y, int M, int N, int K,
+               int G) {
+#if HAVE_Q4A8
+  if (G == 64 && K % 64 == 0) {
+    const size_t lanes = (size_t)M * (K / 8);
+    char *buf = malloc((size_t)M * K + lanes * 8);
+    if (buf) {
+      int32_t *co = (int32_t *)buf;
+      float *sx = (float *)(co + lanes);
+      int8_t *xq = (int8_t *)(sx + lanes);
+      for (int m = 0; m < M; m++)
+        q8_row(X + (size_t)m * K, K, xq + (size_t)m * K, co + (size_t)m * (K / 8),
+               sx + (size_t)m * (K / 8));
+      const int groups = (M + 7) / 8;
+      for (int n = 0; n < N; n++) {
+        const uint8_t *p = P + (size_t)n * (K / 2);
+        const float *s = S + (size_t)n * (K / G);
+        for (int g = 0, m0 = 0; g < groups; g++) {
+#define q8_CALL(MT) q8_##MT(p, s, xq, co, sx, Y, N, K, n, m0)
+          const int mt = (M - m0) / (groups - g);
+          SWITCH_MT(q8_CALL, mt)
+          m0 += mt;
+        }
+      }
+      free(buf);
+      return;
+    }
+  }
+#endif
+  gemv_int4(P, S, X, Y, M, N, K, G);
+}
+
+/* ---------------------------------------------------------------------------------------------
  * A whole Llama decoder stack for a few rows (decode steps, verify blocks), in one call.
  *
  * Per row and layer the torch path runs ~40 small ops (norms, rotary, SDPA, SiLU, residuals),
@@ -189,11 +335,9 @@ void gemv_int4(const uint8_t *P, const float *S, const float *X, float *Y, int M
  * [rlo[m], rslot[m]] of that batch row (causal within a block: all rows write first).
  * KV buffer: element strides per layer, key/value, batch row, KV head, slot; head_dim contiguous.
  */
-#include <math.h>
-#include <stdlib.h>
 
 typedef struct {
-  int32_t kind; /* 0 fp32, 1 bf16, 2 int4 (symmetric, see gemv_int4) */
+  int32_t kind; /* 0 fp32, 1 bf16, 2 int4 (symmetric, see gemv_int4), 3 int4 x int8 (gemv_q4a8) */
   int32_t N, K, G;
   const void *w;
   const float *s;
@@ -202,7 +346,8 @@ typedef struct {
 static void lin_apply(const lin_t *L, const float *X, float *Y, int M) {
   if (L->kind == 0) gemv_f32((const float *)L->w, X, Y, M, L->N, L->K);
   else if (L->kind == 1) gemv_bf16((const uint16_t *)L->w, X, Y, M, L->N, L->K);
-  else gemv_int4((const uint8_t *)L->w, L->s, X, Y, M, L->N, L->K, L->G);
+  else if (L->kind == 2) gemv_int4((const uint8_t *)L->w, L->s, X, Y, M, L->N, L->K, L->G);
+  else gemv_q4a8((const uint8_t *)L->w, L->s, X, Y, M, L->N, L->K, L->G);
 }
 
 /* As transformers' LlamaRMSNorm in fp32: y = w * (x / sqrt(mean(x^2) + eps)) */
@@ -247,7 +392,7 @@ static void attend(const float *q, const float *K, const float *V, int64_t s_pos
     v16 o = {0};
     for (int j = lo; j <= hi; j++) o += sc[j - lo] * ld(V + (int64_t)j * s_pos + d);
     o *= inv;
-    memcpy(out + d, &o, 64);
+    st(out + d, o);
   }
 }
 

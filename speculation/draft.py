@@ -133,7 +133,15 @@ class Int4Linear(nn.Module):
     through the streaming kernel (fp32 math), longer ones through torch's CPU int4pack op in
     ``dtype`` (activations are cast to it and back)."""
 
-    def __init__(self, q: torch.Tensor, scales: torch.Tensor, group_size: int, dtype: torch.dtype):
+    def __init__(
+        self,
+        q: torch.Tensor,
+        scales: torch.Tensor,
+        group_size: int,
+        dtype: torch.dtype,
+        *,
+        int8_act: bool = False,
+    ):
         super().__init__()
         if group_size not in _KERNEL_GROUPS:
             raise DraftError(f"group size {group_size} not in {_KERNEL_GROUPS} (CPU int4 kernel)")
@@ -149,11 +157,15 @@ class Int4Linear(nn.Module):
         if self.stream:
             self.register_buffer("q4", _kernels.pack_int4(q), persistent=False)
             self.register_buffer("q4_scales", scales.float().t().contiguous(), persistent=False)
+        # The streaming path on int8 activations (see ``_kernels.int4_matmul``).
+        self.int8_act = self.stream and int8_act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         if self.stream and x.numel() <= _kernels.MAX_ROWS * self.in_features and _kernels.enabled():
-            y = _kernels.int4_matmul(self.q4, self.q4_scales, x, self.group_size)
+            y = _kernels.int4_matmul(
+                self.q4, self.q4_scales, x, self.group_size, int8_act=self.int8_act
+            )
             return y.reshape(*shape[:-1], self.out_features).to(x.dtype)
         sz = self.scales_and_zeros  # the op runs in its dtype (fp32 there is ~5x slower than bf16)
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(
@@ -296,14 +308,21 @@ def draft_stats(folder: Path) -> dict:
 
 
 def load_draft(
-    folder: str | Path | None = None, *, act_dtype: torch.dtype | None = None
+    folder: str | Path | None = None,
+    *,
+    act_dtype: torch.dtype | None = None,
+    int8_act: bool | None = None,
 ) -> DraftModel:
     """Load a symmetric GPTQ int4 folder for CPU execution (``None``: the default draft).
 
     ``act_dtype`` None: fp32 when the streaming kernels are available (decode then runs fp32
     activations over int4 linears and a bf16 lm_head, ~2x faster than bf16 activations, whose
     norms, rotary and attention convert on every op), else bf16. Prefill (more than
-    ``_kernels.MAX_ROWS`` tokens) runs torch's int4 op in bf16 either way."""
+    ``_kernels.MAX_ROWS`` tokens) runs torch's int4 op in bf16 either way.
+
+    ``int8_act`` None: decode steps round each linear's activations to int8 (per 64 inputs) and
+    multiply in integers where the CPU has AVX-512 VNNI (``_kernels.int8_activations()``): a
+    draft's outputs are only proposals, the target decides what is committed."""
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -323,6 +342,8 @@ def load_draft(
         model = AutoModelForCausalLM.from_config(config, dtype=act_dtype)
     state = load_file(str(folder / "model.safetensors"))
     group_size = int(qcfg["group_size"])
+    if int8_act is None:
+        int8_act = _kernels.int8_activations()
     for i, layer in enumerate(model.model.layers):
         for name in LLAMA_LINEARS:
             prefix = f"model.layers.{i}.{name}"
@@ -331,7 +352,8 @@ def load_draft(
             }
             q, scales, gs = from_gptq(parts)
             parent, child = name.split(".")
-            setattr(layer.get_submodule(parent), child, Int4Linear(q, scales, gs, torch.bfloat16))
+            lin = Int4Linear(q, scales, gs, torch.bfloat16, int8_act=int8_act)
+            setattr(layer.get_submodule(parent), child, lin)
     plain = {k: v.to(act_dtype) for k, v in state.items()}
     missing, unexpected = model.load_state_dict(plain, strict=False, assign=True)
     if unexpected or [m for m in missing if m != "lm_head.weight"]:
