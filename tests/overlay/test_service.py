@@ -197,3 +197,51 @@ async def test_forward_with_the_real_model_matches_local_generation(loaded) -> N
         reference = await a.engine.generate(request, {"max_tokens": 4})  # greedy, on A itself
         assert res.tokens == reference.tokens
         nursery.cancel_scope.cancel()
+
+
+async def test_a_cached_request_behind_a_long_miss_stays_on_its_node(loaded) -> None:
+    """The local queue is counted as this request would meet it: prefills share the engine's
+    steps round robin, so a prompt whose prefix is cached here waits for a chunk of a long
+    miss running here, not for all of it, and is not sent to a peer that holds the prefix
+    too (the bound for any request would say it waits seconds: that forward lost)."""
+    async with (
+        trio.open_nursery() as nursery,
+        routed_nodes(loaded, 2, nursery) as (nodes, services),
+    ):
+        a, b = services
+        for svc in services:
+            c = svc.engine.cost
+            c.prefill_s_per_token, c.decode_s_per_token, c.overhead_s = 3e-3, 0.02, 0.0
+            svc.router.rtt_s = lambda peer: 0.002  # a LAN, whatever the starved loop's pings
+        shared = prompt(480, seed=41)
+        for svc in services:
+            await svc.engine.generate(shared, {"max_tokens": 1})
+        hs = block_hashes(shared, a.salt)
+        await wait_until(
+            lambda: a.views.cached_prefix_tokens(b.node.peer_id, hs, a.model_id) >= 480,
+            10,
+            "node a's view of the prefix node b cached",
+        )
+        # A is busy: a chat decoding (so prefills go in chunks) and a 1,500-token miss.
+        chat = a.engine.stream(prompt(20, seed=42), {"max_tokens": 300})
+        await chat.__anext__()
+        long = a.engine.stream(prompt(1500, seed=43), {"max_tokens": 1})
+        await trio.sleep(0.1)
+        assert a.engine.estimated_wait_s() > 3.0  # the bound: the whole miss is ahead
+        finished: list[str] = []
+
+        async def drain() -> None:
+            async for _ in long:
+                pass
+            finished.append("long")
+
+        nursery.start_soon(drain)
+        res = await a.generate(shared + prompt(20, seed=44), {"max_tokens": 1})
+        finished.append("cached")
+        local = res.decision.estimate_for("local")
+        assert res.served_locally, json.dumps(res.decision.to_log())
+        assert local.wait_s < 1.0 and res.cached_tokens >= 480
+        await wait_until(lambda: "long" in finished, 30, "the long miss to finish")
+        assert finished == ["cached", "long"]
+        await chat.aclose()
+        nursery.cancel_scope.cancel()
