@@ -202,8 +202,9 @@ async def test_forward_with_the_real_model_matches_local_generation(loaded) -> N
 async def test_a_cached_request_behind_a_long_miss_stays_on_its_node(loaded) -> None:
     """The local queue is counted as this request would meet it: prefills share the engine's
     steps round robin, so a prompt whose prefix is cached here waits for a chunk of a long
-    miss running here, not for all of it, and is not sent to a peer that holds the prefix
-    too (the bound for any request would say it waits seconds: that forward lost)."""
+    miss running here, not for all of it. Both nodes hold the prefix and both are busy, the
+    peer less so by the bound its digest carries: the request stays here, where it finishes
+    before the long miss (by the bound, the peer looked ~1 s sooner: that forward lost)."""
     async with (
         trio.open_nursery() as nursery,
         routed_nodes(loaded, 2, nursery) as (nodes, services),
@@ -222,26 +223,35 @@ async def test_a_cached_request_behind_a_long_miss_stays_on_its_node(loaded) -> 
             10,
             "node a's view of the prefix node b cached",
         )
-        # A is busy: a chat decoding (so prefills go in chunks) and a 1,500-token miss.
+        # B is busy with a 1,100-token miss; A with a chat decoding (so its prefills go in
+        # chunks) and a 1,500-token miss.
+        b_miss = b.engine.stream(prompt(1100, seed=45), {"max_tokens": 1})
         chat = a.engine.stream(prompt(20, seed=42), {"max_tokens": 300})
         await chat.__anext__()
         long = a.engine.stream(prompt(1500, seed=43), {"max_tokens": 1})
-        await trio.sleep(0.1)
-        assert a.engine.estimated_wait_s() > 3.0  # the bound: the whole miss is ahead
+
+        def b_looks_busy() -> bool:
+            view = a.views.get(b.node.peer_id, a.model_id)
+            return view is not None and view.load.est_wait_s > 2.0
+
+        await wait_until(b_looks_busy, 10, "node a's view of b's queue")
+        assert a.engine.estimated_wait_s() > 3.5  # the bound: the whole miss is ahead
         finished: list[str] = []
 
-        async def drain() -> None:
-            async for _ in long:
+        async def drain(name: str, stream) -> None:
+            async for _ in stream:
                 pass
-            finished.append("long")
+            finished.append(name)
 
-        nursery.start_soon(drain)
+        nursery.start_soon(drain, "long", long)
+        nursery.start_soon(drain, "b", b_miss)
         res = await a.generate(shared + prompt(20, seed=44), {"max_tokens": 1})
         finished.append("cached")
-        local = res.decision.estimate_for("local")
-        assert res.served_locally, json.dumps(res.decision.to_log())
-        assert local.wait_s < 1.0 and res.cached_tokens >= 480
+        log = json.dumps(res.decision.to_log())
+        local, peer = res.decision.estimate_for("local"), res.decision.estimate_for(b.node.peer_id)
+        assert res.served_locally and res.cached_tokens >= 480, log
+        assert local.wait_s < 1.0 < peer.wait_s, log
         await wait_until(lambda: "long" in finished, 30, "the long miss to finish")
-        assert finished == ["cached", "long"]
+        assert finished.index("cached") < finished.index("long")
         await chat.aclose()
         nursery.cancel_scope.cancel()
