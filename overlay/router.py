@@ -45,9 +45,7 @@ Contract:
   ``placement_share`` of a full prefill of the best total. Every entry node ranks the same
   peers the same way, so misses of one prefix converge on one home; a home in push-back (or
   with a queue that takes it out of the budget) drops out and the next in rank becomes a
-  second home. Far peers never qualify: their network cost exceeds the budget; nor do peers
-  whose answers would be held for their audit (``hold``, probation): later hits there would pay
-  that hold as well, so the key is ranked over the other peers (and this node) until they pass. Given a
+  second home. Far peers never qualify: their network cost exceeds the budget. Given a
   ``placement_pool``, the ranking runs over those peers only (and this node): with scoped
   views, the node's cell (``overlay/scope.py``), one set every node of the cell has in view,
   where the peers of each node's own scope differ from node to node.
@@ -528,30 +526,21 @@ class Router:
         pool = [c for c in candidates if c.is_local or c.skipped is None]
         if not pool or any(c.cached_tokens >= blocks * BLOCK_SIZE - 1 for c in pool):
             return None  # somebody holds the key: ordinary cost routing finds them
-        # A peer whose answers are still held for their audit is no home yet: every later hit
-        # there pays that hold too (the origin re-scores the whole prompt), so the prefix
-        # would be placed where it cannot be used. Measured on a cold LAN trial: misses placed
-        # on peers on probation took 2.1-3.0 s where serving them here took 0.9-2.2 s.
-        # The budget still counts from the best candidate, held or not: a home must not cost
-        # much more than what cost routing would pick.
-        best = min(c.total_s for c in pool)
-        pool = [c for c in pool if c.hold_s == 0.0]
         if self.placement_pool is not None:
             pool = [c for c in pool if c.is_local or self.placement_pool(c.peer_id)]
-        if not pool:
-            return None  # nobody of the pool is a candidate (no local engine either)
+            if not pool:
+                return None  # nobody of the pool is a candidate (no local engine either)
         if any(c.is_local for c in pool) and self.self_id is None:
             return None  # without our own name the ranking would differ from our peers'
+        best = min(c.total_s for c in pool)
         rate = local.prefill_s_per_token or max(
             (c.prefill_s / max(1, prompt_tokens - c.cached_tokens) for c in eligible), default=0
         )
         budget = best + cfg.placement_share * prompt_tokens * rate
         key = placement_key(prompt_block_hashes, cfg.placement_blocks)
-        within = [c for c in pool if c.total_s <= budget]
-        if not within:
-            return None  # no unheld candidate near the best: ordinary cost routing
         home = max(
-            within, key=lambda c: rendezvous_rank(key, self.self_id if c.is_local else c.peer_id)
+            (c for c in pool if c.total_s <= budget),
+            key=lambda c: rendezvous_rank(key, self.self_id if c.is_local else c.peer_id),
         )
         return LOCAL if home.is_local else home.peer_id
 

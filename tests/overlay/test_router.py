@@ -203,35 +203,6 @@ def test_placement_skips_a_home_in_push_back_and_far_peers() -> None:
     assert decide(router, tokens, 8).placement_home is None
 
 
-def test_a_miss_is_never_placed_on_a_peer_whose_answers_are_held() -> None:
-    """A peer on probation has its answers held for the origin's audit, and so would every
-    later hit there: it is no home. The rendezvous runs over the others, and a busy entry node
-    whose home would otherwise be a held peer serves the miss itself."""
-    keys, routers = placement_routers(4)
-    tokens = prompt(200, seed=100)
-    home = home_of(routers[0], tokens)
-    entry = next(r for r, k in zip(routers, keys, strict=True) if k.peer_id != home)
-    # With ours busy (a 0.3 s queue), the held home would still be within the budget.
-    hold = {home: 0.2}
-    entry.hold_s = lambda peer, _tokens: hold.get(peer, 0.0)
-    d = decide(entry, tokens, 8, wait=0.3)
-    assert d.placement_home not in (None, home) and d.chosen != home
-    assert d.estimate_for(home).hold_s == pytest.approx(0.2)
-    # The others rank the key the same way without the held peer.
-    others = [r for r, k in zip(routers, keys, strict=True) if k.peer_id != home]
-    for r in others:
-        r.hold_s = entry.hold_s
-    second = {home_of(r, tokens) for r in others}
-    assert len(second) == 1 and home not in second
-    # Every peer held, ours busy: the miss stays here rather than wait for an audit elsewhere.
-    entry.hold_s = lambda _peer, _tokens: 0.2
-    d = decide(entry, tokens, 8, wait=0.3)
-    assert d.chosen == LOCAL and d.placement_home == LOCAL
-    # The hold passes (probation over): the held peer is the home again.
-    entry.hold_s = None
-    assert decide(entry, tokens, 8).placement_home == home
-
-
 def test_what_this_node_forwarded_counts_as_cached_there() -> None:
     # A chat's history is used once: never advertised. The node that forwarded the previous
     # turn still knows where it lives, and sends the next turn after it.
