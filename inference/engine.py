@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -206,6 +207,10 @@ class Engine(EngineFront):
         self._active: list[_Request] = []
         self._ids = itertools.count(1)
         self._rr = 0
+        # The step in progress: the request it prefills and how many of its tokens, and when
+        # it should end by the cost model (a new request's wait starts with the rest of it).
+        self._step_prefill: tuple[_Request, int] | None = None
+        self._step_end = 0.0
         self._wakeup = trio.Event()
         self._closed = False
         self.steps = 0
@@ -245,25 +250,70 @@ class Engine(EngineFront):
         """Requests in the engine: waiting for a slot plus running."""
         return len(self._waiting) + len(self._active)
 
-    def estimated_wait_s(self) -> float:
-        """Rough seconds before a new request would start its own prefill.
+    def estimated_wait_s(self, prefill_tokens: int | None = None) -> float:
+        """Rough seconds a new request loses to the work already here.
 
-        Prefill work ahead of it (remaining prompt tokens of running and waiting requests) plus,
-        when all ``max_batch`` slots are taken, the decode time until enough slots free up. A
+        Without ``prefill_tokens``: the prefill work ahead of it (remaining prompt tokens of
+        running and waiting requests) plus, when all ``max_batch`` slots are taken, the decode
+        time until enough slots free up; a bound for any request (digests advertise it). A
         waiting request's prefix shared with one ahead of it counts as cached: that one inserts
         it before the waiting one is admitted (a burst of same-subject prompts is one prefill,
         not one per request; counting each as a miss overstated the local wait ~1.3 s in
         200 ms trials and sent requests on forwards that lost).
+
+        With ``prefill_tokens`` (the uncached prompt tokens of the request in question) and a
+        free slot: the scheduler admits it at the next step and runs the prefills round robin,
+        ``prefill_chunk`` tokens each, so it waits for the rest of the step in progress and
+        then for one chunk of each other prefill per chunk of its own, not for the whole
+        backlog. Never more than the bound above. A cached request behind a long miss waited
+        ~0.1 s where the bound said 2-3 s, and the router sent it away on forwards that lost.
         """
+        backlog, remaining = self._prefill_backlog()
+        fifo = self._fifo_wait_s(backlog)
+        if prefill_tokens is None or self.queue_depth >= self.max_batch:
+            return fifo
         c = self.cost
-        backlog = sum(len(r.prompt) - r.pos for r in self._active)
+        chunk = self.prefill_chunk
+        turns = max(1, math.ceil(prefill_tokens / chunk))
+        interleaved = [min(r, turns * chunk) for r in remaining if r > 0]
+        others_chunks = sum(math.ceil(t / chunk) for t in interleaved)
+        steps = turns + others_chunks  # each also decodes one token of every decoding request
+        decoding = [
+            self.lengths.remaining(len(r.tokens), r.params.max_tokens)
+            for r in self._active
+            if not r.prefilling
+        ]
+        wait = (
+            max(0.0, self._step_end - time.perf_counter())
+            + sum(interleaved) * c.prefill_s_per_token
+            + others_chunks * c.overhead_s
+            + min(steps, max(decoding, default=0)) * c.decode_s_per_token
+        )
+        return min(fifo, wait)
+
+    def _prefill_backlog(self) -> tuple[int, list[int]]:
+        """Prompt tokens still to prefill ahead of a new request: the total and per request
+        (a waiting request's prefix shared with one ahead of it counts as cached)."""
+        remaining = [len(r.prompt) - r.pos - self._in_step(r) for r in self._active]
         ahead_prompts = [r.prompt for r in self._active]
         for r in self._waiting:
             reuse = self.tree.prefix_len(r.prompt)
             for p in ahead_prompts[-_SHARED_PREFIX_LOOKBACK:]:
                 reuse = max(reuse, _shared_prefix_len(r.prompt, p))
-            backlog += len(r.prompt) - reuse
+            remaining.append(len(r.prompt) - reuse)
             ahead_prompts.append(r.prompt)
+        return sum(len(r.prompt) - r.pos for r in self._active) + sum(
+            remaining[len(self._active) :]
+        ), remaining
+
+    def _in_step(self, req: _Request) -> int:
+        """Prompt tokens of ``req`` the step in progress is prefilling (0 when none)."""
+        if self._step_prefill is None or self._step_prefill[0] is not req:
+            return 0
+        return self._step_prefill[1]
+
+    def _fifo_wait_s(self, backlog: int) -> float:
+        c = self.cost
         wait = backlog * c.prefill_s_per_token
         ahead = len(self._waiting) + len(self._active) - self.max_batch + 1
         if ahead > 0:
@@ -410,6 +460,15 @@ class Engine(EngineFront):
             if prefilling:
                 self._rr = (self._rr + 1) % len(prefilling)
                 prefill = prefilling[self._rr]
+            if prefill is not None:
+                chunk = self.prefill_chunk if (decode or len(self._active) > 1) else self.solo_chunk
+                n = min(chunk, len(prefill.prompt) - prefill.pos)
+                self._step_prefill = (prefill, n)
+            c = self.cost
+            self._step_end = time.perf_counter() + (
+                (c.overhead_s + self._step_prefill[1] * c.prefill_s_per_token if prefill else 0.0)
+                + (c.decode_s_per_token if decode else 0.0)
+            )
             try:
                 await trio.to_thread.run_sync(self._step, admit, prefill, decode)
             except Exception as exc:  # a failed forward fails its batch, not the engine
@@ -417,6 +476,7 @@ class Engine(EngineFront):
                     if req in self._active:
                         self._active.remove(req)
                     self._finish(req, exc)
+            self._step_prefill, self._step_end = None, 0.0
             self.steps += 1
             self._deliver()
             await trio.lowlevel.checkpoint()

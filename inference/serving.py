@@ -26,7 +26,10 @@ class ServingEngine(Protocol):
     @property
     def queue_depth(self) -> int: ...
 
-    def estimated_wait_s(self) -> float: ...
+    def estimated_wait_s(self, prefill_tokens: int | None = None) -> float:
+        """Seconds a new request loses to the work already here: for one with that many
+        uncached prompt tokens, or (None) a bound for any request."""
+        ...
 
     def cached_prefix_len(self, prompt_ids: Sequence[int]) -> int:
         """Tokens of ``prompt_ids`` the engine's own cache holds (exact, not a digest)."""

@@ -227,7 +227,9 @@ class VllmEngine(EngineFront):
     def queue_depth(self) -> int:
         return len(self._inflight)
 
-    def estimated_wait_s(self) -> float:
+    def estimated_wait_s(self, prefill_tokens: int | None = None) -> float:
+        # vLLM's own scheduler decides how prefills share steps: the bound for any request.
+        del prefill_tokens
         c = self.cost
         waiting = [r for r in self._inflight.values() if not r.started]
         backlog = sum(len(r.prompt) - self.cached_prefix_len(r.prompt) for r in waiting)

@@ -18,7 +18,11 @@ Contract:
   (stale views cost what they really cost). What this node itself forwarded to a peer counts as
   cached there too (``note_forwarded``): a chat's history is used once, so it is never advertised,
   yet its next turn should follow it. For the local node: no network, the engine's exact
-  cached prefix, wait and calibrated speeds. ``expected_tokens`` is the predicted output length
+  cached prefix and calibrated speeds, and its wait for this very request
+  (``estimated_wait_s(uncached tokens)``: prefills share the engine's steps round robin, so a
+  short one behind a long miss waits for a chunk of it, not all of it); a peer's digest can
+  only carry the bound for any request, so a busy peer looks busier than it is for a short
+  one, which errs towards serving here. ``expected_tokens`` is the predicted output length
   (``inference/lengths.py``), never more than ``max_tokens``. ``hold`` is how long the answer
   would wait here for its audit before release (``hold_s``; a peer on probation,
   ``overlay/audit.py``: the origin's scoring pass over prompt and answer); it is what makes a

@@ -285,9 +285,11 @@ class RoutedService:
         e = self.engine
         if e is None:
             return LocalState(0, 0.0, 0.0, 0.0, available=False)
+        cached = e.cached_prefix_len(prompt)
         return LocalState(
-            cached_tokens=e.cached_prefix_len(prompt),
-            wait_s=e.estimated_wait_s(),
+            cached_tokens=cached,
+            # This request's own wait: behind a long prefill a short one shares the steps.
+            wait_s=e.estimated_wait_s(max(1, len(prompt) - cached)),
             prefill_s_per_token=e.cost.prefill_s_per_token,
             decode_s_per_token=e.cost.decode_s_per_token,
             overhead_s=e.cost.overhead_s,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import trio
@@ -255,6 +257,45 @@ async def test_queued_requests_sharing_a_prefix_count_it_once(loaded) -> None:
         assert eng.estimated_wait_s() == pytest.approx((216 + 16 + 16) * 1e-3, abs=1e-9)
         for st in streams:
             await st.aclose()
+
+
+async def test_a_short_request_behind_a_long_prefill_waits_a_chunk_not_the_backlog(
+    loaded,
+) -> None:
+    """Prefills share steps round robin: a request needing one chunk, admitted while a long
+    prompt is being prefilled, waits for about one chunk of it, and its estimate says so,
+    where the bound for any request counts the whole backlog."""
+    async with engine(loaded, backend="emulated", max_batch=4, prefill_chunk=64) as eng:
+        c = eng.cost
+        c.prefill_s_per_token, c.decode_s_per_token, c.overhead_s = 2e-3, 1e-3, 0.0
+        # A decoding request keeps the long prompt at prefill_chunk per step.
+        chat = eng.stream([(11 + 7 * i) % 5000 for i in range(20)], SamplingParams(max_tokens=400))
+        await chat.__anext__()
+        long_prompt = [(5 + 13 * i) % 5000 for i in range(640)]
+        long = eng.stream(long_prompt, SamplingParams(max_tokens=1))
+        await trio.sleep(0.05)  # its prefill has started
+        bound = eng.estimated_wait_s()
+        short_wait = eng.estimated_wait_s(16)
+        assert bound > 0.9  # most of 640 tokens at 2 ms
+        assert short_wait < 0.3 * bound
+        done: list[str] = []
+
+        async def run(name: str, stream) -> None:
+            async for _ in stream:
+                pass
+            done.append(name)
+
+        t0 = time.perf_counter()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(run, "long", long)
+            short = eng.stream(
+                [(3 + 17 * i) % 5000 for i in range(17)], SamplingParams(max_tokens=1)
+            )
+            nursery.start_soon(run, "short", short)
+        assert done == ["short", "long"]  # the one-chunk request did not queue behind it
+        assert short.result.total_s < bound
+        assert time.perf_counter() - t0 >= short.result.total_s
+        await chat.aclose()
 
 
 async def test_long_prefill_is_chunked_between_decode_steps(loaded) -> None:

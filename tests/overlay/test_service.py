@@ -197,3 +197,61 @@ async def test_forward_with_the_real_model_matches_local_generation(loaded) -> N
         reference = await a.engine.generate(request, {"max_tokens": 4})  # greedy, on A itself
         assert res.tokens == reference.tokens
         nursery.cancel_scope.cancel()
+
+
+async def test_a_cached_request_behind_a_long_miss_stays_on_its_node(loaded) -> None:
+    """The local queue is counted as this request would meet it: prefills share the engine's
+    steps round robin, so a prompt whose prefix is cached here waits for a chunk of a long
+    miss running here, not for all of it. Both nodes hold the prefix and both are busy, the
+    peer less so by the bound its digest carries: the request stays here, where it finishes
+    before the long miss (by the bound, the peer looked ~1 s sooner: that forward lost)."""
+    async with (
+        trio.open_nursery() as nursery,
+        routed_nodes(loaded, 2, nursery) as (nodes, services),
+    ):
+        a, b = services
+        for svc in services:
+            c = svc.engine.cost
+            c.prefill_s_per_token, c.decode_s_per_token, c.overhead_s = 3e-3, 0.02, 0.0
+            svc.router.rtt_s = lambda peer: 0.002  # a LAN, whatever the starved loop's pings
+        shared = prompt(480, seed=41)
+        for svc in services:
+            await svc.engine.generate(shared, {"max_tokens": 1})
+        hs = block_hashes(shared, a.salt)
+        await wait_until(
+            lambda: a.views.cached_prefix_tokens(b.node.peer_id, hs, a.model_id) >= 480,
+            10,
+            "node a's view of the prefix node b cached",
+        )
+        # B is busy with a 1,100-token miss; A with a chat decoding (so its prefills go in
+        # chunks) and a 1,500-token miss.
+        b_miss = b.engine.stream(prompt(1100, seed=45), {"max_tokens": 1})
+        chat = a.engine.stream(prompt(20, seed=42), {"max_tokens": 300})
+        await chat.__anext__()
+        long = a.engine.stream(prompt(1500, seed=43), {"max_tokens": 1})
+
+        def b_looks_busy() -> bool:
+            view = a.views.get(b.node.peer_id, a.model_id)
+            return view is not None and view.load.est_wait_s > 2.0
+
+        await wait_until(b_looks_busy, 10, "node a's view of b's queue")
+        assert a.engine.estimated_wait_s() > 3.5  # the bound: the whole miss is ahead
+        finished: list[str] = []
+
+        async def drain(name: str, stream) -> None:
+            async for _ in stream:
+                pass
+            finished.append(name)
+
+        nursery.start_soon(drain, "long", long)
+        nursery.start_soon(drain, "b", b_miss)
+        res = await a.generate(shared + prompt(20, seed=44), {"max_tokens": 1})
+        finished.append("cached")
+        log = json.dumps(res.decision.to_log())
+        local, peer = res.decision.estimate_for("local"), res.decision.estimate_for(b.node.peer_id)
+        assert res.served_locally and res.cached_tokens >= 480, log
+        assert local.wait_s < 1.0 < peer.wait_s, log
+        await wait_until(lambda: "long" in finished, 30, "the long miss to finish")
+        assert finished.index("cached") < finished.index("long")
+        await chat.aclose()
+        nursery.cancel_scope.cancel()
