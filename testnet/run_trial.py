@@ -34,6 +34,7 @@ import argparse
 import json
 import os
 import shlex
+import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -412,6 +413,10 @@ def run_trial(
     return results
 
 
+def _interrupt(signum: int, _frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m p2pnode.testnet.run_trial")
     parser.add_argument(
@@ -433,6 +438,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="drop the spec's [[churn]] events (the same trial without churn, for comparison)",
     )
     args = parser.parse_args(argv)
+    # SIGTERM (`timeout`, a job scheduler, kill) takes the Ctrl-C path, which stops every node
+    # the trial started; left to its default it ended the runner alone and orphaned them all.
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         spec = load_spec(builtin_spec_path(args.spec))
     except SpecError as exc:

@@ -582,3 +582,45 @@ def test_smoke_trial_on_namespace_hosts(tmp_path):
                 assert peer["rtt_ms"] >= (10.0 if pair == {"x", "y"} else 2.0), (k, peer)
     leftovers = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert f"p2p{os.getpid()}-" not in leftovers, leftovers
+
+
+def test_a_trial_stopped_by_sigterm_stops_every_node_it_started(tmp_path):
+    """`timeout` and job schedulers stop a trial with SIGTERM: the runner must take the nodes
+    down with it (it once exited alone and left 69 node processes running)."""
+    import signal
+    import sys
+
+    out = tmp_path / "out"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "p2pnode.testnet.run_trial", "smoke", "--out", str(out)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        runtimes: list[Path] = []
+        while time.monotonic() < deadline and len(runtimes) < 2 and proc.poll() is None:
+            time.sleep(0.2)
+            runtimes = list(out.glob("nodes/*/*/runtime.json"))
+        assert len(runtimes) >= 2, "the trial's nodes never started"
+        pids = [json.loads(p.read_text())["pid"] for p in runtimes]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=90) == 130
+        for pid in pids:
+            for _ in range(50):  # a stopped child may linger a moment before it is reaped
+                if not _alive(pid):
+                    break
+                time.sleep(0.1)
+            assert not _alive(pid), f"node process {pid} outlived its trial"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][0] != "Z"  # a zombie has stopped running
+    except FileNotFoundError:
+        return False
