@@ -250,16 +250,13 @@ class OverlayDHT:
         )
         return newest
 
-    async def _closest(self, key_bytes: bytes) -> list[ID]:
-        """The k closest peers to the key by an iterative walk of the network."""
+    async def _closest(self, key_bytes: bytes, *, as_libp2p: bool = False) -> list[ID]:
+        """The k closest peers to the key by an iterative walk of the network; with
+        ``as_libp2p``, where libp2p's own puts and announcements went (links only after
+        `keep_to_links`)."""
+        find = self.kad.peer_routing.find_closest_peers_network if as_libp2p else self._walk
         with trio.move_on_after(QUERY_TIMEOUT * 2):
-            return list(await self._walk(key_bytes))
-        return self.kad.routing_table.find_local_closest_peers(key_bytes)
-
-    async def _stored_at(self, key_bytes: bytes) -> list[ID]:
-        """Where libp2p's own puts and announcements went (links only after `keep_to_links`)."""
-        with trio.move_on_after(QUERY_TIMEOUT * 2):
-            return list(await self.kad.peer_routing.find_closest_peers_network(key_bytes))
+            return list(await find(key_bytes))
         return self.kad.routing_table.find_local_closest_peers(key_bytes)
 
     # -- providers ----------------------------------------------------------------------
@@ -271,7 +268,7 @@ class OverlayDHT:
         me = self.host.get_id()
         with trio.move_on_after(confirm_timeout):
             while True:
-                closest = [p for p in await self._stored_at(key) if p != me][:3]
+                closest = [p for p in await self._closest(key, as_libp2p=True) if p != me][:3]
                 if not closest:
                     return 0  # alone in the network: the local record is all there is
                 confirmed = [0]

@@ -320,7 +320,7 @@ class OverlayNode:
             "record_seq": self.record.seq if self.record else None,
             "announced": self.announced.is_set(),
             "pubsub_topics": sorted(self.pubsub.topic_ids),
-            "counters": dict(self.counters + getattr(self.pubsub, "counters", Counter())),
+            "counters": dict(self.counters),
         }
 
     async def trim_connections(self) -> list[str]:
@@ -448,6 +448,7 @@ async def open_overlay_node(config: OverlayConfig) -> AsyncIterator[OverlayNode]
     host.connect = filtered_connect(host)  # type: ignore[method-assign]
     filter_peerstore(host)
     contain_stream_errors(host, node.counters)
+    pubsub.counters = node.counters  # its contained faults show with the node's own
     node.set_stream_handler(HELLO_PROTOCOL, node.admission.serve_hello)
     node.dialer.bootstrap_infos = [b for b in bootstrap if b.peer_id.to_base58() != node.peer_id]
     host.get_network().register_notifee(_ConnectionWatcher(node))

@@ -61,6 +61,16 @@ async def routed_nodes(
         yield nodes, services
 
 
+async def _sees_cached(a: RoutedService, b: RoutedService, hashes: list, tokens: int) -> None:
+    """Wait until ``a``'s view of ``b`` shows ``tokens`` of the prefix ``hashes`` cached
+    (gossip delta or pull)."""
+    await wait_until(
+        lambda: a.views.cached_prefix_tokens(b.node.peer_id, hashes, a.model_id) >= tokens,
+        10,
+        "node a's view of the prefix node b cached",
+    )
+
+
 async def test_prompt_is_routed_to_the_node_holding_its_prefix(loaded) -> None:
     async with (
         trio.open_nursery() as nursery,
@@ -74,11 +84,7 @@ async def test_prompt_is_routed_to_the_node_holding_its_prefix(loaded) -> None:
         assert warm.cached_tokens == 0
         hs = block_hashes(shared + [1] * 16, a.salt)
         # A's view of B must learn the 40 blocks B just cached (gossip delta or pull).
-        await wait_until(
-            lambda: a.views.cached_prefix_tokens(b.node.peer_id, hs, a.model_id) >= 640,
-            10,
-            "node a's view of the prefix node b cached",
-        )
+        await _sees_cached(a, b, hs, 640)
         request = shared + prompt(24, seed=22)
         res = await a.generate(request, {"max_tokens": 6})
         assert res.served_by == b.node.peer_id and not res.served_locally, res.decision.to_log()
@@ -115,11 +121,7 @@ async def test_peer_dying_mid_stream_falls_back_without_duplicates(loaded) -> No
         shared = prompt(320, seed=31)
         await b.engine.generate(shared, {"max_tokens": 1})
         hs = block_hashes(shared, a.salt)
-        await wait_until(
-            lambda: a.views.cached_prefix_tokens(b.node.peer_id, hs, a.model_id) >= 320,
-            10,
-            "node a's view of the prefix node b cached",
-        )
+        await _sees_cached(a, b, hs, 320)
         request = shared + prompt(24, seed=32)
         reference = await b.engine.generate(request, {"max_tokens": 12})
         received: list[int] = []
@@ -218,11 +220,7 @@ async def test_a_cached_request_behind_a_long_miss_stays_on_its_node(loaded) -> 
         for svc in services:
             await svc.engine.generate(shared, {"max_tokens": 1})
         hs = block_hashes(shared, a.salt)
-        await wait_until(
-            lambda: a.views.cached_prefix_tokens(b.node.peer_id, hs, a.model_id) >= 480,
-            10,
-            "node a's view of the prefix node b cached",
-        )
+        await _sees_cached(a, b, hs, 480)
         # B is busy with a 1,100-token miss; A with a chat decoding (so its prefills go in
         # chunks) and a 1,500-token miss.
         b_miss = b.engine.stream(prompt(1100, seed=45), {"max_tokens": 1})
