@@ -35,7 +35,8 @@ Contract:
   does not reach us, so no gap would show). Pulls are jittered (``pull_jitter_s``) and at most
   ``max_concurrent_pulls`` run at once.
 - Views of peers the peer table reports down are kept (the router skips down peers, and a link
-  that flaps then needs no full re-pull); views silent for ``PeerViews.expire_after_s`` expire.
+  that flaps then needs no full re-pull); views silent for ``PeerViews.expire_after_s``, or for
+  ``EXPIRE_ROUNDS`` publish intervals when that is longer, expire.
 - ``drop_filter(topic, data) -> bool`` lets tests discard received gossip on purpose.
 - Per-peer limits (``overlay/limits.py``, one ``PeerLimiter`` shared with the node's other
   handlers): gossip is charged per publisher in messages and bytes before its signature is
@@ -123,6 +124,9 @@ class PullFailed(P2PNodeError):
 # How long a peer that came up may take to hand us its signed record before we give up
 # pulling its view on up (gossip and the silent-view pull still repair it).
 RECORD_WAIT_S = 10.0
+# Publish intervals a view may stay silent before it expires: past the silent pull
+# (``silent_pull_rounds``) with room for that pull to be answered.
+EXPIRE_ROUNDS = 6.0
 
 
 @dataclass
@@ -146,6 +150,11 @@ class AntiEntropyConfig:
             raise ValueError("anti-entropy needs interval_s >= 0.05, full_every >= 1, budget > 0")
         if self.max_concurrent_pulls < 1 or self.pull_jitter_s < 0:
             raise ValueError("anti-entropy needs max_concurrent_pulls >= 1 and pull_jitter_s >= 0")
+        if self.silent_pull_rounds >= EXPIRE_ROUNDS:
+            raise ValueError(
+                f"silent_pull_rounds must stay below EXPIRE_ROUNDS ({EXPIRE_ROUNDS}): a view"
+                " would expire before its silent pull"
+            )
         if self.change_poll_s <= 0 or self.publish_burst < 1 or self.silent_pull_rounds <= 1:
             raise ValueError(
                 "anti-entropy needs change_poll_s > 0, publish_burst >= 1, silent_pull_rounds > 1"
@@ -272,6 +281,7 @@ class AntiEntropy:
                 # Views of peers the table reports down are kept (the router skips down
                 # peers): dropping them made every flap of a busy link cost a full re-pull,
                 # and on loaded machines those pulls fed the lag that made links flap.
+                self.views.stretch_expiry(EXPIRE_ROUNDS * interval)
                 self.views.expire()
                 self._pull_silent(interval)
                 next_round = trio.current_time() + interval

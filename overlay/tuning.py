@@ -26,6 +26,9 @@ our messages but libp2p's bookkeeping around each RPC:
   once (one more encrypted frame per message received: 10-13 % of an idle node's samples at
   16 nodes); ``_batched_window_updates`` holds such credit back until half a window is due,
   which is when the sender could first run short.
+- yamux reads its ``PY_YAMUX_*`` settings from the environment on every frame it handles
+  (``os.getenv``: ~4 % of an idle node's samples at 16 nodes); ``install`` reads each once
+  per process, after setting the default above, so set them before the node starts.
 - Gossipsub v1.2 sends an IDONTWANT to every mesh peer for every message it forwards, however
   small: 6-12 more RPCs per message. ``QuietGossipSub`` sends them only for messages of at
   least ``IDONTWANT_MIN_BYTES`` (go-libp2p's default threshold), where a duplicate costs more
@@ -38,6 +41,7 @@ Contract: ``install()`` is idempotent and process-wide (it wraps two module-leve
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from collections import OrderedDict
@@ -49,6 +53,7 @@ from libp2p.peer.id import ID
 from libp2p.pubsub import gossipsub as _gossipsub_mod
 from libp2p.pubsub import pubsub as _pubsub_mod
 from libp2p.pubsub.gossipsub import GossipSub
+from libp2p.stream_muxer.yamux import yamux as _yamux_mod
 from libp2p.stream_muxer.yamux.yamux import YamuxStream
 
 if TYPE_CHECKING:
@@ -182,6 +187,7 @@ def install() -> None:
         return
     _installed = True
     os.environ.setdefault("PY_YAMUX_RELEASE_ON_READ", "0")
+    _yamux_mod._py_yamux_env = functools.lru_cache(maxsize=64)(_yamux_mod._py_yamux_env)  # type: ignore[attr-defined]
     YamuxStream._auto_tune_and_send_window_update = _batched_window_updates(  # type: ignore[method-assign]
         YamuxStream._auto_tune_and_send_window_update
     )

@@ -62,7 +62,7 @@ class PeerViews:
     ) -> None:
         if expire_after_s <= 0:
             raise ValueError(f"expire_after_s must be > 0, got {expire_after_s}")
-        self.expire_after_s = expire_after_s
+        self.expire_after_s = self.base_expire_after_s = expire_after_s
         self._clock = clock
         self._wall = wall_clock
         self._views: dict[tuple[str, str], PeerView] = {}
@@ -127,6 +127,15 @@ class PeerViews:
         for k in keys:
             del self._views[k]
         return len(keys)
+
+    def stretch_expiry(self, at_least_s: float) -> None:
+        """Keep views at least this long (never below the configured ``expire_after_s``).
+
+        Anti-entropy calls it with a few of its publish intervals: each origin publishes once per
+        interval, and the interval grows with the number of publishers (publishers / topic
+        budget), so a fixed horizon would drop every view of a large swarm between two of its
+        origin's rounds."""
+        self.expire_after_s = max(self.base_expire_after_s, at_least_s)
 
     def expire(self) -> list[tuple[str, str]]:
         """Drop views silent for longer than ``expire_after_s``; returns their (peer, model)."""

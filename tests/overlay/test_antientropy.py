@@ -159,3 +159,29 @@ async def test_a_peer_that_comes_up_without_a_view_is_pulled_at_once() -> None:
         view = deaf.views.get(a.peer_id, MODEL)
         assert view is not None and view.fingerprints == set(builder.fingerprints)
         nursery.cancel_scope.cancel()
+
+
+async def test_views_outlive_rounds_slower_than_the_configured_expiry() -> None:
+    # A large swarm stretches each origin's round to publishers / topic budget seconds: here
+    # 2 publishers at 0.5 msg/s make 4 s rounds against a 1 s horizon. Views must stay in
+    # place between rounds instead of vanishing from the router for most of each round.
+    config = AntiEntropyConfig(interval_s=0.5, topic_budget_msgs_per_s=0.5)
+    async with overlay_nodes(2) as (keys, nodes), trio.open_nursery() as nursery:
+        aes = []
+        for n, k in zip(nodes, keys, strict=True):
+            b = DigestBuilder(n.peer_id, MODEL, load_fn=load)
+            ae = AntiEntropy(
+                n, k, PeerViews(expire_after_s=1.0), builders={MODEL: b}, config=config
+            )
+            await nursery.start(ae.run)
+            aes.append(ae)
+        a_id = nodes[0].peer_id
+        await wait_until(lambda: aes[1].views.get(a_id, MODEL) is not None, 15, "a first view of a")
+        await wait_until(lambda: aes[1].effective_interval(MODEL) >= 4.0, 15, "4 s rounds")
+        missing = 0
+        for _ in range(40):  # 10 s: two to three of a's rounds
+            missing += a_id not in aes[1].views.peers(MODEL)
+            await trio.sleep(0.25)
+        assert missing == 0, f"b lacked its view of a in {missing} of 40 samples"
+        assert aes[1].views.expire_after_s >= 4.0 * 6
+        nursery.cancel_scope.cancel()

@@ -90,6 +90,12 @@ async def test_rpcs_written_at_once_never_interleave_and_a_torn_write_resets() -
             r.publish[0].data for r in rpcs
         )
         assert stream.resets == 0
+        # What leaves is tallied by what it carries (an idle node's CPU is mostly this traffic).
+        before = a.pubsub.counters["rpc_out_publish"]
+        ctl = rpc_pb2.RPC(control=rpc_pb2.ControlMessage(ihave=[rpc_pb2.ControlIHave()]))
+        await a.pubsub.write_msg(stream, ctl)
+        assert a.pubsub.counters["rpc_out_ihave"] == 1
+        assert a.pubsub.counters["rpc_out_publish"] == before >= 6
         stream.fail_after_half = True
         try:
             await a.pubsub.write_msg(stream, rpcs[0])

@@ -98,3 +98,24 @@ def test_views_take_fresh_load_even_on_gap() -> None:
     gap = dataclasses.replace(b.delta_since(b.version), timestamp=1.0)
     assert views.apply(gap) is ApplyResult.GAP
     assert views.get(KEY_A.peer_id, MODEL).load.push_back
+
+
+def test_expiry_stretches_with_the_publish_interval_but_never_shrinks_below_the_base() -> None:
+    # In a large swarm each origin publishes once per (publishers / topic budget) seconds, which
+    # can exceed the configured horizon: views must outlive a few of those rounds.
+    clock = FakeClock()
+    views = PeerViews(expire_after_s=10, clock=clock)
+    b = builder_for(KEY_A)
+    b.on_event(BlockStored(tuple(rand_hashes(3)), None))
+    assert views.apply(b.full()) is ApplyResult.APPLIED
+    views.stretch_expiry(6 * 8.0)  # rounds of 8 s: 48 s
+    clock.now += 40
+    assert views.expire() == [] and views.peers(MODEL) == [KEY_A.peer_id]
+    clock.now += 9
+    assert views.expire() == [(KEY_A.peer_id, MODEL)]
+    views.stretch_expiry(1.0)  # a small swarm again: back to the configured 10 s, not 1 s
+    assert views.apply(b.full()) is ApplyResult.APPLIED
+    clock.now += 5
+    assert views.expire() == []
+    clock.now += 6
+    assert views.expire() == [(KEY_A.peer_id, MODEL)]
