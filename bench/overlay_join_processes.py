@@ -112,6 +112,7 @@ def main() -> None:
     parser.add_argument("--compute", choices=["emulated", "none"], default="emulated")
     parser.add_argument("--gossip-interval", type=float, default=None)
     parser.add_argument("--gossip-budget", type=float, default=None)
+    parser.add_argument("--gossip-degree", type=int, default=None)
     parser.add_argument("--ping-interval", type=float, default=None)
     parser.add_argument(
         "--stagger", type=float, default=0.0, help="seconds between joiner starts (trials: 0.25)"
@@ -156,6 +157,8 @@ def main() -> None:
         engine += ["--gossip-interval", str(args.gossip_interval)]
     if args.gossip_budget is not None:
         engine += ["--gossip-budget", str(args.gossip_budget)]
+    if args.gossip_degree is not None:
+        engine += ["--gossip-degree", str(args.gossip_degree)]
     for flag in ("min_connections", "max_connections"):
         if getattr(args, flag) is not None:
             engine += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]

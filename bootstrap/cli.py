@@ -261,6 +261,11 @@ def _node_options(fn):
             help="Digests a second on a model's topic, whole swarm (default {default}).",
         ),
         _setting(
+            "--gossip-degree",
+            type=int,
+            help="Mesh peers each gossip message is forwarded to (default {default}).",
+        ),
+        _setting(
             "--min-connections",
             type=int,
             help="Peers a trim keeps: the nearest, plus bootstrap and relays (default {default}).",

@@ -59,6 +59,7 @@ def _overlay_defaults() -> dict[str, Any]:
         "connect_timeout": OverlayConfig.connect_timeout,
         "gossip_interval": OverlayConfig.gossip_heartbeat,
         "gossip_budget": AntiEntropyConfig.topic_budget_msgs_per_s,
+        "gossip_degree": OverlayConfig.gossip_degree,
         "min_connections": OverlayConfig.conn_low,
         "max_connections": OverlayConfig.conn_high,
         "pushback_threshold": DEFAULT_PUSHBACK_HIGH,
@@ -97,6 +98,9 @@ class NodeSettings:
     # and forwards each one, so this, not the swarm's size, sets a node's gossip cost (a larger
     # swarm publishes less often each). Lower it where many nodes share few cores.
     gossip_budget: float = _overlay("gossip_budget")
+    # Mesh peers each gossip message is forwarded to (gossipsub's D): a node's gossip CPU
+    # grows with it; lower it where many nodes share few cores.
+    gossip_degree: int = _overlay("gossip_degree")
     # Connections kept (overlay/connmgr.py): above max_connections the node closes all but
     # min_connections, keeping the nearest peers, its bootstrap and relays. 0 = unbounded.
     min_connections: int = _overlay("min_connections")
@@ -190,6 +194,11 @@ class NodeSettings:
             raise ConfigError(
                 f"gossip_budget must be between 0.1 and 9 messages a second (gossipsub drops a "
                 f"peer's messages above 10 a second), got {self.gossip_budget}"
+            )
+        if not 2 <= self.gossip_degree <= 12:
+            raise ConfigError(
+                f"gossip_degree must be between 2 (a mesh of lines breaks with any one peer) and"
+                f" 12, got {self.gossip_degree}"
             )
         if self.backend not in ENGINES:
             raise ConfigError(f"backend {self.backend!r}: use hf, vllm or emulated (see engine)")

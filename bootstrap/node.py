@@ -326,6 +326,7 @@ async def _run_locked(settings: NodeSettings, timeouts: dict[str, float], task_s
             capacity={"max_batch": float(settings.max_batch)},
             ping_interval=settings.ping_interval,
             gossip_heartbeat=settings.gossip_interval,
+            gossip_degree=settings.gossip_degree,
             conn_low=settings.min_connections if settings.max_connections else 0,
             conn_high=settings.max_connections,
             **timeouts,

@@ -34,6 +34,10 @@ class OverlayConfig:
     capacity: dict[str, float] = field(default_factory=dict)
     ping_interval: float = 1.0  # probe a peer after this long without any frame from it
     gossip_heartbeat: float = 1.0
+    # Gossipsub mesh degree D (low D - 2, high 2 D): every node forwards each message to its D
+    # mesh peers and receives about D copies, so a node's gossip CPU is proportional to it. 6 is
+    # the libp2p default; 3 still reaches everyone on a connected mesh, in more hops.
+    gossip_degree: int = 6
     ping_timeout: float = 1.0  # floor of the adaptive probe timeout (RTO); scale with the RTT
     connect_timeout: float = 3.0
     dial_timeout: float = 5.0  # libp2p's own dial limit; keep it above connect_timeout

@@ -436,9 +436,9 @@ async def open_overlay_node(config: OverlayConfig) -> AsyncIterator[OverlayNode]
     )
     gossipsub = QuietGossipSub(
         protocols=[PROTOCOL_ID_V12, PROTOCOL_ID_V11],
-        degree=6,
-        degree_low=4,
-        degree_high=12,
+        degree=config.gossip_degree,
+        degree_low=max(1, config.gossip_degree - 2),
+        degree_high=2 * config.gossip_degree,
         heartbeat_interval=config.gossip_heartbeat,  # type: ignore[arg-type]  # float works
         heartbeat_initial_delay=0.1,
     )

@@ -424,6 +424,7 @@ def _serving_node(
         "--pushback-threshold", str(s.pushback_threshold),
         "--gossip-interval", str(s.gossip_interval),
         "--gossip-budget", str(s.gossip_budget),
+        "--gossip-degree", str(s.gossip_degree),
         "--cache-budget-tokens", str(s.cache_budget_tokens),
         "--max-batch", str(s.max_batch),
         "--ping-interval", str(s.ping_interval),

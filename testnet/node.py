@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 from p2pnode.testnet import wan
 
-__all__ = ["main", "split_adversary_args", "split_wan_args"]
+__all__ = ["listen_ip", "main", "split_adversary_args", "split_wan_args"]
 
 
 def split_adversary_args(argv: Sequence[str]) -> tuple[str | None, float, bool, list[str]]:
@@ -95,12 +95,22 @@ def _log_wan_to_stderr() -> None:
     log.propagate = False
 
 
+def listen_ip(args: Sequence[str]) -> str | None:
+    """The IPv4 address of the node's first ``--listen /ip4/<ip>/...`` argument, if any: its
+    connections leave from there (see ``testnet/wan.py``)."""
+    for flag, value in zip(args, args[1:], strict=False):
+        parts = value.split("/")
+        if flag == "--listen" and len(parts) > 2 and parts[1] == "ip4":
+            return None if parts[2] == "0.0.0.0" else parts[2]  # a namespace host's own IP
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     spec, region, rest = split_wan_args(sys.argv[1:] if argv is None else argv)
     kind, rate, forge, rest = split_adversary_args(rest)
     _log_wan_to_stderr()
     try:
-        wan.install(spec, region)
+        wan.install(spec, region, source_ip=listen_ip(rest))
         suggested = wan.suggested_timeouts(spec, region)
     except (wan.WanError, OSError, ValueError) as exc:
         raise SystemExit(f"cannot emulate the WAN of {spec}: {exc}") from None

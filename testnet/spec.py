@@ -146,6 +146,7 @@ class NodeSettingsSpec:
     pushback_threshold: int = _JOIN.pushback_threshold
     gossip_interval: float = _JOIN.gossip_interval
     gossip_budget: float = _JOIN.gossip_budget
+    gossip_degree: int = _JOIN.gossip_degree
     cache_budget_tokens: int = _JOIN.cache_budget_tokens
     max_batch: int = _JOIN.max_batch
     torch_threads: int = _JOIN.torch_threads
@@ -443,6 +444,7 @@ def _node_settings(table: _Table) -> NodeSettingsSpec:
         pushback_threshold=table.int_("pushback_threshold", d.pushback_threshold, 1, 100_000),
         gossip_interval=table.float_("gossip_interval", d.gossip_interval, 0.05, 600.0),
         gossip_budget=table.float_("gossip_budget", d.gossip_budget, 0.1, 9.0),
+        gossip_degree=table.int_("gossip_degree", d.gossip_degree, 2, 12),
         cache_budget_tokens=table.int_("cache_budget_tokens", d.cache_budget_tokens, 16, 1 << 30),
         max_batch=table.int_("max_batch", d.max_batch, 1, 1024),
         torch_threads=table.int_("torch_threads", d.torch_threads, 1, 256),

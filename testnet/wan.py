@@ -17,8 +17,12 @@ libp2p runs on it (multistream, Noise, yamux, DHT, gossipsub, pings, our own pro
   address, so no source rewriting is needed)
   (all of 127/8 is local on Linux, no setup). ``node_ip(spec, region, k)`` gives the k-th node
   of a region its own listen IP; ``install`` also patches ``TCP._dial_resolved`` so outgoing
-  connections leave from the region's gateway IP ``127.(10+i).0.1``, hence a listener can tell
-  the dialer's region from the peer address. The link (delay, bandwidth) is looked up from
+  connections leave from the node's own listen IP (``source_ip``; the region's gateway IP
+  ``127.(10+i).0.1`` when none is given), hence a listener can tell the dialer's region from
+  the peer address. Leaving from the node's own IP matters beyond that: a peer that dials a
+  node back to check its reachability dials the IP the node's connections came from, and from a
+  shared gateway IP most nodes looked unreachable (as behind a NAT), so in a 64-node loopback
+  trial every node had called itself private by the end and reserved relay slots. The link (delay, bandwidth) is looked up from
   (this process's region, the remote IP's region); a remote outside every region's subnet
   (e.g. 127.0.0.1) gets no delay.
 - Bandwidth (``bandwidth_mbps`` > 0) is a per-connection serializer: a write departs when the
@@ -29,7 +33,7 @@ libp2p runs on it (multistream, Noise, yamux, DHT, gossipsub, pings, our own pro
 - ``suggested_timeouts(spec_path, region)``: overlay timeouts that survive the spec's worst link
   from `region` (node defaults of 1 s ping / 3 s connect break at 200 ms one-way: a ping on a
   fresh stream needs ~3 round trips = 1.2 s, so peers are marked down and never recover).
-- ``install(spec_path, region)`` is idempotent per (spec, region) and must run in the node
+- ``install(spec_path, region, source_ip=None)`` is idempotent per arguments and must run in the node
   process before its libp2p host is created; ``uninstall()`` restores libp2p (tests).
   ``WanError`` for an unknown region or a spec that does not load.
 """
@@ -271,7 +275,7 @@ async def _dial_from_region(self: Any, maddr: Any, source: tuple[str, int] | Non
 # --------------------------------------------------------------------------- install
 
 
-def install(spec_path: str, region: str) -> None:
+def install(spec_path: str, region: str, source_ip: str | None = None) -> None:
     """Delay this process's libp2p TCP connections as the spec says for a node in `region`.
 
     Call before the libp2p host is created. A second call with the same arguments is a no-op;
@@ -283,11 +287,22 @@ def install(spec_path: str, region: str) -> None:
     except SpecError as exc:
         raise WanError(f"cannot emulate the WAN of {spec_path}: {exc}") from None
     _region_index(spec, region)
+    if source_ip is None:
+        source_ip = gateway_ip(spec, region)
+    elif ipaddress.ip_address(source_ip) not in region_subnet(spec, region):
+        raise WanError(
+            f"source IP {source_ip} is outside region {region}'s {region_subnet(spec, region)}:"
+            " listen on an address of the region (testnet.wan.node_ip)"
+        )
     links = {other: link_params(spec, region, other) for other in spec.network.regions}
-    if _state is not None and (_state.spec_path, _state.region) == (str(spec_path), region):
+    if _state is not None and (_state.spec_path, _state.region, _state.source_ip) == (
+        str(spec_path),
+        region,
+        source_ip,
+    ):
         return
     _patch()
-    _state = _Installed(spec, str(spec_path), region, gateway_ip(spec, region), links)
+    _state = _Installed(spec, str(spec_path), region, source_ip, links)
     log.info(
         "WAN emulation: region %s of %s, links %s",
         region,

@@ -87,6 +87,7 @@ def test_node_settings_read_the_engine_and_overlay_defaults():
         "gossip_interval": "gossip_heartbeat",
         "min_connections": "conn_low",
         "max_connections": "conn_high",
+        "gossip_degree": "gossip_degree",
     }
     for setting, field in overlay.items():
         assert getattr(s, setting) == _field_default(OverlayConfig, field), setting
@@ -102,6 +103,14 @@ def test_a_gossip_budget_over_gossipsubs_spam_cap_is_refused_with_the_reason():
     with pytest.raises(ConfigError, match="gossipsub drops"):
         NodeSettings(gossip_budget=12.0).validate()
     NodeSettings(gossip_budget=2.0).validate()
+
+
+def test_a_gossip_degree_outside_2_to_12_is_refused_with_the_reason():
+    with pytest.raises(ConfigError, match="gossip_degree must be between 2"):
+        NodeSettings(gossip_degree=1).validate()
+    with pytest.raises(ConfigError, match="got 13"):
+        NodeSettings(gossip_degree=13).validate()
+    NodeSettings(gossip_degree=3).validate()
 
 
 def test_setting_flags_keep_no_default_of_their_own():

@@ -467,3 +467,10 @@ async def test_libp2p_auto_connector_dials_nobody_the_node_did_not_choose(overla
         with trio.fail_after(20):
             await AutoConnector.maybe_connect(connector)
         await wait_until(lambda: other in a.host.get_connected_peers(), 10, "libp2p's own dial")
+
+
+async def test_the_gossip_degree_setting_shapes_the_gossipsub_mesh() -> None:
+    # Each message is forwarded to D mesh peers: the setting must reach gossipsub itself.
+    async with open_overlay_node(OverlayConfig(key=NodeKey.generate(), gossip_degree=3)) as node:
+        router = node.pubsub.router
+        assert (router.degree, router.degree_low, router.degree_high) == (3, 1, 6)

@@ -20,6 +20,7 @@ from p2pnode.identity import NodeKey
 from p2pnode.overlay.node import PING_LENGTH, PING_PROTOCOL, OverlayConfig, open_overlay_node
 from p2pnode.overlay.wire import read_frame, write_frame
 from p2pnode.testnet import driver, wan
+from p2pnode.testnet.node import listen_ip as node_listen_ip
 from p2pnode.testnet.report import check_consistency
 from p2pnode.testnet.spec import (
     SpecError,
@@ -358,6 +359,11 @@ def test_region_addressing():
         assert wan.region_of_ip(spec, wan.node_ip(spec, region, 7)) == region
         assert wan.region_of_ip(spec, wan.gateway_ip(spec, region)) == region
     assert wan.region_of_ip(spec, "127.0.0.1") is None
+    with pytest.raises(wan.WanError, match="outside region r0"):
+        wan.install(str(spec.path), "r0", source_ip=wan.node_ip(spec, "r1", 0))
+    assert node_listen_ip(["--home", "h", "--listen", "/ip4/127.10.0.7/tcp/0"]) == "127.10.0.7"
+    assert node_listen_ip(["--listen", "/ip4/0.0.0.0/tcp/4101"]) is None  # a namespace host
+    assert node_listen_ip(["--home", "h"]) is None
     assert wan.region_of_ip(spec, "10.1.0.2") is None
     assert wan.link_params(spec, "r0", "r2").delay_s == 0.2
     with pytest.raises(wan.WanError, match="not in the spec"):
@@ -486,6 +492,9 @@ def test_smoke_trial_end_to_end(tmp_path):
         statuses = json.loads((tmp_path / "out" / arm / "status.json").read_text())
         region_of = dict(zip(arm_result["peer_ids"], spec.placement, strict=True))
         for k, status in enumerate(statuses):
+            # Nodes on loopback are reachable: each dials from its own listen IP, so a peer's
+            # dial-back reaches it (from a shared source IP every node looked NAT'd).
+            assert status["reachability"]["verdict"] != "private", (k, status["reachability"])
             for peer in status["peers"]:
                 if peer["peer_id"] in region_of and peer.get("rtt_ms") is not None:
                     pair = {spec.placement[k], region_of[peer["peer_id"]]}
