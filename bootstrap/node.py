@@ -153,6 +153,7 @@ def _routing_status(service: RoutedService | None) -> dict[str, Any]:
             "sessions": service.sessions.as_dict(),
         },
         "probation": _probation_status(service),
+        "gossip": service.antientropy.status(),
     }
 
 

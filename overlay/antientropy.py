@@ -251,6 +251,27 @@ class AntiEntropy:
         publishers = 1 + sum(1 for t in heard.values() if now - t < self.config.publisher_memory_s)
         return max(self.config.interval_s, publishers / self.config.topic_budget_msgs_per_s)
 
+    def status(self) -> dict[str, object]:
+        """What a ``GET /status`` shows of the gossip: the round interval this node keeps (it
+        grows with the publishers heard), those publishers, rounds, and what came of received
+        digests, dropped ones and pulls (a view that stays missing shows up here first)."""
+        now = trio.current_time()
+        return {
+            "interval_s": round(self.publish_interval(), 2),
+            "publishers_heard": {
+                m: sum(
+                    1
+                    for t in self._publishers.get(digest_topic(m), {}).values()
+                    if now - t < self.config.publisher_memory_s
+                )
+                for m in self.models
+            },
+            "rounds": self.round,
+            "results": dict(self.results),
+            "drops": dict(self.drops),
+            "pulls": dict(self.pulls),
+        }
+
     def publish_interval(self) -> float:
         return max([self.config.interval_s, *(self.effective_interval(m) for m in self.builders)])
 

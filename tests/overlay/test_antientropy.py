@@ -184,4 +184,7 @@ async def test_views_outlive_rounds_slower_than_the_configured_expiry() -> None:
             await trio.sleep(0.25)
         assert missing == 0, f"b lacked its view of a in {missing} of 40 samples"
         assert aes[1].views.expire_after_s >= 4.0 * 6
+        st = aes[1].status()  # as GET /status shows it
+        assert st["publishers_heard"] == {MODEL: 1} and st["interval_s"] == 4.0, st
+        assert st["results"].get("applied", 0) >= 1 and st["rounds"] >= 1
         nursery.cancel_scope.cancel()
