@@ -328,6 +328,7 @@ async def _run_locked(settings: NodeSettings, timeouts: dict[str, float], task_s
             ping_interval=settings.ping_interval,
             gossip_heartbeat=settings.gossip_interval,
             gossip_degree=settings.gossip_degree,
+            records_budget=min(OverlayConfig.records_budget, settings.gossip_budget),
             conn_low=settings.min_connections if settings.max_connections else 0,
             conn_high=settings.max_connections,
             **timeouts,

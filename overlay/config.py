@@ -38,6 +38,9 @@ class OverlayConfig:
     # mesh peers and receives about D copies, so a node's gossip CPU is proportional to it. 6 is
     # the libp2p default; 3 still reaches everyone on a connected mesh, in more hops.
     gossip_degree: int = 6
+    # Node records a second on the records topic, whole swarm (every node forwards each one
+    # to its mesh peers, like digests); the node's --gossip-budget lowers it too.
+    records_budget: float = 2.0
     ping_timeout: float = 1.0  # floor of the adaptive probe timeout (RTO); scale with the RTT
     connect_timeout: float = 3.0
     dial_timeout: float = 5.0  # libp2p's own dial limit; keep it above connect_timeout

@@ -24,7 +24,8 @@ Contract:
 - `run_record_gossip()`: node records also travel over gossipsub (`RECORDS_TOPIC`): our
   signed record is published again while new peers keep appearing and when it changes, at
   most every `record_gossip_interval()` s: `RECORD_GOSSIP_INTERVAL`, stretched so that the
-  whole topic stays within `RECORDS_TOPIC_BUDGET` messages a second however many nodes
+  whole topic stays within `OverlayConfig.records_budget` messages a second (default
+  `RECORDS_TOPIC_BUDGET`) however many nodes
   publish (each node receives and checks every record gossiped). Received ones are verified
   once per distinct bytes (invalid ones are not forwarded) and the newest seq kept; the
   signed addresses of a peer not yet connected go to discovery, which dials it.
@@ -310,7 +311,7 @@ class Discovery:
         heard = sum(
             1 for t in self._record_publishers.values() if now - t < RECORD_PUBLISHER_MEMORY_S
         )
-        return max(RECORD_GOSSIP_INTERVAL, (1 + heard) / RECORDS_TOPIC_BUDGET)
+        return max(RECORD_GOSSIP_INTERVAL, (1 + heard) / self._config.records_budget)
 
     async def run_record_gossip(self) -> None:
         """Publish our signed record while new peers appear; take in the others' records."""

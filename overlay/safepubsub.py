@@ -90,6 +90,16 @@ class SafePubsub(Pubsub):
         self.counters["rpcs_out"] += 1
         if rpc.publish:
             self.counters["rpc_out_publish"] += 1
+            for msg in rpc.publish:
+                topic = msg.topicIDs[0] if msg.topicIDs else ""
+                kind = (
+                    "digest"
+                    if "/digest/" in topic
+                    else "records"
+                    if "records" in topic
+                    else "other"
+                )
+                self.counters[f"msgs_out_{kind}"] += 1
         if rpc.subscriptions:
             self.counters["rpc_out_subscribe"] += 1
         if rpc.HasField("control"):

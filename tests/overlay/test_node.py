@@ -6,6 +6,7 @@ smaller: see bench/overlay_bench.py); the 5 s liveness bounds are the requiremen
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -436,6 +437,9 @@ async def test_record_gossip_checks_each_record_once_and_keeps_the_topic_within_
             d._note_record_publisher(f"peer-{i}")
         # 64 publishers share RECORDS_TOPIC_BUDGET messages a second between them.
         assert d.record_gossip_interval() == pytest.approx(64 / disc.RECORDS_TOPIC_BUDGET)
+        assert OverlayConfig(key=NodeKey.generate()).records_budget == disc.RECORDS_TOPIC_BUDGET
+        d._config = dataclasses.replace(d._config, records_budget=0.5)  # a lower --gossip-budget
+        assert d.record_gossip_interval() == pytest.approx(64 / 0.5)
 
         checks = []
         real = disc.verify_node_record
