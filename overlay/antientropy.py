@@ -396,6 +396,13 @@ class AntiEntropy:
         except DigestError as exc:
             self._count_drop(exc.reason)
             log.debug("digest dropped (%s): %s", exc.reason, exc)
+            if exc.reason == "expired" and source == "gossip" and expected_peer is not None:
+                # Still a publisher on the topic (gossipsub's strict signing names it): not
+                # counting it shortened our rounds exactly when the swarm was too busy to
+                # deliver digests in time, and the extra digests made it busier.
+                self._publishers.setdefault(digest_topic(model), {})[expected_peer] = (
+                    trio.current_time()
+                )
             return None
         if digest.peer_id == self.node.peer_id:
             return None  # our own publication, echoed by gossipsub

@@ -12,7 +12,7 @@ import trio
 from p2pnode.identity import NodeKey
 from p2pnode.inference.blockhash import BlockRemoved, BlockStored
 from p2pnode.overlay.antientropy import AntiEntropy, AntiEntropyConfig
-from p2pnode.overlay.digest import DigestBuilder
+from p2pnode.overlay.digest import DigestBuilder, seal_digest
 from p2pnode.overlay.views import PeerViews
 
 from testkit import wait_until
@@ -188,3 +188,16 @@ async def test_views_outlive_rounds_slower_than_the_configured_expiry() -> None:
         assert st["publishers_heard"] == {MODEL: 1} and st["interval_s"] == 4.0, st
         assert st["results"].get("applied", 0) >= 1 and st["rounds"] >= 1
         nursery.cancel_scope.cancel()
+
+
+async def test_a_digest_too_old_to_apply_still_counts_its_publisher() -> None:
+    # On a swarm too busy to deliver digests in time, dropping the late ones from the count of
+    # publishers shortened every round and sent more digests into the congestion.
+    async with overlay_nodes(1) as (keys, (node,)):
+        ae = AntiEntropy(node, keys[0], PeerViews(), models=[MODEL])
+        other = NodeKey.generate()
+        late = seal_digest(other, DigestBuilder(other.peer_id, MODEL, load_fn=load).full(), now=1.0)
+        assert ae.ingest(late, model=MODEL, source="gossip", expected_peer=other.peer_id) is None
+        assert ae.drops == {"expired": 1}
+        assert ae.status()["publishers_heard"] == {MODEL: 1}
+        assert ae.views.get(other.peer_id, MODEL) is None  # nothing of it applied
