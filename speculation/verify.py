@@ -377,7 +377,9 @@ class BatchedVerifier:
                 s.cache.crop(-extra)
             if o.lead_left is not None:
                 s.lead_left = o.lead_left
-            if o.refilled:
+            # Timed from the first break no fresh block has answered yet: a stale block arriving
+            # later must not restart the clock, or the reaction (and the budget) reads short.
+            if o.refilled and s.broke_at is None:
                 s.broke_at = (s.committed_len, trio.current_time())
             for key, value in o.tally:
                 self.stats[key] += value
