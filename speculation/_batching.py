@@ -55,12 +55,20 @@ class Session:
     last_used: float
     lead: int = 0  # tokens it may commit on its own after each block
     lead_left: int = 0
+    # The budget a break refills: ``lead``, or more where the edge's measured reaction (a break
+    # to its first block drafted after it) spans more lead steps (set by the verifier).
+    refill: int = 0
+    broke_at: tuple[int, float] | None = None  # (committed length, time) of the last break
+    reaction_s: float = 0.0  # smoothed time from a break to the edge's next fresh block
     on_lead: Callable[[Lead | VerifierError], None] | None = None
     busy: bool = False  # a block submitted and not yet returned to its caller
     # What this session's blocks and leads did (the console shows them per session).
     counts: dict[str, int] = field(
         default_factory=lambda: {"blocks": 0, "accepted": 0, "drafted": 0, "lead": 0}
     )
+
+    def __post_init__(self) -> None:
+        self.refill = self.refill or self.lead
 
     @property
     def committed_len(self) -> int:
@@ -114,6 +122,7 @@ class Outcome:
     lead_left: int | None = None  # the session's lead budget after it (None: unchanged)
     tally: tuple[tuple[str, int], ...] = ()  # added to the verifier's and the session's counts
     cache: DynamicCache | None = None  # the session's cache after the forward (None: its own)
+    refilled: bool = False  # the edge's pipeline broke here: the budget was refilled
 
 
 @dataclass(frozen=True)
@@ -157,12 +166,13 @@ def _decide(w: Waiter, max_tokens: int) -> Row | Outcome:
     n, base, d = s.committed_len, b.base_len, b.tokens
     if not 1 <= base <= n or s.tokens[base - 1] != b.base_token:
         stale = BlockResult(b.number, -1, -1, n)
-        return Outcome(s, w, stale, lead_left=s.lead, tally=(("stale", 1),))
+        return Outcome(s, w, stale, lead_left=s.refill, refilled=True, tally=(("stale", 1),))
     skip = min(n - base, len(d))
     for i in range(skip):
         if d[i] != s.tokens[base + i]:
             superseded = BlockResult(b.number, i, s.tokens[base + i], n)
-            return Outcome(s, w, superseded, lead_left=s.lead, tally=(("superseded", 1),))
+            tally = (("superseded", 1),)
+            return Outcome(s, w, superseded, lead_left=s.refill, refilled=True, tally=tally)
     if base + len(d) < n:  # every draft token agreed with a lead; the next one is known
         return Outcome(s, w, BlockResult(b.number, len(d), s.tokens[base + len(d)], n))
     if n + len(d) - skip + 1 > max_tokens:
@@ -197,7 +207,7 @@ def _accept_row(row: Row, logits: torch.Tensor, cache: DynamicCache) -> Outcome:
     # Lead only where the edge's pipeline broke (a rejection): its blocks in flight are dead
     # and the next useful one is a round trip away. After a full acceptance the next block
     # is usually on its way already, and a lead step would only delay it.
-    lead_left = s.lead if n < len(draft) or not draft else 0
+    broke = n < len(draft) or not draft
     result = BlockResult(w.block.number, row.skip + n, nxt, committed_len)
     tally = (("blocks", 1), ("accepted", n), ("drafted", len(draft)))
-    return Outcome(s, w, result, commit, lead_left, tally, cache)
+    return Outcome(s, w, result, commit, s.refill if broke else 0, tally, cache, broke)

@@ -280,6 +280,43 @@ async def test_verifier_refusals(target, prompts) -> None:
         nursery.cancel_scope.cancel()
 
 
+async def test_lead_budget_after_a_break_covers_the_edges_measured_reaction(
+    target, prompts
+) -> None:
+    # An edge whose block comes >= 4 lead steps after a break (a long round trip): the verifier
+    # measures that and refills the budget to the lead steps that fit in it, beyond the lead
+    # asked for, so it does not sit idle until the block comes. Its leads stay the target's own.
+    p = prompts[1]
+    ref = target_generate(target, p, 40)
+    leads: list[Lead] = []
+    v = BatchedVerifier(target, max_wait_ms=1)
+
+    async def wait_quiet(n: int) -> None:  # until the leads stop at n or more
+        with trio.fail_after(60):
+            for _ in range(6000):  # bounded; each lead is one target step
+                seen = len(leads)
+                await trio.sleep(0.3)
+                if len(leads) >= n and len(leads) == seen:
+                    return
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(v.run)
+        sid = await v.open_session(p, SamplingOptions(), lead=2, on_lead=leads.append)
+        await wait_quiet(2)
+        assert len(leads) == 2  # nothing measured yet: the budget asked for
+        await trio.sleep(4 * v.timing["batch_s"])  # a reaction of >= 4 lead steps, at any load
+        s = v.sessions[sid]
+        n = s.committed_len
+        wrong = (ref[n - len(p)] + 1) % target.vocab_size
+        res = await v.verify(sid, Block(0, n, s.last_token, (wrong,)))
+        assert (res.accepted, res.next_token) == (0, ref[n - len(p)])
+        assert s.reaction_s > 0.3 and s.refill >= 5
+        await wait_quiet(2 + s.refill)
+        nursery.cancel_scope.cancel()
+    assert len(leads) == 2 + s.refill
+    assert [x.token for x in leads] == ref[:2] + ref[3 : 3 + s.refill]
+
+
 async def test_verifier_lead_commits_target_tokens_and_blocks_merge_with_them(
     target, prompts
 ) -> None:
