@@ -14,7 +14,9 @@ Contract:
   subject, question, arrival_node, served_by (peer id), served_node (index or None),
   forwarded, prompt_tokens, cached_tokens, latency_s, ttft_s (streamed requests only),
   scheduled_s, sent_s, client_wait_s, correct, routing_reason, text (the answer kept),
-  route_attempts ([target peer id or "local", outcome] per routing attempt), error``.
+  route_attempts ([target peer id or "local", outcome] per routing attempt), error``, and
+  for answered requests ``client_retries`` (connection errors before the answer, each sent
+  again once on a fresh connection: ``CLIENT_RETRIES``).
 - ``await node_ids(apis)`` maps each API to its peer id (``GET /status``); with ``model=None``
   each request names the model its arrival node lists first in ``GET /v1/models``.
 - ``summarize(records, n_nodes) -> dict``: counts, mean/p50/p90/p95/p99 latency, hit rate
@@ -171,6 +173,30 @@ def _record(p: PlannedRequest, status: str, **fields: Any) -> dict[str, Any]:
     return {**base, **blank_record(status, scheduled_s=p.at_s), **fields}
 
 
+# A connection error before any answer is sent once more on a fresh connection, as OpenAI's
+# own client does (it retries twice): on a starved machine httpx's pool hands out a keep-alive
+# connection that is already broken ("another task closed this fd"). The record keeps each
+# retried error and the latency includes the retry.
+CLIENT_RETRIES = 1
+
+
+async def _send(
+    client: httpx.AsyncClient, url: str, body: dict, t0: float, stream: bool, retried: list[str]
+) -> tuple[dict, float | None]:
+    for attempt in range(CLIENT_RETRIES + 1):
+        try:
+            if stream:
+                return await _send_streamed(client, url, body, t0)
+            return await _send_plain(client, url, body)
+        except httpx.TimeoutException:
+            raise
+        except (httpx.NetworkError, httpx.RemoteProtocolError) as exc:
+            if attempt == CLIENT_RETRIES:
+                raise
+            retried.append(f"{type(exc).__name__}: {exc}"[:200])
+    raise AssertionError("unreachable: the last attempt returns or raises")
+
+
 async def _send_plain(client: httpx.AsyncClient, url: str, body: dict) -> tuple[dict, None]:
     response = await client.post(url, json=body)
     if response.status_code != 200:
@@ -278,14 +304,13 @@ async def drive(
                     acquired = True
                 sent = trio.current_time()
                 t0 = time.perf_counter()
+                retried: list[str] = []
                 try:
                     with trio.fail_after(workload.request_timeout_s + 5):
-                        if stream:
-                            answer, ttft = await _send_streamed(client, url, body, t0)
-                        else:
-                            answer, ttft = await _send_plain(client, url, body)
+                        answer, ttft = await _send(client, url, body, t0, stream, retried)
                     latency = time.perf_counter() - t0
                     rec = _answered(p, answer, ttft, latency, ids, index_of)
+                    rec["client_retries"] = retried
                 except (trio.TooSlowError, httpx.TimeoutException):
                     rec = _record(p, "timeout", error="no answer in time")
                 except (httpx.HTTPError, _HttpStatus, ValueError, KeyError, TypeError) as exc:
@@ -411,6 +436,7 @@ def summarize(records: Sequence[dict[str, Any]], n_nodes: int) -> dict[str, Any]
         "requests": len(records),
         "answered": len(ok),
         "statuses": statuses,
+        "client_retried": sum(1 for r in ok if r.get("client_retries")),
         "latency_s": {
             "mean": rnd(sum(lat) / len(lat)) if lat else None,
             "p50": rnd(percentile(lat, 50)),

@@ -17,7 +17,10 @@ Contract:
   bounded connections at least its low watermark of them less one, the up links make one
   graph, and for the routing arm each node holds a cache view of every peer it sees up), all
   bounded by ``start_timeout_s`` (``LaunchError`` with the tail of the failing node's log
-  otherwise). Leaving the block (also on Ctrl-C or an error)
+  otherwise). A spec with ``[nodes] formation = "settled"`` starts instead once the
+  formation deficit has not fallen for ``formation_settle_s`` (or at the start limit, if any
+  link formed), with ``trial.formation`` (``FormationState.to_json()``) and a warning saying
+  how far the overlay got; the wait prints its progress every ``PROGRESS_EVERY_S``. Leaving the block (also on Ctrl-C or an error)
   sends SIGTERM to every process, SIGKILL after ``STOP_GRACE_S``, and copies each node's log
   to ``workdir/<arm>/logs/``.
 - ``trial.apis`` (base URLs, node order), ``trial.peer_ids``, ``trial.nodes`` (``NodeProc``),
@@ -54,7 +57,7 @@ import httpx
 
 from p2pnode.errors import P2PNodeError
 from p2pnode.testnet import wan
-from p2pnode.testnet.formation import formation_missing
+from p2pnode.testnet.formation import FormationState, formation_state
 from p2pnode.testnet.netns import Testbed, require_netns
 from p2pnode.testnet.spec import TrialSpec
 from p2pnode.testnet.zygote import ForkedProc, Zygote
@@ -205,6 +208,7 @@ class RunningTrial:
     nodes: list[NodeProc]
     extra_bootstraps: list[NodeProc] = field(default_factory=list)
     formed_s: float = 0.0
+    formation: dict[str, Any] = field(default_factory=dict)  # FormationState.to_json()
     warnings: list[str] = field(default_factory=list)
 
     @property
@@ -274,9 +278,13 @@ class RunningTrial:
         return out
 
 
-def _mesh_missing(trial: RunningTrial, need_views: bool) -> list[str]:
+def _mesh_state(trial: RunningTrial, need_views: bool) -> FormationState:
     names = [node.name for node in trial.nodes]
-    return formation_missing(names, trial.peer_ids, trial.statuses(), need_views)
+    return formation_state(names, trial.peer_ids, trial.statuses(), need_views)
+
+
+PROGRESS_EVERY_S = 15.0
+SETTLE_PROGRESS = 0.05  # a fall of the formation deficit by this share counts as progress
 
 
 def _wait_mesh(trial: RunningTrial, deadline: float, limit_s: float) -> None:
@@ -284,28 +292,66 @@ def _wait_mesh(trial: RunningTrial, deadline: float, limit_s: float) -> None:
 
     Views depend on gossip (empty caches publish small digests), so they get a bounded grace
     period after the peers are up; a trial that starts without them says so in ``warnings``.
+    With ``formation = "settled"`` the wait also ends once the formation deficit has not
+    fallen for ``formation_settle_s`` (or at the start limit), and the trial starts with the
+    overlay as it stands, recorded in ``trial.formation`` and ``warnings``.
     """
     need_views = trial.arm == "routing"
-    view_grace_s = 5.0 + 4 * trial.spec.node.gossip_interval + 4 * trial.spec.max_delay_ms() / 1e3
+    spec = trial.spec
+    view_grace_s = 5.0 + 4 * spec.node.gossip_interval + 4 * spec.max_delay_ms() / 1e3
+    settled = spec.formation == "settled"
     peers_up_at: float | None = None
-    missing = ["not checked yet"]
+    best, best_at = None, time.monotonic()
+    state = None
+    shown_at = time.monotonic()
     while time.monotonic() < deadline:
-        missing = _mesh_missing(trial, need_views)
+        state = _mesh_state(trial, need_views)
+        trial.formation = state.to_json()
+        missing = state.missing
         if not missing:
             return
+        now = time.monotonic()
+        if now - shown_at >= PROGRESS_EVERY_S:  # a big swarm forms for minutes: show it
+            shown_at = now
+            print(
+                f"[{trial.arm}] forming: {state.nodes - state.nodes_short}/{state.nodes} nodes "
+                f"formed, deficit {state.deficit}, {state.parts} part(s), "
+                f"{state.silent} silent",
+                file=sys.stderr,
+                flush=True,
+            )
         if all("cache view" in m for m in missing):
-            peers_up_at = peers_up_at or time.monotonic()
-            if time.monotonic() - peers_up_at > view_grace_s:
+            peers_up_at = peers_up_at or now
+            if now - peers_up_at > view_grace_s:
                 trial.warnings.append(
                     f"started without full cache views after {view_grace_s:.0f} s: "
                     + "; ".join(missing)
                 )
                 return
+        # Progress is a new low by a margin: links trimmed and dialed again make the deficit
+        # jitter, and a jitter must not keep a settled trial waiting until its start limit.
+        if best is None or state.deficit < best * (1 - SETTLE_PROGRESS):
+            best, best_at = state.deficit, now
+        elif settled and now - best_at > spec.formation_settle_s:
+            _start_unformed(trial, state, f"no progress for {spec.formation_settle_s:.0f} s")
+            return
         for node in trial.nodes:
             if not node.alive():
                 raise LaunchError(f"{node.name} died while the overlay formed:\n{node.log_tail()}")
         time.sleep(0.5)
-    raise LaunchError(f"the overlay did not form within {limit_s:.0f} s: {'; '.join(missing)}")
+    if settled and state is not None and state.parts < state.nodes - state.silent:
+        _start_unformed(trial, state, f"the start limit of {limit_s:.0f} s")
+        return
+    detail = "; ".join(state.missing) if state is not None else "not checked yet"
+    raise LaunchError(f"the overlay did not form within {limit_s:.0f} s: {detail}")
+
+
+def _start_unformed(trial: RunningTrial, state: FormationState, why: str) -> None:
+    trial.warnings.append(
+        f"started before the overlay formed ({why}): {state.nodes_short} of {state.nodes} "
+        f"nodes short, deficit {state.deficit}, {state.parts} part(s); "
+        + "; ".join(state.missing[:12])
+    )
 
 
 def plan_nodes(

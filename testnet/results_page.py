@@ -6,8 +6,11 @@ Contract:
   (default ``docs/results.md``) between ``<!-- trials:begin -->`` and ``<!-- trials:end -->``
   with one table row per spec and arm pair: routing / baseline mean latency, hit rate and its
   share of the ceiling, busiest node, forwarded share, chat figures where the workload is chat,
-  and the date and command of the run. The rest of the page (written by hand or by other
-  scripts, e.g. the scale runs) is kept as it is; a page without the markers gets them appended.
+  and the date and command of the run. A spec with no output here keeps the row and command
+  the page already has (trial outputs stay on the machine that ran them, so one machine's run
+  of a few specs must not drop the others' figures). The rest of the page (written by hand or
+  by other scripts, e.g. the scale runs) is kept as it is; a page without the markers gets
+  them appended.
 - Trial outputs are git-ignored (they hold node homes and logs); this page is what a reader of
   the repository sees of them.
 """
@@ -78,7 +81,8 @@ def row(name: str, results: dict[str, Any]) -> str:
         )
     spec = results["spec"]
     return (
-        f"| {name} | {spec['compute']}, {spec['nodes']} nodes, {spec['max_delay_ms']:g} ms "
+        f"| {name} | {spec['compute']}, {spec['nodes']} nodes, {spec['max_delay_ms']:g} ms"
+        f"{_formation_note(arms)} "
         f"| {r['answered']}/{r['requests']} | **{_num(ratio)}** "
         f"| {_num(r['latency_s']['mean'])} / {_num(b['latency_s']['mean'] if b else None)} "
         f"| {_pct(r['hit_rate'])} ({_pct(r.get('hit_of_ceiling'))} of ceiling "
@@ -87,7 +91,39 @@ def row(name: str, results: dict[str, Any]) -> str:
     )
 
 
-def section(runs: dict[str, dict[str, Any]]) -> str:
+def _formation_note(arms: dict[str, Any]) -> str:
+    """How far each arm's overlay had formed when its workload started, where it had not."""
+    notes = []
+    for arm in ("routing", "baseline"):
+        f = (arms.get(arm) or {}).get("formation") or {}
+        if f and not f.get("formed", True):
+            notes.append(
+                f"{arm} started at {(arms[arm].get('formed_s') or 0):.0f} s with "
+                f"{f['nodes'] - f['nodes_short']}/{f['nodes']} nodes formed, {f['parts']} part(s)"
+            )
+    return f"; {'; '.join(notes)}" if notes else ""
+
+
+def kept_rows(text: str) -> dict[str, tuple[str, str]]:
+    """The (row, command line) of each spec in the page's generated section, by spec name."""
+    if BEGIN not in text or END not in text:
+        return {}
+    body = text.split(BEGIN, 1)[1].split(END, 1)[0]
+    rows: dict[str, str] = {}
+    commands: dict[str, str] = {}
+    for line in body.splitlines():
+        if line.startswith("| ") and not line.startswith(("| spec |", "|---")):
+            rows[line.split("|")[1].strip()] = line
+        elif line.startswith("- ") and ": `" in line:
+            commands[line[2:].split(":", 1)[0]] = line
+    return {name: (row, commands.get(name, f"- {name}: `?`")) for name, row in rows.items()}
+
+
+def section(
+    runs: dict[str, dict[str, Any]], kept: dict[str, tuple[str, str]] | None = None
+) -> str:
+    kept = {k: v for k, v in (kept or {}).items() if k not in runs}
+    names = sorted({*runs, *kept})
     lines = [
         BEGIN,
         "## Trials: routing against the no-routing baseline",
@@ -101,16 +137,19 @@ def section(runs: dict[str, dict[str, Any]]) -> str:
         "| hit rate | busiest node | forwarded | chat | run (UTC) |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    lines += [row(name, runs[name]) for name in sorted(runs)]
+    lines += [row(name, runs[name]) if name in runs else kept[name][0] for name in names]
     lines += ["", "Commands:", ""]
-    lines += [f"- {name}: `{runs[name].get('command') or '?'}`" for name in sorted(runs)]
+    lines += [
+        f"- {name}: `{runs[name].get('command') or '?'}`" if name in runs else kept[name][1]
+        for name in names
+    ]
     lines.append(END)
     return "\n".join(lines)
 
 
 def update_page(page: Path, runs: dict[str, dict[str, Any]]) -> None:
     text = page.read_text() if page.exists() else "# Measured results\n"
-    new = section(runs)
+    new = section(runs, kept_rows(text))
     if BEGIN in text and END in text:
         head, rest = text.split(BEGIN, 1)
         tail = rest.split(END, 1)[1]

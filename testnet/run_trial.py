@@ -66,6 +66,8 @@ def _spec_echo(spec: TrialSpec) -> dict[str, Any]:
         "nodes": spec.node_count,
         "placement": list(spec.placement),
         "max_delay_ms": spec.max_delay_ms(),
+        "bootstraps": spec.bootstraps,
+        "formation": spec.formation,
         "links": [
             {"between": [link.a, link.b], "delay_ms": link.delay_ms, "mbps": link.bandwidth_mbps}
             for link in spec.network.links
@@ -322,9 +324,19 @@ def run_arm(
     try:
         print(f"[{arm}] starting {spec.node_count} nodes + bootstrap ...", file=sys.stderr)
         with launch_trial(spec, arm, out_dir / "nodes", node_cmd=node_cmd, hosts=hosts) as trial:
-            print(f"[{arm}] overlay formed in {trial.formed_s:.1f} s", file=sys.stderr)
+            if trial.formation.get("formed", True):
+                print(f"[{arm}] overlay formed in {trial.formed_s:.1f} s", file=sys.stderr)
+            else:
+                f = trial.formation
+                print(
+                    f"[{arm}] overlay not formed after {trial.formed_s:.1f} s, started as the "
+                    f"spec allows: {f['nodes'] - f['nodes_short']}/{f['nodes']} nodes formed, "
+                    f"deficit {f['deficit']}, {f['parts']} part(s)",
+                    file=sys.stderr,
+                )
             result["warnings"] += trial.warnings
             result["formed_s"] = round(trial.formed_s, 2)
+            result["formation"] = trial.formation
             result["peer_ids"] = trial.peer_ids
             result["apis"] = trial.apis
             churn_out: dict[str, Any] = {}  # churn: departure watches

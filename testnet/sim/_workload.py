@@ -18,8 +18,9 @@ from p2pnode.testnet.sim._config import SimConfig
 def mmlu_prompts(subjects: int, per_subject: int) -> list[list[int]]:
     """Token ids of the MMLU prompts, subject by subject (``per_subject`` each)."""
     from p2pnode.inference import mmlu
-    from p2pnode.inference.models import load_light_model
+    from p2pnode.inference.models import default_model_path, load_light_model
 
+    default_model_path()  # on a fresh machine, converts the packaged model once (as trials do)
     tok = load_light_model().tokenizer
     out = []
     for s in mmlu.subjects()[:subjects]:

@@ -69,3 +69,12 @@ def test_results_page_rewrites_only_its_section(tmp_path: Path) -> None:
     text = page.read_text()
     assert text.count(results_page.BEGIN) == 1 and "hand-written text" in text
     assert "| demo |" in text and "**0.500**" in text
+    # Another machine's run of another spec adds its row and keeps this one.
+    other = tmp_path / "other"
+    other.mkdir()
+    results2 = {**results, "spec": {**results["spec"], "name": "other"}, "command": "x other"}
+    (other / "results.json").write_text(json.dumps(results2))
+    results_page.update_page(page, results_page.load_runs([other]))
+    text = page.read_text()
+    assert "| demo |" in text and "| other |" in text
+    assert "- demo: `p2pnode testnet demo`" in text and "- other: `x other`" in text
