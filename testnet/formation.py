@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["FormationState", "formation_missing", "formation_state"]
+__all__ = ["FormationState", "describe", "formation_missing", "formation_state"]
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,15 @@ class FormationState:
             "parts": self.parts,
             "missing": self.missing[:40],
         }
+
+
+def describe(formation: dict[str, Any]) -> str:
+    """One line for a recorded ``FormationState.to_json()`` (logs, warnings, the results page)."""
+    f = formation
+    return (
+        f"{f['nodes'] - f['nodes_short']}/{f['nodes']} nodes formed, deficit {f['deficit']}, "
+        f"{f['parts']} part(s)"
+    )
 
 
 def _wanted_up(status: dict[str, Any], others: int) -> int:

@@ -58,7 +58,7 @@ import httpx
 
 from p2pnode.errors import P2PNodeError
 from p2pnode.testnet import wan
-from p2pnode.testnet.formation import FormationState, formation_state
+from p2pnode.testnet.formation import FormationState, describe, formation_state
 from p2pnode.testnet.netns import Testbed, require_netns
 from p2pnode.testnet.spec import TrialSpec
 from p2pnode.testnet.zygote import ForkedProc, Zygote
@@ -319,13 +319,8 @@ def _wait_mesh(trial: RunningTrial, deadline: float, limit_s: float) -> None:
         now = time.monotonic()
         if now - shown_at >= PROGRESS_EVERY_S:  # a big swarm forms for minutes: show it
             shown_at = now
-            print(
-                f"[{trial.arm}] forming: {state.nodes - state.nodes_short}/{state.nodes} nodes "
-                f"formed, deficit {state.deficit}, {state.parts} part(s), "
-                f"{state.silent} silent",
-                file=sys.stderr,
-                flush=True,
-            )
+            line = f"{describe(state.to_json())}, {state.silent} silent"
+            print(f"[{trial.arm}] forming: {line}", file=sys.stderr, flush=True)
         if all("cache view" in m for m in missing):
             peers_up_at = peers_up_at or now
             if now - peers_up_at > view_grace_s:
@@ -354,8 +349,7 @@ def _wait_mesh(trial: RunningTrial, deadline: float, limit_s: float) -> None:
 
 def _start_unformed(trial: RunningTrial, state: FormationState, why: str) -> None:
     trial.warnings.append(
-        f"started before the overlay formed ({why}): {state.nodes_short} of {state.nodes} "
-        f"nodes short, deficit {state.deficit}, {state.parts} part(s); "
+        f"started before the overlay formed ({why}): {describe(state.to_json())}; "
         + "; ".join(state.missing[:12])
     )
 

@@ -24,6 +24,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from p2pnode.testnet.formation import describe
+
 BEGIN = "<!-- trials:begin -->"
 END = "<!-- trials:end -->"
 DEFAULT_PAGE = Path("docs/results.md")
@@ -97,10 +99,8 @@ def _formation_note(arms: dict[str, Any]) -> str:
     for arm in ("routing", "baseline"):
         f = (arms.get(arm) or {}).get("formation") or {}
         if f and not f.get("formed", True):
-            notes.append(
-                f"{arm} started at {(arms[arm].get('formed_s') or 0):.0f} s with "
-                f"{f['nodes'] - f['nodes_short']}/{f['nodes']} nodes formed, {f['parts']} part(s)"
-            )
+            started = arms[arm].get("formed_s") or 0
+            notes.append(f"{arm} started at {started:.0f} s with {describe(f)}")
     return f"; {'; '.join(notes)}" if notes else ""
 
 

@@ -46,7 +46,7 @@ from typing import Any
 import httpx
 import trio
 
-from p2pnode.testnet import chat, churn, driver, liars
+from p2pnode.testnet import chat, churn, driver, formation, liars
 from p2pnode.testnet.capacity import check_cpu, check_memory
 from p2pnode.testnet.launch import NODE_CMD, LaunchError, RunningTrial, launch_trial
 from p2pnode.testnet.report import check_consistency, write_report
@@ -327,11 +327,9 @@ def run_arm(
             if trial.formation.get("formed", True):
                 print(f"[{arm}] overlay formed in {trial.formed_s:.1f} s", file=sys.stderr)
             else:
-                f = trial.formation
                 print(
                     f"[{arm}] overlay not formed after {trial.formed_s:.1f} s, started as the "
-                    f"spec allows: {f['nodes'] - f['nodes_short']}/{f['nodes']} nodes formed, "
-                    f"deficit {f['deficit']}, {f['parts']} part(s)",
+                    f"spec allows: {formation.describe(trial.formation)}",
                     file=sys.stderr,
                 )
             result["warnings"] += trial.warnings
