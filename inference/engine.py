@@ -17,8 +17,11 @@ Contract:
   prefilling request (round robin; ``prefill_chunk`` tokens while others decode, up to
   ``solo_chunk`` when alone), and ONE batched decode step of every decoding request.
 - Cache: the longest cached prefix is reused (always leaving >= 1 prompt token to compute);
-  the prompt is inserted once prefilled and stays pinned until the request ends, when
-  prompt + output (minus the last token, which has no KV yet) is inserted and unpinned.
+  a prefilling prompt's whole blocks are inserted chunk by chunk, the prompt once prefilled,
+  pinned until the request ends, when prompt + output (minus the last token, which has no KV
+  yet) is inserted and unpinned. A waiting request that would compute a block or more that a
+  running prefill is computing waits (keeping its place in the queue, not a slot) until those
+  blocks are in the tree: a burst sharing a new prefix computes it once.
   ``cached_tokens`` in the result is the prompt tokens served from the cache.
 - ``params.logprobs`` set: each sampled token's ``TokenLogprob`` (``sampling.token_logprob`` of
   the logits it was sampled from) is in ``stream.logprobs[i]`` by the time token ``i`` is
@@ -47,7 +50,7 @@ import trio
 from p2pnode.inference._backend_protocol import Backend, Logits
 from p2pnode.inference._errors import EngineClosed
 from p2pnode.inference._front import EngineFront, TokenStreamBase
-from p2pnode.inference.blockhash import BlockEvent
+from p2pnode.inference.blockhash import BLOCK_SIZE, BlockEvent
 from p2pnode.inference.costmodel import (
     CostModel,
     calibrate,
@@ -75,6 +78,9 @@ if TYPE_CHECKING:
 # Waiting requests compared with this many requests ahead of them for a shared prefix (bounds
 # the cost of a decision; queues deeper than this are already far past any forward's cost).
 _SHARED_PREFIX_LOOKBACK = 8
+# Waiting requests the scheduler considers for a free slot each step: one held back for a
+# prefix being prefilled lets the ones behind it in, up to this far back.
+_ADMIT_LOOKAHEAD = 32
 
 
 # The one source of these defaults: the node's settings (bootstrap/config.py) and the trial
@@ -400,13 +406,22 @@ class Engine(EngineFront):
         self.cost.observe_prefill(len(chunk), time.perf_counter() - t0)
         req.pos += len(chunk)
         if req.prefilling:
+            # The whole blocks computed so far go in the tree now: a request sharing them
+            # (held back by ``_waits_on_prefill``) is admitted on them as soon as they are.
+            self._insert_pinned(req, req.prompt[: req.pos // BLOCK_SIZE * BLOCK_SIZE])
+            return
+        self._insert_pinned(req, req.prompt)
+        self._accept(req, sample_token(logits, req.params, req.gen), logits)
+
+    def _insert_pinned(self, req: _Request, tokens: list[int]) -> None:
+        """Cache ``tokens`` (a prefix of what ``req`` has KV for) and pin them for ``req``."""
+        if not tokens or (req.handle is not None and req.handle.length >= len(tokens)):
             return
         state = req.state
-        self.tree.insert(req.prompt, lambda b, e: self._backend.export_kv(state, b, e))
-        old, req.handle = req.handle, self.tree.lock(self.tree.match(req.prompt))
+        self.tree.insert(tokens, lambda b, e: self._backend.export_kv(state, b, e))
+        old, req.handle = req.handle, self.tree.lock(self.tree.match(tokens))
         if old is not None:
             old.release()
-        self._accept(req, sample_token(logits, req.params, req.gen), logits)
 
     def _accept(self, req: _Request, token: int, logits: Logits) -> None:
         if req.params.logprobs is not None:  # before the token: readers find it with the token
@@ -422,6 +437,37 @@ class Engine(EngineFront):
             seq = req.prompt + req.tokens[:-1]
             state = req.state
             self.tree.insert(seq, lambda b, e: self._backend.export_kv(state, b, e))
+
+    def _take_admissible(self) -> list[_Request]:
+        """Waiting requests that get the free slots now, in arrival order, moved to active.
+
+        A request that would compute a block or more of prompt that a request being prefilled
+        is computing right now stays queued (keeping its place) until that prefill puts those
+        blocks in the tree: the prefix is computed once, not once per request of a burst. It
+        waits no longer than computing the prefix itself would take (the other request is
+        further along, and no longer shares its steps), and requests behind it that share
+        nothing are admitted meanwhile."""
+        admit: list[_Request] = []
+        for req in list(itertools.islice(self._waiting, _ADMIT_LOOKAHEAD)):
+            if len(self._active) >= self.max_batch:
+                break
+            if self._waits_on_prefill(req):
+                continue
+            self._waiting.remove(req)
+            self._active.append(req)
+            admit.append(req)
+        return admit
+
+    def _waits_on_prefill(self, req: _Request) -> bool:
+        prefilling = [a.prompt for a in self._active if a.prefilling]
+        if not prefilling:
+            return False
+        cached = self.tree.prefix_len(req.prompt)
+        computed = len(req.prompt) - 1  # the last prompt token is always computed
+        return any(
+            min(_shared_prefix_len(req.prompt, p), computed) - cached >= BLOCK_SIZE
+            for p in prefilling
+        )
 
     def _step(
         self, admit: list[_Request], prefill: _Request | None, decode: list[_Request]
@@ -445,11 +491,7 @@ class Engine(EngineFront):
     async def _run(self) -> None:
         while True:
             self._drop_cancelled()
-            admit = []
-            while self._waiting and len(self._active) < self.max_batch:
-                req = self._waiting.popleft()
-                self._active.append(req)
-                admit.append(req)
+            admit = self._take_admissible()
             if not self._active:
                 self._wakeup = trio.Event()
                 await self._wakeup.wait()

@@ -298,6 +298,73 @@ async def test_a_short_request_behind_a_long_prefill_waits_a_chunk_not_the_backl
         await chat.aclose()
 
 
+async def test_a_burst_sharing_a_new_prefix_computes_it_once(loaded) -> None:
+    """Three requests that share a prefix nobody has cached arrive together: one computes
+    it, the other two wait for its blocks and reuse them; every answer is still the
+    plain reference loop's."""
+    tok = loaded.tokenizer
+    shared = tok.encode("Notes on the rivers of Europe and the towns along them. " * 12)
+    assert len(shared) >= 120
+    prompts = [shared + tok.encode(q) for q in (" The Danube", " The Rhine flows", " Seine:")]
+    want = [hf_greedy(loaded, p, 4) for p in prompts]
+    params = SamplingParams(max_tokens=4)
+    async with engine(loaded, max_batch=4) as eng:
+        results: dict[int, object] = {}
+
+        async def run(i: int) -> None:
+            results[i] = await eng.generate(prompts[i], params)
+
+        with trio.fail_after(120):
+            async with trio.open_nursery() as nursery:
+                for i in range(len(prompts)):
+                    nursery.start_soon(run, i)
+        whole = len(shared) // 16 * 16
+        cached = sorted(results[i].cached_tokens for i in range(3))
+        assert cached[0] == 0 and cached[1] >= whole  # whichever came first computed it
+        assert eng.totals["prompt_tokens"] - eng.totals["cached_tokens"] < len(shared) + 40
+    assert [results[i].tokens for i in range(3)] == want
+
+
+async def test_a_request_held_for_a_running_prefill_keeps_its_place_and_lets_others_in(
+    loaded,
+) -> None:
+    """Held back for the first 320 tokens of a 640-token prefill, a request is admitted once
+    those are in the tree (before the long one ends); one that shares nothing runs meanwhile;
+    one that shares under a block is not held at all."""
+    async with engine(loaded, backend="emulated", max_batch=5, prefill_chunk=64) as eng:
+        c = eng.cost
+        c.prefill_s_per_token, c.decode_s_per_token, c.overhead_s = 2e-3, 1e-3, 0.0
+        # A decoding request keeps the long prompt at prefill_chunk per step.
+        chat = eng.stream([(11 + 7 * i) % 5000 for i in range(20)], SamplingParams(max_tokens=800))
+        await chat.__anext__()
+        long_prompt = [(5 + 13 * i) % 5000 for i in range(640)]
+        streams = {
+            "long": eng.stream(long_prompt, SamplingParams(max_tokens=1)),
+            "half": eng.stream(long_prompt[:320] + [77] * 16, SamplingParams(max_tokens=1)),
+            "other": eng.stream(
+                [(3 + 17 * i) % 5000 for i in range(17)], SamplingParams(max_tokens=1)
+            ),
+            "sliver": eng.stream(long_prompt[:10] + [88] * 30, SamplingParams(max_tokens=1)),
+        }
+        done: list[str] = []
+
+        async def run(name: str) -> None:
+            async for _ in streams[name]:
+                pass
+            done.append(name)
+
+        with trio.fail_after(60):
+            async with trio.open_nursery() as nursery:
+                for name in streams:
+                    nursery.start_soon(run, name)
+        await chat.aclose()
+    res = {name: st.result for name, st in streams.items()}
+    assert res["half"].cached_tokens == 320  # all of the shared part, computed once
+    assert res["sliver"].cached_tokens == 0  # 10 shared tokens: not worth a wait
+    assert done.index("half") < done.index("long")
+    assert done.index("other") < done.index("half")
+
+
 async def test_long_prefill_is_chunked_between_decode_steps(loaded) -> None:
     async with engine(loaded, prefill_chunk=64) as eng:
         short = eng.encode_chat([{"role": "user", "content": "Tell me a story about a cat."}])
