@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import pytest
@@ -64,6 +65,23 @@ def hf_greedy(loaded, prompt: list[int], n: int) -> list[int]:
 def engine(loaded, **kw):
     kw.setdefault("calibrate_cost", False)
     return open_engine(loaded, **kw)
+
+
+LONG_PROMPT = [(5 + 13 * i) % 5000 for i in range(640)]
+
+
+@contextlib.asynccontextmanager
+async def busy_emulated(loaded, *, max_batch: int, chat_tokens: int):
+    """An emulated engine (2 ms a prompt token, 64-token chunks) with one request decoding
+    ``chat_tokens``: it keeps every prefill at ``prefill_chunk`` tokens a step."""
+    async with engine(loaded, backend="emulated", max_batch=max_batch, prefill_chunk=64) as eng:
+        c = eng.cost
+        c.prefill_s_per_token, c.decode_s_per_token, c.overhead_s = 2e-3, 1e-3, 0.0
+        prompt = [(11 + 7 * i) % 5000 for i in range(20)]
+        chat = eng.stream(prompt, SamplingParams(max_tokens=chat_tokens))
+        await chat.__anext__()
+        yield eng
+        await chat.aclose()
 
 
 async def test_greedy_with_and_without_cache_equals_hf_loop(loaded) -> None:
@@ -265,14 +283,8 @@ async def test_a_short_request_behind_a_long_prefill_waits_a_chunk_not_the_backl
     """Prefills share steps round robin: a request needing one chunk, admitted while a long
     prompt is being prefilled, waits for about one chunk of it, and its estimate says so,
     where the bound for any request counts the whole backlog."""
-    async with engine(loaded, backend="emulated", max_batch=4, prefill_chunk=64) as eng:
-        c = eng.cost
-        c.prefill_s_per_token, c.decode_s_per_token, c.overhead_s = 2e-3, 1e-3, 0.0
-        # A decoding request keeps the long prompt at prefill_chunk per step.
-        chat = eng.stream([(11 + 7 * i) % 5000 for i in range(20)], SamplingParams(max_tokens=400))
-        await chat.__anext__()
-        long_prompt = [(5 + 13 * i) % 5000 for i in range(640)]
-        long = eng.stream(long_prompt, SamplingParams(max_tokens=1))
+    async with busy_emulated(loaded, max_batch=4, chat_tokens=400) as eng:
+        long = eng.stream(LONG_PROMPT, SamplingParams(max_tokens=1))
         await trio.sleep(0.05)  # its prefill has started
         bound = eng.estimated_wait_s()
         short_wait = eng.estimated_wait_s(16)
@@ -295,7 +307,6 @@ async def test_a_short_request_behind_a_long_prefill_waits_a_chunk_not_the_backl
         assert done == ["short", "long"]  # the one-chunk request did not queue behind it
         assert short.result.total_s < bound
         assert time.perf_counter() - t0 >= short.result.total_s
-        await chat.aclose()
 
 
 async def test_a_burst_sharing_a_new_prefix_computes_it_once(loaded) -> None:
@@ -331,20 +342,14 @@ async def test_a_request_held_for_a_running_prefill_keeps_its_place_and_lets_oth
     """Held back for the first 320 tokens of a 640-token prefill, a request is admitted once
     those are in the tree (before the long one ends); one that shares nothing runs meanwhile;
     one that shares under a block is not held at all."""
-    async with engine(loaded, backend="emulated", max_batch=5, prefill_chunk=64) as eng:
-        c = eng.cost
-        c.prefill_s_per_token, c.decode_s_per_token, c.overhead_s = 2e-3, 1e-3, 0.0
-        # A decoding request keeps the long prompt at prefill_chunk per step.
-        chat = eng.stream([(11 + 7 * i) % 5000 for i in range(20)], SamplingParams(max_tokens=800))
-        await chat.__anext__()
-        long_prompt = [(5 + 13 * i) % 5000 for i in range(640)]
+    async with busy_emulated(loaded, max_batch=5, chat_tokens=800) as eng:
         streams = {
-            "long": eng.stream(long_prompt, SamplingParams(max_tokens=1)),
-            "half": eng.stream(long_prompt[:320] + [77] * 16, SamplingParams(max_tokens=1)),
+            "long": eng.stream(LONG_PROMPT, SamplingParams(max_tokens=1)),
+            "half": eng.stream(LONG_PROMPT[:320] + [77] * 16, SamplingParams(max_tokens=1)),
             "other": eng.stream(
                 [(3 + 17 * i) % 5000 for i in range(17)], SamplingParams(max_tokens=1)
             ),
-            "sliver": eng.stream(long_prompt[:10] + [88] * 30, SamplingParams(max_tokens=1)),
+            "sliver": eng.stream(LONG_PROMPT[:10] + [88] * 30, SamplingParams(max_tokens=1)),
         }
         done: list[str] = []
 
@@ -357,7 +362,6 @@ async def test_a_request_held_for_a_running_prefill_keeps_its_place_and_lets_oth
             async with trio.open_nursery() as nursery:
                 for name in streams:
                     nursery.start_soon(run, name)
-        await chat.aclose()
     res = {name: st.result for name, st in streams.items()}
     assert res["half"].cached_tokens == 320  # all of the shared part, computed once
     assert res["sliver"].cached_tokens == 0  # 10 shared tokens: not worth a wait
