@@ -29,6 +29,12 @@ Contract:
   placement or eviction can reuse more, so its sum bounds the token hit rate of any routing:
   each question's own text after its subject's shared few-shot prefix is a miss the first time.
   ``oracle_cached(prompts, answers)`` also caches each prompt's answer after it (chat turns).
+- ``latency_floor_s(records, speeds, max_tokens)``: the mean latency the answered requests would
+  have if each ran alone, with no network and no queue, on an engine holding the one unbounded
+  cache of ``oracle_cached``: ``overhead + (prompt - oracle) * prefill + completion * decode``
+  at the calibrated ``speeds`` (``completion_tokens``, else ``max_tokens``). Prefill and decode
+  only lengthen when requests share an engine, so no placement or routing can bring an arm's
+  mean below it; over the baseline's mean it is the smallest ratio a trial can show.
 - ``write_jsonl(path, records)``; ``on_record`` is called after each record (progress bars).
 """
 
@@ -41,7 +47,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 import trio
@@ -405,6 +411,35 @@ def oracle_cached(
         for tok in served[depth:]:
             node = node.setdefault(tok, {})
     return out
+
+
+class EngineSpeeds(Protocol):
+    """Per-token speeds of one engine (``inference.costmodel.Calibration`` is one)."""
+
+    @property
+    def prefill_s_per_token(self) -> float: ...
+    @property
+    def decode_s_per_token(self) -> float: ...
+    @property
+    def overhead_s(self) -> float: ...
+
+
+def latency_floor_s(
+    records: Sequence[dict[str, Any]], speeds: EngineSpeeds, max_tokens: int
+) -> float | None:
+    """Mean latency of the answered requests alone at the oracle cache (module contract);
+    None when some answered record has no ``oracle_cached`` (no tokenizer loaded)."""
+    ok = [r for r in records if r["status"] == "ok"]
+    if not ok or any(r.get("oracle_cached") is None for r in ok):
+        return None
+    total = 0.0
+    for r in ok:
+        new = r["prompt_tokens"] - r["oracle_cached"]
+        out = r.get("completion_tokens") or max_tokens
+        total += (
+            speeds.overhead_s + new * speeds.prefill_s_per_token + out * speeds.decode_s_per_token
+        )
+    return round(total / len(ok), 4)
 
 
 def summarize(records: Sequence[dict[str, Any]], n_nodes: int) -> dict[str, Any]:

@@ -133,6 +133,14 @@ def markdown(results: dict[str, Any]) -> str:
     if r and b and r["latency_s"]["mean"] and b["latency_s"]["mean"]:
         ratio = r["latency_s"]["mean"] / b["latency_s"]["mean"]
         lines += ["", f"routing / baseline mean latency: **{ratio:.3f}**"]
+        floor = r.get("latency_floor_s")
+        if floor:
+            lines.append(
+                f"\nlatency floor: {floor:.3f} s, each request alone at the one unbounded cache "
+                "(no network, no queue, this machine's calibrated speeds; driver.latency_floor_s): "
+                f"no routing can bring routing / baseline below **{floor / b['latency_s']['mean']:.3f}**"
+                " on this workload."
+            )
     chats = {arm: a["chat"] for arm, a in arms.items() if a.get("chat")}
     if chats:
         lines += [

@@ -4,7 +4,8 @@ Contract:
 - Reads each trial output folder's ``results.json`` (default: every folder under
   ``testnet/results/``) and keeps the newest run of each spec, then rewrites the part of the page
   (default ``docs/results.md``) between ``<!-- trials:begin -->`` and ``<!-- trials:end -->``
-  with one table row per spec and arm pair: routing / baseline mean latency, hit rate and its
+  with one table row per spec and arm pair: routing / baseline mean latency (and the floor no
+  routing can beat, where the run recorded one), hit rate and its
   share of the ceiling, busiest node, forwarded share, chat figures where the workload is chat,
   and the date and command of the run. A spec with no output here keeps the row and command
   the page already has (trial outputs stay on the machine that ran them, so one machine's run
@@ -71,6 +72,10 @@ def row(name: str, results: dict[str, Any]) -> str:
     ratio = None
     if b and r["latency_s"]["mean"] and b["latency_s"]["mean"]:
         ratio = r["latency_s"]["mean"] / b["latency_s"]["mean"]
+    floor = r.get("latency_floor_s")
+    floor_cell = ""
+    if floor and b and b["latency_s"]["mean"]:
+        floor_cell = f" (floor {floor / b['latency_s']['mean']:.3f})"
     chat = (arms.get("routing") or {}).get("chat") or {}
     chat_b = (arms.get("baseline") or {}).get("chat") or {}
     chat_cell = "-"
@@ -85,7 +90,7 @@ def row(name: str, results: dict[str, Any]) -> str:
     return (
         f"| {name} | {spec['compute']}, {spec['nodes']} nodes, {spec['max_delay_ms']:g} ms"
         f"{_formation_note(arms)} "
-        f"| {r['answered']}/{r['requests']} | **{_num(ratio)}** "
+        f"| {r['answered']}/{r['requests']} | **{_num(ratio)}**{floor_cell} "
         f"| {_num(r['latency_s']['mean'])} / {_num(b['latency_s']['mean'] if b else None)} "
         f"| {_pct(r['hit_rate'])} ({_pct(r.get('hit_of_ceiling'))} of ceiling "
         f"{_pct(r.get('hit_rate_ceiling'))}) | {_pct(r['max_share'])} "
@@ -130,7 +135,10 @@ def section(runs: dict[str, dict[str, Any]], kept: dict[str, tuple[str, str]] | 
         "spec (`p2pnode testnet SPEC`); each row is one run of both arms on fresh processes (a "
         "spec with no output on the machine that regenerated the page keeps its earlier row). "
         "Hit rate: cached / prompt tokens of the routing arm; the ceiling is what one unbounded "
-        "cache that saw every earlier request would reuse.",
+        "cache that saw every earlier request would reuse. The floor in brackets is the smallest "
+        "ratio any routing could show on that workload: every request alone at that one cache, "
+        "with no network and no queue, at the calibrated speeds (`driver.latency_floor_s`), "
+        "over the baseline's mean.",
         "",
         "| spec | setup | answered | routing / baseline latency | mean s (routing / baseline) "
         "| hit rate | busiest node | forwarded | chat | run (UTC) |",

@@ -15,7 +15,9 @@ Contract:
 - Each record gets ``oracle_cached`` (``driver.oracle_cached`` over the plan, prompts tokenized
   with the spec's model tokenizer as the nodes do), so the summary carries the workload's hit
   rate ceiling; left out, with a warning, when the tokenizer cannot load or its counts differ
-  from the nodes' ``prompt_tokens``.
+  from the nodes' ``prompt_tokens``. With it the summary also carries ``latency_floor_s``
+  (``driver.latency_floor_s`` at this machine's calibration of the model, the one emulated nodes
+  read): no routing brings the arm's mean below it.
 - Adversaries: a spec with ``[[adversary]]`` adds ``adversaries`` to the arm's result
   (``liars.adversary_summary``: wrong answers kept, also after detection, liars demoted).
 - Churn: a spec with ``[[churn]]`` runs its events during the workload
@@ -216,6 +218,20 @@ def _tokenizer(spec: TrialSpec) -> Any:
         return None
 
 
+def _latency_floor(spec: TrialSpec, records: Sequence[dict[str, Any]]) -> float | None:
+    """``driver.latency_floor_s`` at the calibration emulated nodes of this spec read."""
+    from p2pnode.inference.costmodel import CalibrationError, load_calibration
+    from p2pnode.inference.models import ModelLoadError, load_light_model
+
+    try:
+        model_id = load_light_model(None if spec.model == "default" else spec.model).model_id
+        cal = load_calibration(model_id)
+    except (ModelLoadError, CalibrationError) as exc:
+        print(f"no latency floor: {exc}", file=sys.stderr)
+        return None
+    return driver.latency_floor_s(records, cal, spec.workload.max_tokens)
+
+
 def prompt_token_ids(spec: TrialSpec, requests: Sequence[driver.PlannedRequest]):
     """Token ids of each planned prompt as a node encodes it, or None when no tokenizer loads."""
     tok = _tokenizer(spec)
@@ -363,6 +379,7 @@ def run_arm(
         result["adversaries"] = _adversaries(spec, arm, out_dir, records, ids, result)
     driver.write_jsonl(arm_dir / "requests.jsonl", records)
     summary = driver.summarize(records, churn.max_nodes(spec))  # churn: joiners serve too
+    summary["latency_floor_s"] = _latency_floor(spec, records)
     result["summary"] = summary
     if is_chat:
         result["chat"] = chat.chat_summary(records)

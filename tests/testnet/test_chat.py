@@ -53,6 +53,7 @@ def test_results_page_rewrites_only_its_section(tmp_path: Path) -> None:
         "hit_rate_ceiling": 0.88,
         "max_share": 0.3,
         "forwarded_fraction": 0.2,
+        "latency_floor_s": 0.3,
     }
     base = {**summary, "latency_s": {"mean": 1.0}, "forwarded_fraction": 0.0}
     results = {
@@ -68,7 +69,7 @@ def test_results_page_rewrites_only_its_section(tmp_path: Path) -> None:
     results_page.update_page(page, results_page.load_runs([run]))  # twice: still one section
     text = page.read_text()
     assert text.count(results_page.BEGIN) == 1 and "hand-written text" in text
-    assert "| demo |" in text and "**0.500**" in text
+    assert "| demo |" in text and "**0.500** (floor 0.300)" in text
     # Another machine's run of another spec adds its row and keeps this one.
     other = tmp_path / "other"
     other.mkdir()

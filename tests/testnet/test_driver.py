@@ -1,9 +1,11 @@
-"""The workload driver's client (testnet/driver.py) against a real HTTP server on loopback that
-drops connections: a broken connection before any answer is sent once more, and only once."""
+"""The workload driver (testnet/driver.py): its client against a real HTTP server on loopback that
+drops connections (a broken connection before any answer is sent once more, and only once), and
+the latency floor its summaries carry (a pure function)."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 
 import httpx
 import pytest
@@ -63,3 +65,34 @@ async def test_a_connection_dropped_twice_is_an_error_not_a_third_send() -> None
                 await driver._send(client, url, {"prompt": "x"}, 0.0, False, retried)
         assert seen[0] == 1 + driver.CLIENT_RETRIES and len(retried) == driver.CLIENT_RETRIES
         nursery.cancel_scope.cancel()
+
+
+@dataclass(frozen=True)
+class Speeds:
+    prefill_s_per_token: float = 0.001
+    decode_s_per_token: float = 0.02
+    overhead_s: float = 0.01
+
+
+def _answered(prompt: int, oracle: int | None, completion: int | None) -> dict:
+    return {
+        "status": "ok",
+        "prompt_tokens": prompt,
+        "oracle_cached": oracle,
+        "completion_tokens": completion,
+    }
+
+
+def test_the_latency_floor_is_each_answered_request_alone_at_the_oracle_cache() -> None:
+    records = [
+        _answered(100, 0, 4),  # a miss: 100 prefilled, 4 decoded
+        _answered(100, 90, None),  # no completion count: max_tokens (2) decoded
+        {"status": "timeout", "prompt_tokens": 500, "oracle_cached": 0},  # not answered
+    ]
+    alone = [0.01 + 100 * 0.001 + 4 * 0.02, 0.01 + 10 * 0.001 + 2 * 0.02]
+    assert driver.latency_floor_s(records, Speeds(), max_tokens=2) == round(sum(alone) / 2, 4)
+
+
+def test_no_latency_floor_without_the_oracle_or_an_answer() -> None:
+    assert driver.latency_floor_s([_answered(100, None, 4)], Speeds(), max_tokens=1) is None
+    assert driver.latency_floor_s([], Speeds(), max_tokens=1) is None

@@ -508,6 +508,8 @@ def test_smoke_trial_end_to_end(tmp_path):
             pytest.xfail("node assembly does not pass its engine/RoutedService to the HTTP API yet")
         assert summary["answered"] == spec.workload.requests, errors[:3]
         assert summary["unknown_server"] == 0
+        if summary["hit_rate_ceiling"] is not None:  # the oracle cache is known: so is the floor
+            assert 0 < summary["latency_floor_s"] <= summary["latency_s"]["mean"], summary
         if arm == "baseline":
             assert summary["forwarded_fraction"] == 0.0  # baseline serves where it arrives
     assert (tmp_path / "out" / "report.md").is_file()
