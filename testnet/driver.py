@@ -435,7 +435,8 @@ def latency_floor_s(
     total = 0.0
     for r in ok:
         new = r["prompt_tokens"] - r["oracle_cached"]
-        out = r.get("completion_tokens") or max_tokens
+        out = r.get("completion_tokens")
+        out = max_tokens if out is None else out
         total += (
             speeds.overhead_s + new * speeds.prefill_s_per_token + out * speeds.decode_s_per_token
         )
