@@ -75,22 +75,30 @@ def _cpu_flags() -> str:
 def library() -> ctypes.CDLL | None:
     if os.environ.get("P2PNODE_KERNELS", "1") == "0":
         return None
+    return build(_SOURCE.read_bytes())
+
+
+def build(src: bytes) -> ctypes.CDLL | None:
+    """``src`` (a version of ``_kernels.c``) compiled into the model cache and loaded, or None
+    (logged) without a working compiler. ``library()`` is this on the current source;
+    ``bench/kernel_ab.py`` loads another revision's beside it."""
     from p2pnode.inference.models import cache_dir
 
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         log.warning("no C compiler (cc/gcc): decode runs on the slower torch path")
         return None
-    src = _SOURCE.read_bytes()
     flags = " ".join(_FLAGS + _LIBS).encode()
     key = hashlib.sha256(src + cc.encode() + flags + _cpu_flags().encode())
     out = cache_dir() / "kernels" / f"stream-{key.hexdigest()[:16]}.so"
     if not out.is_file():
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
+        c_file = out.with_name(f"{out.stem}.tmp-{os.getpid()}.c")
         try:
+            c_file.write_bytes(src)
             subprocess.run(
-                [cc, *_FLAGS, "-o", str(tmp), str(_SOURCE), *_LIBS],
+                [cc, *_FLAGS, "-o", str(tmp), str(c_file), *_LIBS],
                 check=True,
                 capture_output=True,
                 timeout=120,
@@ -101,6 +109,8 @@ def library() -> ctypes.CDLL | None:
             log.warning("building %s failed (%s %s): torch path", _SOURCE.name, exc, err[:300])
             tmp.unlink(missing_ok=True)
             return None
+        finally:
+            c_file.unlink(missing_ok=True)
     lib = ctypes.CDLL(str(out))
     for name in ("gemv_f32", "gemv_bf16"):
         getattr(lib, name).argtypes = [_P, _P, _P, _I, _I, _I]

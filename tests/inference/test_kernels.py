@@ -77,11 +77,12 @@ def test_int4_kernel_on_int8_activations_stays_within_the_rounding_bound() -> No
     # The draft's decode path rounds each group of 64 activations to int8 (scale amax / 127,
     # round to nearest), so an input is off by at most scale / 2 and an output by at most
     # sum_k |W[n, k]| * scale(k) / 2; the integer dot products add nothing. Widths 576 and 1536
-    # are the draft's (576 = 4.5 chunks of 128: the half-chunk tail runs too).
+    # are the draft's (576 = 4.5 chunks of 128: the half-chunk tail runs too); 42 weight rows,
+    # so one input row runs four weight rows a pass and then two alone.
     torch.manual_seed(2)
     for k in (576, 1536):
-        q = torch.randint(0, 16, (40, k), dtype=torch.int32)
-        scales = torch.rand(40, k // 64) + 0.1
+        q = torch.randint(0, 16, (42, k), dtype=torch.int32)
+        scales = torch.rand(42, k // 64) + 0.1
         deq = (q.float() - 8) * scales.repeat_interleave(64, dim=1)
         x = torch.randn(9, k) * 3
         y = _kernels.int4_matmul(_kernels.pack_int4(q), scales, x, 64, int8_act=True)
@@ -90,7 +91,7 @@ def test_int4_kernel_on_int8_activations_stays_within_the_rounding_bound() -> No
             assert (y - ref).abs().max() <= 1e-4 * ref.abs().max()
             continue
         step = x.reshape(9, k // 64, 64).abs().amax(-1).double() / 127
-        per_group = deq.abs().double().reshape(40, k // 64, 64).sum(-1)
+        per_group = deq.abs().double().reshape(42, k // 64, 64).sum(-1)
         bound = step @ per_group.t() / 2 + 1e-4 * ref.abs().max()  # + fp32 rounding of the sum
         err = (y.double() - ref).abs()
         assert (err <= bound).all()
