@@ -44,7 +44,7 @@ def source_at(rev: str) -> bytes:
             ["git", "show", f"{rev}:{SOURCE}"], cwd=ROOT, check=True, capture_output=True
         ).stdout
     except (OSError, subprocess.CalledProcessError) as exc:
-        raise SystemExit(f"cannot read {SOURCE} at {rev!r} (is it a git revision?): {exc}")
+        raise SystemExit(f"cannot read {SOURCE} at {rev!r} (is it a git revision?): {exc}") from exc
 
 
 def main() -> None:

@@ -232,3 +232,14 @@ def test_batched_decode_with_left_pads_equals_each_row_alone() -> None:
     for i in range(3):
         for step in range(3):
             assert torch.equal(together[step][i], alone[i][step])
+
+
+@needs_lib
+def test_build_compiles_another_version_beside_the_current_one(caplog) -> None:
+    # bench/kernel_ab.py loads a revision's source beside the tree's: the same source gives
+    # a working library again, a broken one None and a warning (never an exception).
+    again = _kernels.build(_kernels._SOURCE.read_bytes())
+    assert again is not None and again.q4a8_native() in (0, 1)
+    with caplog.at_level("WARNING", logger=_kernels.__name__):
+        assert _kernels.build(b"this is not C\n") is None
+    assert "building _kernels.c failed" in caplog.text
