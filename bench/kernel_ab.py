@@ -3,7 +3,7 @@
 `python bench/kernel_ab.py [--against REV] [--reps N]` compiles `inference/_kernels.c` as it
 is in the working tree and as it was at git revision REV (default HEAD), and times the decode
 steps whose C decoder stack (`llama_layers`) either build can run: the W4A16 draft's decode
-step, and the target's verify of 1 and 5 positions over a 200-token context. Steps alternate
+step, and the target's verify of 1 and 5 positions over a 200-token context (``--context``). Steps alternate
 between the builds rep by rep (the order flipping every rep), with a 160 MB read between any
 two steps, so both builds see the same load and start each step with the weights out of the
 caches, as in a running node. On this project's shared 2-core machines run-to-run noise is
@@ -34,7 +34,7 @@ from p2pnode.speculation.draft import load_draft
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results" / "kernel_ab.json"
-CONTEXT = 200  # as bench/floor.py
+CONTEXT = 200  # default, as bench/floor.py
 SOURCE = "inference/_kernels.c"
 
 
@@ -51,9 +51,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--against", default="HEAD", help="git revision to compare with")
     ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--context", type=int, default=CONTEXT, help="tokens cached before a step")
     args = ap.parse_args()
-    if args.reps < 1:
-        raise SystemExit("--reps must be >= 1")
+    if args.reps < 1 or args.context < 8:
+        raise SystemExit("need --reps >= 1 and --context >= 8")
     torch.set_num_threads(1)
     builds = {
         "base": _kernels.build(source_at(args.against)),
@@ -65,8 +66,8 @@ def main() -> None:
     target, draft = loaded.model, load_draft().model
     if _fastpath.plan(target) is None or _fastpath.plan(draft) is None:
         raise SystemExit("no C decoder stack for these models here (P2PNODE_KERNELS=0?)")
-    prompt = loaded.tokenizer.encode("The river runs past the old mill and the stone bridge. " * 20)
-    prompt = prompt[:CONTEXT]
+    text = "The river runs past the old mill and the stone bridge. "
+    prompt = loaded.tokenizer.encode(text * (args.context // 8 + 1))[: args.context]
     caches = {}
     for model in (target, draft):
         cache = DynamicCache()
@@ -142,6 +143,7 @@ def main() -> None:
             {
                 "against": args.against,
                 "reps": args.reps,
+                "context": args.context,
                 "loadavg": os.getloadavg(),
                 "rows": rows,
                 "verify5_over_verify1": ratio,
