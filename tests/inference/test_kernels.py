@@ -210,6 +210,35 @@ def test_fast_path_matches_transformers_and_rows_are_independent() -> None:
 
 
 @needs_lib
+def test_fast_path_plan_follows_a_replaced_weight() -> None:
+    from transformers import DynamicCache
+
+    from p2pnode.inference import _fastpath
+
+    model = _tiny_llama()
+    assert _fastpath.install(model)
+    first = _fastpath.plan(model)
+    assert _fastpath.plan(model) is first  # the same tensors: the same plan, no rebuild
+    lin = model.model.layers[1].mlp.down_proj
+    lin.weight = torch.nn.Parameter(torch.randn_like(lin.weight))
+    second = _fastpath.plan(model)
+    assert second is not first and second.current() and not first.current()
+    prompt, step = torch.randint(0, 96, (1, 12)), torch.randint(0, 96, (1, 1))
+    with torch.inference_mode():
+        caches = [DynamicCache(), DynamicCache()]
+        for c in caches:
+            model(input_ids=prompt, past_key_values=c)
+        old = _kernels.set_enabled(False)
+        try:
+            ref = model(input_ids=step, past_key_values=caches[0]).logits
+        finally:
+            _kernels.set_enabled(old)
+        got = model(input_ids=step, past_key_values=caches[1]).logits
+    assert isinstance(caches[1].layers[0], _SlabLayer)  # the fast path ran, on the new weight
+    assert (got - ref).abs().max() <= 1e-4 * ref.abs().max()
+
+
+@needs_lib
 def test_batched_decode_with_left_pads_equals_each_row_alone() -> None:
     from p2pnode.inference import _fastpath
     from p2pnode.inference._backend import HFBackend
