@@ -29,19 +29,31 @@ _MIN_CAPACITY = 256
 
 
 class _SlabLayer(DynamicLayer):
-    """One decoder layer's view of the slab (keys/values are views, refreshed on update)."""
+    """One decoder layer's view of the slab. ``keys`` and ``values`` are views made when read:
+    refreshing two views per layer on every length change cost ~0.6 ms a decode step (60
+    refreshes), and the fast path reads the slab itself, never these."""
 
     def __init__(self, slab: Slab, index: int) -> None:
         super().__init__()
         self.slab, self.index, self.n = slab, index, 0
         self.dtype, self.device = slab.kv.dtype, slab.kv.device
         self.is_initialized = True
-        self._refresh()
 
-    def _refresh(self) -> None:
-        kv = self.slab.kv
-        self.keys = kv[self.index, 0, :, :, : self.n]
-        self.values = kv[self.index, 1, :, :, : self.n]
+    @property
+    def keys(self) -> torch.Tensor:
+        return self.slab.kv[self.index, 0, :, :, : self.n]
+
+    @keys.setter
+    def keys(self, value: torch.Tensor | None) -> None:
+        _only_none(value)
+
+    @property
+    def values(self) -> torch.Tensor:
+        return self.slab.kv[self.index, 1, :, :, : self.n]
+
+    @values.setter
+    def values(self, value: torch.Tensor | None) -> None:
+        _only_none(value)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         return None
@@ -55,7 +67,6 @@ class _SlabLayer(DynamicLayer):
         kv[self.index, 0, :, :, n : n + t].copy_(key_states)
         kv[self.index, 1, :, :, n : n + t].copy_(value_states)
         self.n = n + t
-        self._refresh()
         return self.keys, self.values
 
     def get_seq_length(self) -> int:
@@ -65,11 +76,15 @@ class _SlabLayer(DynamicLayer):
         if tokens_to_remove > 0:
             raise ValueError("crop takes a negative count: the number of tokens to drop")
         self.n = max(0, self.n + tokens_to_remove)
-        self._refresh()
 
     def reset(self) -> None:
         self.n = 0
-        self._refresh()
+
+
+def _only_none(value: torch.Tensor | None) -> None:
+    # DynamicLayer.__init__ sets None; any other assignment would be lost, so it is refused.
+    if value is not None:
+        raise TypeError("a slab layer's KV lives in its slab: write through update() or the slab")
 
 
 class Slab:
@@ -114,14 +129,11 @@ class Slab:
         self.kv = torch.empty(shape, dtype=old.dtype)
         used = max(layer.n for layer in self.layers)
         self.kv[:, :, :, :, :used].copy_(old[:, :, :, :, :used])
-        for layer in self.layers:
-            layer._refresh()
 
     def set_length(self, n: int) -> None:
         self.reserve(n)
         for layer in self.layers:
             layer.n = n
-            layer._refresh()
 
     def load_parts(self, parts: list[torch.Tensor], row: int = 0) -> None:
         """Positions ``[0, sum of spans)`` of ``row`` from radix-layout spans, in order."""

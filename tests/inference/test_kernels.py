@@ -135,6 +135,12 @@ def test_slab_writes_in_place_grows_crops_and_loads_spans() -> None:
     other.load_parts([full[..., :4, :], full[..., 4:, :]])
     assert other.length == 6 and torch.equal(other.export(0, 0, 6), full)
     assert torch.equal(other.cache.layers[1].values[0], full[1, 1])
+    # keys / values are views of the slab made when read, at its current length; assigning
+    # one would be lost, so it is refused.
+    other.set_length(3)
+    assert torch.equal(other.cache.layers[0].keys[0], full[0, 0, :, :3])
+    with pytest.raises(TypeError, match="lives in its slab"):
+        other.cache.layers[0].keys = torch.zeros(1, 1, 3, 4)
 
 
 def test_slab_pool_reuses_a_given_back_tensor_only_where_it_fits() -> None:
