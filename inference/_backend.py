@@ -137,7 +137,7 @@ class HFBackend:
             b.mask = mask
             for s in states:
                 s.length += 1
-            return self.model.lm_head(self.model.model.norm(hidden))
+            return _fastpath.head(self.model, hidden)
         out = self.model(
             input_ids=torch.tensor(tokens).unsqueeze(1),
             attention_mask=mask if len(states) > 1 else None,

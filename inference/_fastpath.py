@@ -18,6 +18,7 @@ Contract:
   slab with per-row offsets (``HFBackend``'s left-padded decode batch): row ``m`` writes its KV
   at ``slots[m]`` of slab row ``batch_rows[m]`` and attends over ``[lo[m], slots[m]]``. Returns
   the final hidden states ``[rows, hidden]`` (before the final norm); the caller sets lengths.
+  ``head(model, hidden)``: their logits (the final norm in C, then the lm_head).
 - Numerics: float rounding only (norms, softmax and SiLU in another summation order); logits
   agree with the torch path to ~1e-4 on logits of magnitude ~20.
 - The plan (weight pointers) is built on first use and checked on every call against the
@@ -70,6 +71,7 @@ class _Plan:
     ffn: int
     eps: float
     scale: float
+    final_norm: int  # the final RMSNorm's weight
 
     def current(self) -> bool:
         return all(d.get(attr) is t for d, attr, t in self.refs)
@@ -136,8 +138,12 @@ def _build(model: nn.Module) -> _Plan | None:
             refs.append(_ref(norm, "weight", w))
             norms.append(w.data_ptr())
         scale = float(layer.self_attn.scaling)
-    if not lins or inner.norm.weight.dtype != torch.float32:
+    final = inner.norm.weight
+    if not lins or final.dtype != torch.float32 or not final.is_contiguous():
         return None
+    if getattr(inner.norm, "variance_epsilon", None) != float(cfg.rms_norm_eps):
+        return None
+    refs.append(_ref(inner.norm, "weight", final))
     return _Plan(
         lib=lib,
         lins=(_Lin * len(lins))(*lins),
@@ -151,6 +157,7 @@ def _build(model: nn.Module) -> _Plan | None:
         ffn=int(cfg.intermediate_size),
         eps=float(cfg.rms_norm_eps),
         scale=float(scale),
+        final_norm=final.data_ptr(),
     )
 
 
@@ -191,8 +198,7 @@ def _run(
     inner = model.model
     rows = ids.numel()
     x = inner.embed_tokens(ids.reshape(1, rows)).float().contiguous()
-    cos, sin = inner.rotary_emb(x, positions.reshape(1, rows))
-    cos, sin = cos.float().contiguous(), sin.float().contiguous()
+    cos, sin = _cos_sin(inner.rotary_emb, x, positions.reshape(1, rows))
     slab.reserve(max(slots) + 1)
     kv = slab.kv
     st = kv.stride()
@@ -225,6 +231,46 @@ def _run(
     if rc != 0:
         raise MemoryError("the fast decode path could not allocate its work buffers")
     return x[0]
+
+
+# RoPE variants whose cos/sin depend on the position alone (not on the sequence length, as the
+# dynamic ones do): their tables are computed once, for positions doubling as needed.
+_STATIC_ROPE = frozenset({"default", "linear", "llama3"})
+_rope_tables: weakref.WeakKeyDictionary[nn.Module, tuple[torch.Tensor, torch.Tensor]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _cos_sin(rot: nn.Module, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """fp32 cos and sin ``[rows, head_dim]`` for ``positions [1, rows]``: rows of a table made
+    by the model's own rotary module (the module's call was ~0.15 ms of a decode step)."""
+    if getattr(rot, "rope_type", None) not in _STATIC_ROPE:
+        cos, sin = rot(x, positions)
+        return cos.float().contiguous(), sin.float().contiguous()
+    need = int(positions.max()) + 1
+    table = _rope_tables.get(rot)
+    if table is None or table[0].shape[0] < need:
+        n = max(need, 512, 2 * table[0].shape[0] if table is not None else 0)
+        cos, sin = rot(x, torch.arange(n).reshape(1, n))
+        table = _rope_tables[rot] = (cos[0].float().contiguous(), sin[0].float().contiguous())
+    idx = positions.reshape(-1)
+    return table[0][idx], table[1][idx]
+
+
+def head(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """Logits from ``run``'s hidden states: the final norm (in C) and the lm_head."""
+    p = plan(model)
+    if p is None:
+        raise RuntimeError("no fast path for this model: check plan(model) first")
+    return _head(p, model, hidden)
+
+
+def _head(p: _Plan, model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    hidden = hidden.contiguous()
+    normed = torch.empty_like(hidden)
+    rows = hidden.numel() // p.hidden
+    p.lib.rms_norm_rows(hidden.data_ptr(), p.final_norm, normed.data_ptr(), rows, p.hidden, p.eps)
+    return model.lm_head(normed)
 
 
 def _slab_of(cache: Cache, batch: int, model: nn.Module) -> Slab | None:
@@ -291,8 +337,7 @@ def _try(model, input_ids, cache, attention_mask, position_ids, use_cache, logit
     keep = logits_to_keep if isinstance(logits_to_keep, int) else 0
     if keep:
         hidden = hidden[:, -keep:]
-    logits = model.lm_head(model.model.norm(hidden))
-    return CausalLMOutputWithPast(logits=logits, past_key_values=cache)
+    return CausalLMOutputWithPast(logits=_head(p, model, hidden), past_key_values=cache)
 
 
 def _forward(

@@ -447,6 +447,12 @@ static void rmsnorm(const float *x, const float *w, float *y, int H, float eps) 
   for (int i = 0; i < H; i++) y[i] = w[i] * (x[i] * r);
 }
 
+/* The final norm of the fast path, over M rows of H (the C stack's output before the lm_head):
+ * in torch it was ~0.2 ms of dispatch per decode step for 576 numbers. */
+void rms_norm_rows(const float *x, const float *w, float *y, int M, int H, float eps) {
+  for (int m = 0; m < M; m++) rmsnorm(x + (size_t)m * H, w, y + (size_t)m * H, H, eps);
+}
+
 /* SiLU(g) * u over n values. Its expf was ~0.8 ms of a 5-row verify step (30 layers x 1,536 x 5
  * calls to libm); with AVX-512 sixteen at a time by Cephes' expf polynomial (relative error
  * under 2e-7, i.e. 1-2 ulp, as libm's; the bits differ from torch's, the tolerance of the fast

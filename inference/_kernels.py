@@ -118,6 +118,8 @@ def build(src: bytes) -> ctypes.CDLL | None:
     for name in ("gemv_int4", "gemv_q4a8"):
         getattr(lib, name).argtypes = [_P, _P, _P, _P, _I, _I, _I, _I]
         getattr(lib, name).restype = None
+    lib.rms_norm_rows.argtypes = [_P, _P, _P, _I, _I, ctypes.c_float]
+    lib.rms_norm_rows.restype = None
     lib.q4a8_native.argtypes = []
     lib.q4a8_native.restype = _I
     i64, f32 = ctypes.c_int64, ctypes.c_float

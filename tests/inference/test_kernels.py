@@ -244,6 +244,19 @@ def test_fast_path_plan_follows_a_replaced_weight() -> None:
     assert (got - ref).abs().max() <= 1e-4 * ref.abs().max()
 
 
+def test_rope_table_rows_equal_the_rotary_module() -> None:
+    from p2pnode.inference import _fastpath
+
+    rot = _tiny_llama().model.rotary_emb
+    x = torch.zeros(1, 3, 64)
+    for pos in ([[0, 1, 2]], [[5, 511, 700]], [[3, 4, 1500]]):  # the last two grow the table
+        positions = torch.tensor(pos)
+        cos, sin = _fastpath._cos_sin(rot, x, positions)
+        ref_cos, ref_sin = rot(x, positions)
+        assert torch.equal(cos, ref_cos[0]) and torch.equal(sin, ref_sin[0])
+    assert _fastpath._rope_tables[rot][0].shape[0] >= 1501
+
+
 @needs_lib
 def test_batched_decode_with_left_pads_equals_each_row_alone() -> None:
     from p2pnode.inference import _fastpath
