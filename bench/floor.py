@@ -7,7 +7,8 @@ torch path) in the same run, interleaved, so the two are compared under the same
 Times are the best of ``--reps`` (the median is in the JSON): on a machine shared with other
 sessions, the closest a step came to having the core to itself.
 
-Measured first: read bandwidth (a plain fp32 tensor sum over 512 MB, far past the caches) and
+Measured first: read bandwidth (a plain fp32 tensor sum over 512 MB, far past the caches, on
+4 KB pages and on 2 MB pages where the kernel offers them; the faster is the floor's) and
 compute rate (a prefill-shaped fp32 matmul). Then for each path the median time, its floor and
 the ratio time / floor:
 - a step that streams weights (decode, verify): floor = max(bytes read / bandwidth,
@@ -33,7 +34,7 @@ from pathlib import Path
 import torch
 import trio
 
-from p2pnode.inference import _kernels
+from p2pnode.inference import _hugepages, _kernels
 from p2pnode.inference._backend import HFBackend
 from p2pnode.inference.engine import open_engine
 from p2pnode.inference.models import load_model
@@ -53,9 +54,15 @@ def best_s(fn, reps: int) -> float:
     return min(times)
 
 
-def read_bandwidth(reps: int = 7) -> float:
-    x = torch.ones(128 * 1024 * 1024)  # 512 MB
-    return x.numel() * 4 / best_s(lambda: x.sum(), reps)
+def read_bandwidths(reps: int = 7) -> dict[str, float]:
+    """A plain fp32 sum over 512 MB on 4 KB pages, and on 2 MB pages where the kernel offers
+    them (the weights' pages since ``inference/_hugepages.py``): floors use the faster."""
+    holder = torch.nn.Module()
+    holder.register_buffer("x", torch.ones(128 * 1024 * 1024))
+    out = {"4k": holder.x.numel() * 4 / best_s(lambda: holder.x.sum(), reps)}
+    if _hugepages.move_to_huge_pages(holder):
+        out["2m"] = holder.x.numel() * 4 / best_s(lambda: holder.x.sum(), reps)
+    return out
 
 
 def compute_rate(reps: int = 5) -> float:
@@ -267,8 +274,10 @@ def main() -> None:
     loaded = load_model(None)
     prompt = loaded.tokenizer.encode("The river runs past the old mill and the stone bridge. " * 20)
     prompt = prompt[:CONTEXT]
-    bw, flops = read_bandwidth(), compute_rate()
-    print(f"read bandwidth {bw / 1e9:.1f} GB/s, compute {flops / 1e9:.1f} GFLOP/s (one thread)")
+    bws, flops = read_bandwidths(), compute_rate()
+    bw = max(bws.values())
+    pages = ", ".join(f"{v / 1e9:.1f} on {k} pages" for k, v in bws.items())
+    print(f"read bandwidth {bw / 1e9:.1f} GB/s ({pages}), compute {flops / 1e9:.1f} GFLOP/s")
     print(f"streaming kernels: {'on' if _kernels.library() is not None else 'unavailable'}")
     modes = [True, False] if args.compare and _kernels.library() is not None else [True]
     paths = decode_paths(loaded, bw, flops, prompt) + [draft_path(bw, flops, prompt)]
@@ -294,6 +303,7 @@ def main() -> None:
         json.dumps(
             {
                 "bandwidth_gb_s": bw / 1e9,
+                "bandwidth_by_pages_gb_s": {k: v / 1e9 for k, v in bws.items()},
                 "compute_gflop_s": flops / 1e9,
                 "loadavg": load,
                 "rows": rows,

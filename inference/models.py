@@ -250,8 +250,9 @@ def load_model(
 
     ``accelerate``: decode steps and short blocks (at most 16 tokens) run the streaming kernels
     of ``_kernels.py`` (same weights, float rounding only; ``P2PNODE_KERNELS=0`` turns them
-    off everywhere), a Llama model's short forwards run as one C call (``_fastpath.py``), and
-    attention keeps grouped-query heads inside SDPA (``_attention.py``)."""
+    off everywhere), a Llama model's short forwards run as one C call (``_fastpath.py``),
+    attention keeps grouped-query heads inside SDPA (``_attention.py``), and the weights sit
+    on 2 MB pages where the kernel offers them (``_hugepages.py``)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -264,9 +265,10 @@ def load_model(
         raise ModelLoadError(f"cannot load a model from {folder}: {exc}") from exc
     model.eval()
     if accelerate:
-        from p2pnode.inference import _attention, _fastpath
+        from p2pnode.inference import _attention, _fastpath, _hugepages
         from p2pnode.inference._kernels import accelerate as swap_linears
 
+        _hugepages.move_to_huge_pages(model)  # before any plan keeps a weight's address
         swap_linears(model)
         _attention.use(model)
         _fastpath.install(model)

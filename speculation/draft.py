@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from p2pnode.inference import _fastpath, _kernels
+from p2pnode.inference import _fastpath, _hugepages, _kernels
 from p2pnode.inference.models import LLAMA_LINEARS, LoadedModel, cache_dir, load_model
 from p2pnode.speculation._errors import DraftError
 
@@ -370,6 +370,7 @@ def load_draft(
         head = model.get_input_embeddings().weight.detach().to(torch.bfloat16).contiguous()
         model.lm_head = _kernels.StreamLinear(head, _kernels.library())
     model.eval()
+    _hugepages.move_to_huge_pages(model)  # before any plan keeps a weight's address
     if act_dtype == torch.float32:
         _fastpath.install(model)  # decode steps: the whole stack in one C call
     marker = folder / _MARKER
