@@ -182,10 +182,25 @@ def _tiny_llama():
     return model
 
 
-@needs_lib
-def test_fast_path_matches_transformers_and_rows_are_independent() -> None:
+def _torch_and_fast(model, prompt: torch.Tensor, block: torch.Tensor):
+    """Logits of ``block`` after ``prompt`` by transformers' own forward and by the fast path,
+    each on its own cache (the prompt as the model takes it: a long one through transformers),
+    and the fast path's cache."""
     from transformers import DynamicCache
 
+    caches = [DynamicCache(), DynamicCache()]
+    for c in caches:
+        model(input_ids=prompt, past_key_values=c)
+    old = _kernels.set_enabled(False)
+    try:
+        ref = model(input_ids=block, past_key_values=caches[0]).logits
+    finally:
+        _kernels.set_enabled(old)
+    return ref, model(input_ids=block, past_key_values=caches[1]).logits, caches[1]
+
+
+@needs_lib
+def test_fast_path_matches_transformers_and_rows_are_independent() -> None:
     from p2pnode.inference import _fastpath
 
     model = _tiny_llama()
@@ -193,23 +208,15 @@ def test_fast_path_matches_transformers_and_rows_are_independent() -> None:
     prompt = torch.randint(0, 96, (1, 40))
     block = torch.randint(0, 96, (1, 5))
     with torch.inference_mode():
-        caches = [DynamicCache(), DynamicCache()]
-        for c in caches:
-            model(input_ids=prompt, past_key_values=c)  # 40 tokens: transformers' forward
-        old = _kernels.set_enabled(False)
-        try:
-            ref = model(input_ids=block, past_key_values=caches[0]).logits
-        finally:
-            _kernels.set_enabled(old)
-        got = model(input_ids=block, past_key_values=caches[1]).logits
+        ref, got, cache = _torch_and_fast(model, prompt, block)
         # Float rounding only; a wrong position, slot or head shows up at the logits' scale.
         assert (got - ref).abs().max() <= 1e-4 * ref.abs().max()
-        assert caches[1].get_seq_length() == 45
-        assert isinstance(caches[1].layers[0], _SlabLayer)  # the fast path ran: KV now in a slab
+        assert cache.get_seq_length() == 45
+        assert isinstance(cache.layers[0], _SlabLayer)  # the fast path ran: KV now in a slab
         # The block's rows are the bits of one-token steps, and a crop rolls back in place.
-        caches[1].crop(-5)
+        cache.crop(-5)
         steps = [
-            model(input_ids=block[:, i : i + 1], past_key_values=caches[1]).logits[0, 0]
+            model(input_ids=block[:, i : i + 1], past_key_values=cache).logits[0, 0]
             for i in range(5)
         ]
         assert torch.equal(torch.stack(steps), got[0])
@@ -217,8 +224,6 @@ def test_fast_path_matches_transformers_and_rows_are_independent() -> None:
 
 @needs_lib
 def test_fast_path_plan_follows_a_replaced_weight() -> None:
-    from transformers import DynamicCache
-
     from p2pnode.inference import _fastpath
 
     model = _tiny_llama()
@@ -231,16 +236,8 @@ def test_fast_path_plan_follows_a_replaced_weight() -> None:
     assert second is not first and second.current() and not first.current()
     prompt, step = torch.randint(0, 96, (1, 12)), torch.randint(0, 96, (1, 1))
     with torch.inference_mode():
-        caches = [DynamicCache(), DynamicCache()]
-        for c in caches:
-            model(input_ids=prompt, past_key_values=c)
-        old = _kernels.set_enabled(False)
-        try:
-            ref = model(input_ids=step, past_key_values=caches[0]).logits
-        finally:
-            _kernels.set_enabled(old)
-        got = model(input_ids=step, past_key_values=caches[1]).logits
-    assert isinstance(caches[1].layers[0], _SlabLayer)  # the fast path ran, on the new weight
+        ref, got, cache = _torch_and_fast(model, prompt, step)
+    assert isinstance(cache.layers[0], _SlabLayer)  # the fast path ran, on the new weight
     assert (got - ref).abs().max() <= 1e-4 * ref.abs().max()
 
 
