@@ -169,6 +169,13 @@ def plan(model: nn.Module) -> _Plan | None:
     return p
 
 
+def _required_plan(model: nn.Module) -> _Plan:
+    p = plan(model)
+    if p is None:
+        raise RuntimeError("no fast path for this model: check plan(model) first")
+    return p
+
+
 def run(
     model: nn.Module,
     ids: torch.Tensor,
@@ -179,10 +186,7 @@ def run(
     positions: torch.Tensor,
 ) -> torch.Tensor:
     """See the module contract; ``ids`` and ``positions`` hold one entry per row."""
-    p = plan(model)
-    if p is None:
-        raise RuntimeError("no fast path for this model: check plan(model) first")
-    return _run(p, model, ids, slab, batch_rows, slots, lo, positions)
+    return _run(_required_plan(model), model, ids, slab, batch_rows, slots, lo, positions)
 
 
 def _run(
@@ -259,10 +263,7 @@ def _cos_sin(rot: nn.Module, x: torch.Tensor, positions: torch.Tensor) -> tuple[
 
 def head(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     """Logits from ``run``'s hidden states: the final norm (in C) and the lm_head."""
-    p = plan(model)
-    if p is None:
-        raise RuntimeError("no fast path for this model: check plan(model) first")
-    return _head(p, model, hidden)
+    return _head(_required_plan(model), model, hidden)
 
 
 def _head(p: _Plan, model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:

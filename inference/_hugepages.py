@@ -16,7 +16,8 @@ streaming kernels' plans, ``_fastpath.plan``). It moves nothing (returns 0) wher
 offers no transparent huge pages (``/sys/kernel/mm/transparent_hugepage/enabled`` is
 ``never``, or no ``MADV_HUGEPAGE``) or ``P2PNODE_HUGEPAGES=0``; the values never change. The
 kernel may still back the region with 4 KB pages (memory too fragmented): that is only
-slower.
+slower. The copy is private to the process: model processes on one host no longer share the
+weights through the safetensors file's page cache (~540 MB each for the default model).
 """
 
 from __future__ import annotations
