@@ -96,7 +96,10 @@ def _describe(mod: nn.Module, refs: list) -> _Lin | None:
     if q4 is not None and getattr(mod, "stream", False):  # speculation.draft.Int4Linear
         refs += [_ref(mod, "q4", q4), _ref(mod, "q4_scales", mod.q4_scales)]
         n, k = q4.shape[0], q4.shape[1] * 2
-        kind = 3 if getattr(mod, "int8_act", False) else 2  # 3: int8 activations (gemv_q4a8)
+        # 3: int8 activations (gemv_q4a8); 4: the same in blocks of four rows (gemv_q4a8i)
+        kind = 3 if getattr(mod, "int8_act", False) else 2
+        if kind == 3 and getattr(mod, "interleaved", False):
+            kind = 4
         return _Lin(kind, n, k, int(mod.group_size), q4.data_ptr(), mod.q4_scales.data_ptr())
     w = getattr(mod, "weight", None)
     if not isinstance(w, torch.Tensor) or w.dim() != 2 or not w.is_contiguous():

@@ -15,7 +15,8 @@ Contract:
 - ``int4_matmul(packed, scales, x, group)``: ``x @ W.T`` for symmetric int4 weights in the
   layout ``pack_int4`` makes (see ``_kernels.c``); ``int8_act=True`` rounds the activations to
   int8 per group of 64 and multiplies in integers (AVX-512 VNNI, ``int8_activations()``), ~2x
-  fewer instructions: the draft's decode, whose numerics only move acceptance.
+  fewer instructions: the draft's decode, whose numerics only move acceptance;
+  ``interleaved=True`` reads the blocks of four rows of ``interleave_q4`` (the draft's layout).
 - ``llama_layers`` (C): a whole Llama decoder stack for a few rows over a KV slab, driven by
   ``_fastpath.py``.
 """
@@ -120,6 +121,8 @@ def build(src: bytes) -> ctypes.CDLL | None:
         getattr(lib, name).restype = None
     lib.rms_norm_rows.argtypes = [_P, _P, _P, _I, _I, ctypes.c_float]
     lib.rms_norm_rows.restype = None
+    lib.gemv_q4a8i.argtypes = [_P, _P, _P, _P, _I, _I, _I]
+    lib.gemv_q4a8i.restype = _I
     lib.q4a8_native.argtypes = []
     lib.q4a8_native.restype = _I
     i64, f32 = ctypes.c_int64, ctypes.c_float
@@ -200,6 +203,18 @@ def int8_activations() -> bool:
     return lib is not None and bool(lib.q4a8_native())
 
 
+def interleave_q4(packed: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``pack_int4``'s layout ``[N, K / 2]`` and scales ``[N, K / 64]`` -> the blocks of four
+    rows that ``int4_matmul(..., interleaved=True)`` reads (see ``gemv_q4a8i`` in
+    ``_kernels.c``): the same bytes and shapes, reordered. Needs N % 4 == 0, K % 64 == 0."""
+    n, half = packed.shape
+    if n % 4 or half % 32 or scales.shape != (n, half // 32):
+        raise ValueError(f"needs N % 4 == 0, K % 64 == 0, group 64: {packed.shape}, {scales.shape}")
+    runs = packed.reshape(n // 4, 4, half // 16, 16).permute(0, 2, 1, 3)
+    groups = scales.reshape(n // 4, 4, half // 32).permute(0, 2, 1)
+    return runs.reshape(n, half).contiguous(), groups.reshape(n, half // 32).contiguous()
+
+
 def int4_matmul(
     packed: torch.Tensor,
     scales: torch.Tensor,
@@ -207,16 +222,26 @@ def int4_matmul(
     group_size: int,
     *,
     int8_act: bool = False,
+    interleaved: bool = False,
 ) -> torch.Tensor:
     """``x @ W.T`` (fp32 out) with ``W = (q - 8) * scales[:, k // group]``; ``scales`` fp32
     ``[N, K / group]``. Needs ``library()``; at most ``MAX_ROWS`` rows. ``int8_act``: each
     group of 64 inputs of a row rounded to int8 first (one scale, amax / 127), integer dot
-    products (``gemv_q4a8``, where ``int8_activations()``): for a draft, not for exact paths."""
+    products (``gemv_q4a8``, where ``int8_activations()``): for a draft, not for exact paths.
+    ``interleaved``: ``packed`` and ``scales`` as ``interleave_q4`` made them (int8 activations,
+    group 64, ``int8_activations()`` true): the draft's decode layout, ~2x the read rate."""
     lib = library()
     assert lib is not None
     n, k = packed.shape[0], packed.shape[1] * 2
     x2 = _rows(x)
     y = torch.empty(x2.shape[0], n, dtype=torch.float32)
+    if interleaved:
+        if group_size != 64 or not int8_activations():
+            raise ValueError("the interleaved layout needs group 64 and int8 activations (VNNI)")
+        args = (packed.data_ptr(), scales.data_ptr(), x2.data_ptr(), y.data_ptr())
+        if lib.gemv_q4a8i(*args, x2.shape[0], n, k):
+            raise MemoryError(f"gemv_q4a8i failed for {x2.shape[0]} x {n} x {k} (out of memory?)")
+        return y
     (lib.gemv_q4a8 if int8_act else lib.gemv_int4)(
         packed.data_ptr(),
         scales.data_ptr(),

@@ -157,14 +157,29 @@ class Int4Linear(nn.Module):
         if self.stream:
             self.register_buffer("q4", _kernels.pack_int4(q), persistent=False)
             self.register_buffer("q4_scales", scales.float().t().contiguous(), persistent=False)
-        # The streaming path on int8 activations (see ``_kernels.int4_matmul``).
+        # The streaming path on int8 activations (see ``_kernels.int4_matmul``), in blocks of
+        # four rows where the shapes allow (one sequential stream, ~2x the read rate).
         self.int8_act = self.stream and int8_act
+        self.interleaved = (
+            self.int8_act
+            and group_size == 64
+            and self.out_features % 4 == 0
+            and self.in_features % 64 == 0
+            and _kernels.int8_activations()
+        )
+        if self.interleaved:
+            self.q4, self.q4_scales = _kernels.interleave_q4(self.q4, self.q4_scales)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         if self.stream and x.numel() <= _kernels.MAX_ROWS * self.in_features and _kernels.enabled():
             y = _kernels.int4_matmul(
-                self.q4, self.q4_scales, x, self.group_size, int8_act=self.int8_act
+                self.q4,
+                self.q4_scales,
+                x,
+                self.group_size,
+                int8_act=self.int8_act,
+                interleaved=self.interleaved,
             )
             return y.reshape(*shape[:-1], self.out_features).to(x.dtype)
         sz = self.scales_and_zeros  # the op runs in its dtype (fp32 there is ~5x slower than bf16)

@@ -103,6 +103,29 @@ def test_int4_kernel_on_int8_activations_stays_within_the_rounding_bound() -> No
             assert torch.equal(got, y[rows])
 
 
+@needs_lib
+@pytest.mark.skipif(not _kernels.int8_activations(), reason="no AVX-512 VNNI here")
+def test_interleaved_int4_layout_gives_the_int8_path_to_float_rounding() -> None:
+    # The blocks of four rows the draft decodes from: the same integer products, summed in
+    # another order, so the outputs agree with the row-major int8 path to float rounding.
+    torch.manual_seed(3)
+    for k in (576, 1536):
+        q = torch.randint(0, 16, (44, k), dtype=torch.int32)
+        scales = torch.rand(44, k // 64) + 0.1
+        x = torch.randn(9, k) * 3
+        packed = _kernels.pack_int4(q)
+        ref = _kernels.int4_matmul(packed, scales, x, 64, int8_act=True)
+        p4, s4 = _kernels.interleave_q4(packed, scales)
+        assert p4.shape == packed.shape and not torch.equal(p4, packed)
+        y = _kernels.int4_matmul(p4, s4, x, 64, int8_act=True, interleaved=True)
+        assert (y - ref).abs().max() <= 1e-5 * ref.abs().max()
+        for rows in (slice(0, 1), slice(4, 9), slice(8, 9)):  # rows stay independent
+            got = _kernels.int4_matmul(p4, s4, x[rows], 64, int8_act=True, interleaved=True)
+            assert torch.equal(got, y[rows])
+    with pytest.raises(ValueError, match="N % 4"):
+        _kernels.interleave_q4(packed[:42], scales[:42])
+
+
 def test_kernels_off_switch_falls_back_to_f_linear() -> None:
     w = torch.randn(8, 32)
     if lib is None:
