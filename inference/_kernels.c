@@ -260,20 +260,26 @@ void gemv_int4(const uint8_t *P, const float *S, const float *X, float *Y, int M
     defined(__AVX512BW__)
 #define HAVE_Q4A8 1
 
+/* A group of 64 inputs loaded into v, and its largest magnitude (the int8 scale's amax). */
+static inline float load_group(const float *x, __m512 v[4]) {
+  const __m512 magnitude = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
+  __m512 m = _mm512_setzero_ps();
+  for (int i = 0; i < 4; i++) {
+    v[i] = _mm512_loadu_ps(x + 16 * i);
+    m = _mm512_max_ps(m, _mm512_and_ps(v[i], magnitude));
+  }
+  return _mm512_reduce_max_ps(m);
+}
+
 /* One row: xq [K] int8 in nibble order, co [K / 8] lane offsets, sx [K / 8] lane scales. A run of
  * 16 inputs lands contiguously (at h * lo_bytes + 16 r of its chunk), so each is one vector
  * convert and store; the lane offsets are the activations' sums in fours, a vpdpbusd with ones.
  * The scalar loop this replaces took 3.6 us at K = 576, 7 calls a layer: ~1 ms of a 12 ms
  * draft step. _mm512_cvtps_epi32 rounds to nearest even as lrintf does. */
 static void q8_row(const float *x, int K, int8_t *xq, int32_t *co, float *sx) {
-  const __m512 magnitude = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
   for (int g = 0; g < K; g += 64) {
-    __m512 v[4], m = _mm512_setzero_ps();
-    for (int i = 0; i < 4; i++) {
-      v[i] = _mm512_loadu_ps(x + g + 16 * i);
-      m = _mm512_max_ps(m, _mm512_and_ps(v[i], magnitude));
-    }
-    const float amax = _mm512_reduce_max_ps(m);
+    __m512 v[4];
+    const float amax = load_group(x + g, v);
     const float scale = amax / 127.0f, inv = amax > 0 ? 127.0f / amax : 0.0f;
     const int k0 = g & ~127, lo_bytes = (K - k0 >= 128 ? 64 : 32);
     const __m512 vi = _mm512_set1_ps(inv);
@@ -432,14 +438,9 @@ static void q8_4rows(const uint8_t *P, const float *S, const int8_t *xq, const i
  * offset -8 x its sum added in lane 0 of each row. Each row's arithmetic is the same whatever M
  * is. Outputs differ from gemv_q4a8's by float rounding only (integer sums are exact). */
 static void q8_natural(const float *x, int K, int8_t *xq, int32_t *cg, float *sx) {
-  const __m512 magnitude = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
   for (int g = 0; g < K; g += 64) {
-    __m512 v[4], m = _mm512_setzero_ps();
-    for (int i = 0; i < 4; i++) {
-      v[i] = _mm512_loadu_ps(x + g + 16 * i);
-      m = _mm512_max_ps(m, _mm512_and_ps(v[i], magnitude));
-    }
-    const float amax = _mm512_reduce_max_ps(m);
+    __m512 v[4];
+    const float amax = load_group(x + g, v);
     const __m512 vi = _mm512_set1_ps(amax > 0 ? 127.0f / amax : 0.0f);
     __m512i sum = _mm512_setzero_si512();
     for (int i = 0; i < 4; i++) {
