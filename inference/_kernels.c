@@ -116,7 +116,7 @@ static void NAME##_##MT(const T *w, const float *X, float *Y, int N, int K, int 
 }
 
 /* Two weight rows a pass for 2-6 input rows: each input vector loaded serves both rows, so a
- * 5-row step issues 14 loads per 20 FMAs where one row a pass issued 12 per 10, and the load
+ * 5-row step makes 14 loads per 20 FMAs where one row a pass made 12 per 10, and the load
  * ports, not the FMAs, were what kept 5 rows at ~1.4x one row's time. Every output's FMAs are
  * DENSE_MT's, in the same order, so the bits are too. */
 #define DENSE2_MT(NAME, T, LOAD, MT) \
