@@ -12,7 +12,8 @@ Contract:
 - ``insert(tokens, kv)`` stores what a request computed; ``kv`` is a tensor covering
   ``tokens`` (token axis -2) or a callable ``kv(begin, end)`` returning the slice for tokens
   ``[begin, end)`` (called only for the part not already cached). A divergence inside a node
-  splits it (both halves are cloned so the byte count stays exact).
+  splits it (the shorter side is copied; the longer keeps a view of the old storage and is
+  charged for all of it, so the byte count is the memory the tree really holds).
 - ``lock(m)`` pins every node on ``m``'s root path (reference counts) and returns a
   ``LockHandle``; ``release()`` (idempotent) unpins. Pinned nodes are never evicted, so the
   budget can be exceeded while pins hold more than it.
@@ -98,7 +99,8 @@ class _Node:
 
 
 def _nbytes(kv: torch.Tensor | None) -> int:
-    return 0 if kv is None else kv.numel() * kv.element_size()
+    """The memory ``kv`` holds: its whole storage (a split leaves one side a view of it)."""
+    return 0 if kv is None else kv.untyped_storage().nbytes()
 
 
 def _common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
@@ -267,8 +269,15 @@ class RadixCache:
         assert parent is not None and 0 < at < len(child.key)
         upper_kv = lower_kv = None
         if child.kv is not None:
-            upper_kv = child.kv[..., :at, :].clone()
-            lower_kv = child.kv[..., at:, :].clone()
+            # Copy the shorter side only (a hit that diverges after a long cached prefix would
+            # otherwise copy that whole prefix on the request's path); the longer side keeps a
+            # view and with it the old storage, whose full size it is charged for.
+            kv = child.kv
+            if at <= len(child.key) - at:
+                upper_kv, lower_kv = kv[..., :at, :].clone(), kv[..., at:, :]
+            else:
+                upper_kv, lower_kv = kv[..., :at, :], kv[..., at:, :].clone()
+            self.num_bytes += _nbytes(upper_kv) + _nbytes(lower_kv) - _nbytes(kv)
         upper = _Node(child.key[:at], upper_kv, parent, child.start)
         upper.ref = child.ref
         upper.last_access = child.last_access

@@ -353,7 +353,9 @@ def target_generate(
     device = next(target.model.parameters()).device
     x, out = torch.tensor([prompt], device=device), []
     while not finished(out, max_new_tokens, eos):
-        logits = target.model(input_ids=x, past_key_values=cache, use_cache=True).logits[0, -1]
+        logits = target.model(
+            input_ids=x, past_key_values=cache, use_cache=True, logits_to_keep=1
+        ).logits[0, -1]
         if options.greedy:
             token = int(logits.argmax())
         else:

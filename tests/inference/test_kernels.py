@@ -40,6 +40,29 @@ def test_stream_linear_matches_f_linear_and_rows_are_independent(dtype) -> None:
 
 
 @needs_lib
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+def test_prefill_shaped_inputs_run_on_a_onednn_copy_of_the_weight() -> None:
+    torch.manual_seed(2)
+    w = torch.randn(201, 96)
+    lin = _kernels.StreamLinear(w, lib)
+    x = torch.randn(2, 40, 96)  # 80 rows: past MAX_ROWS
+    with torch.no_grad():
+        y = lin(x)
+    packed = lin._packed()
+    assert packed is not None and packed.is_mkldnn  # the blocked copy, made on that call
+    ref = F.linear(x, w)
+    assert y.shape == ref.shape and (y - ref).abs().max() <= 1e-5 * ref.abs().max()
+    with torch.no_grad():
+        lin(x)
+    assert lin._packed() is packed  # made once
+    # An input that needs gradients keeps autograd (oneDNN's op has none): F.linear.
+    xg = x.clone().requires_grad_()
+    lin(xg).sum().backward()
+    assert torch.allclose(xg.grad, w.sum(0).expand_as(x), atol=1e-4)
+    assert copy.deepcopy(lin)._onednn == []  # a copy makes its own from its own weight
+
+
+@needs_lib
 def test_a_model_with_stream_linears_deep_copies_with_its_ties() -> None:
     # GPTQ and the audit tests copy a loaded (accelerated) model: the kernel handle is shared,
     # the weights copied, and a tied head stays tied to the copy's embedding.

@@ -29,6 +29,18 @@ def insert(tree: RadixCache, tokens: list[int]) -> int:
     return tree.insert(tokens, fake_kv(tokens))
 
 
+def held_bytes(tree: RadixCache) -> int:
+    """The bytes of the distinct storages the tree's nodes hold (what it really keeps alive)."""
+    storages, stack = {}, list(tree._root.children.values())
+    while stack:
+        node = stack.pop()
+        stack.extend(node.children.values())
+        if node.kv is not None:
+            st = node.kv.untyped_storage()
+            storages[st.data_ptr()] = st.nbytes()
+    return sum(storages.values())
+
+
 def test_match_insert_and_split_keep_exact_kv() -> None:
     tree = RadixCache(MODEL)
     a = list(range(1, 11))
@@ -51,7 +63,25 @@ def test_byte_count_is_exact_after_splits() -> None:
     insert(tree, list(range(50)) + [999])
     insert(tree, list(range(20)) + [998])
     assert tree.num_tokens == 102
-    assert tree.num_bytes == 102 * 4  # splits clone both halves: no hidden shared storage
+    # A split copies its shorter side; the longer keeps a view of (and is charged for) the old
+    # storage: 100 + 50 copied at the first split + 1, then + 20 copied + 1.
+    assert tree.num_bytes == (100 + 50 + 1 + 20 + 1) * 4
+    assert tree.num_bytes == held_bytes(tree)
+    assert tree.match(list(range(100))).length == 100  # the views still read the right KV
+    assert tree.gather(tree.match(list(range(100)))).view(-1).tolist() == list(range(100))
+    tree.evict(102)
+    assert tree.num_tokens == 0 and tree.num_bytes == 0 == held_bytes(tree)
+
+
+def test_byte_count_is_the_memory_held_after_any_splits() -> None:
+    tree = RadixCache(MODEL)
+    insert(tree, list(range(64)))
+    for cut in (60, 3, 33, 1, 62):  # each cut splits a node on either side of its middle
+        insert(tree, list(range(cut)) + [1000 + cut])
+        assert tree.num_bytes == held_bytes(tree)
+        for probe in (list(range(64)), list(range(cut)) + [1000 + cut]):
+            got = tree.gather(tree.match(probe)).view(-1).tolist()
+            assert got == probe
 
 
 def test_lru_eviction_under_token_budget() -> None:
