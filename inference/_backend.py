@@ -4,7 +4,8 @@ Contract (``Backend``): all calls come from one thread at a time (the engine's s
 - ``new_state(prefix_kv, prefix_len)`` starts a sequence whose first ``prefix_len`` tokens
   already have KV (``prefix_kv`` in the radix layout ``[layers, 2, kv_heads, T, head_dim]``, or
   the radix nodes' spans in that layout, in order, as ``RadixCache.gather_parts`` returns them;
-  ``None`` when ``prefix_len`` is 0 or the backend keeps no KV).
+  ``None`` when ``prefix_len`` is 0 or the backend keeps no KV); ``expect=n`` makes room for
+  ``n`` positions up front (the engine passes its prompt's length).
 - ``extend(state, tokens)`` runs the tokens (batch of one, chunked prefill) and returns the
   logits ``[V]`` after the last one.
 - ``decode(states, tokens)`` feeds one token to each state in ONE batched forward and returns
@@ -88,10 +89,17 @@ class HFBackend:
         return state.slab.rows(0, begin, end)
 
     def new_state(
-        self, prefix_kv: torch.Tensor | Sequence[torch.Tensor] | None, prefix_len: int
+        self,
+        prefix_kv: torch.Tensor | Sequence[torch.Tensor] | None,
+        prefix_len: int,
+        expect: int = 0,
     ) -> _HFState:
-        """``prefix_kv``: one radix-layout tensor, or the tree's spans in order (no concat)."""
-        slab = self._slab(1, prefix_len)
+        """``prefix_kv``: one radix-layout tensor, or the tree's spans in order (no concat).
+        ``expect``: the positions the caller means to fill (its prompt), room made up front."""
+        # Without room for the whole prompt, a chunked miss outgrew its cache between chunks:
+        # one copy of the first 1,024 positions' KV into a fresh, doubled tensor (~125 ms of
+        # a 1,050-token miss's ~3.2 s here, most of it the new tensor's page faults).
+        slab = self._slab(1, max(prefix_len, expect))
         if prefix_kv is not None and prefix_len > 0:
             parts = [prefix_kv] if isinstance(prefix_kv, torch.Tensor) else list(prefix_kv)
             slab.load_parts(parts)

@@ -23,7 +23,10 @@ class Backend(Protocol):
     kv_bytes_per_token: int
 
     def new_state(
-        self, prefix_kv: torch.Tensor | Sequence[torch.Tensor] | None, prefix_len: int
+        self,
+        prefix_kv: torch.Tensor | Sequence[torch.Tensor] | None,
+        prefix_len: int,
+        expect: int = 0,
     ) -> object: ...
     def extend(self, state: object, tokens: list[int]) -> Logits: ...
     def decode(self, states: list, tokens: list[int]) -> torch.Tensor | list[EmulatedLogits]: ...

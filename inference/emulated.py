@@ -178,7 +178,7 @@ class EmulatedBackend:
     def make_generator(self, seed: int | None) -> random.Random:
         return random.Random(seed)
 
-    def new_state(self, prefix_kv: object, prefix_len: int) -> _EmuState:
+    def new_state(self, prefix_kv: object, prefix_len: int, expect: int = 0) -> _EmuState:
         return _EmuState(prefix_len)
 
     def _logits(self, state: _EmuState) -> EmulatedLogits:

@@ -394,7 +394,7 @@ class Engine(EngineFront):
         req.handle = self.tree.lock(m)
         usable = min(m.length, len(req.prompt) - 1)
         kv = self.tree.gather_parts(m, usable) if usable > 0 else None
-        req.state = self._backend.new_state(kv, usable)
+        req.state = self._backend.new_state(kv, usable, expect=len(req.prompt))
         req.cached = req.pos = usable
         self.totals["prompt_tokens"] += len(req.prompt)
         self.totals["cached_tokens"] += usable
