@@ -265,6 +265,7 @@ async def edge_runs(
 ) -> list[dict]:
     from p2pnode.identity import NodeKey
     from p2pnode.overlay.node import OverlayConfig, open_overlay_node
+    from p2pnode.speculation._flight import DraftHistory
     from p2pnode.speculation.client import remote_generate, speculative_generate
     from p2pnode.speculation.draft import load_draft
     from p2pnode.speculation.protocol import P2PVerifierTransport, open_spare
@@ -297,6 +298,8 @@ async def edge_runs(
     print(f"draft step {t_d:.1f} ms; verify 1 position {v0:.1f} ms, 5 positions {v4:.1f} ms")
     rows: list[dict] = []
     for rtt in rtts:
+        # What one edge learns about a verifier this far away, as EdgeClient keeps per verifier.
+        history = DraftHistory()
         region = f"r{rtt}"
         if delay_in == "transport":
             region = f"r{rtts[0]}"  # connections undelayed when rtts[0] is 0
@@ -311,7 +314,7 @@ async def edge_runs(
         )
         async with open_overlay_node(cfg) as node:
 
-            async def run(prompt, depth, gamma, n, lead=0, node=node, rtt=rtt):
+            async def run(prompt, depth, gamma, n, lead=0, node=node, rtt=rtt, history=history):
                 spare = await open_spare(node, info["peer_id"]) if warm else None
                 stamps: list[float] = [time.perf_counter()]  # start, then one per token
                 tr = P2PVerifierTransport(node, info["peer_id"], info["model_id"], spare=spare)
@@ -337,6 +340,7 @@ async def edge_runs(
                             lead=lead,
                             eos_token_ids=eos,
                             on_commit=on_commit,
+                            history=history,
                         )
                     nursery.cancel_scope.cancel()
                 return r, stamps
@@ -375,6 +379,7 @@ async def edge_runs(
                     tot["stale"] += s.blocks_stale
                     tot["sent"] += s.blocks_sent
                     tot["lead"] = tot.get("lead", 0) + s.lead_tokens
+                    tot["lead_only"] = tot.get("lead_only", 0) + s.lead_only
                     tot["first"] = tot.get("first", 0.0) + stamps[1] - stamps[0]
                     tot["gaps"] = tot.get("gaps", 0.0) + stamps[-1] - stamps[1]
                     tot["n_gaps"] = tot.get("n_gaps", 0) + len(stamps) - 2
@@ -386,6 +391,7 @@ async def edge_runs(
                     "gamma": gamma,
                     "lead": lead,
                     "lead_tokens": tot.get("lead", 0),
+                    "lead_only_switches": tot.get("lead_only", 0),
                     "tokens_per_s": tot["n"] / tot["secs"],
                     "inter_token_ms": 1000 * tot["secs"] / tot["n"],
                     # after the first token: (last commit - first commit) / tokens in between
@@ -485,6 +491,8 @@ def fmt(r: dict) -> str:
             f"{r['blocks_verified']}/{r['blocks_sent']} stale {r['blocks_stale']}, "
             f"{r['lead_tokens']} tokens by lead"
         )
+        if r.get("lead_only_switches"):
+            line += f" ({r['lead_only_switches']} switches to lead only)"
     if r.get("model_tokens_per_s"):
         line += f"; model {r['model_tokens_per_s']:.1f} tok/s"
     return line

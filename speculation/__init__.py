@@ -7,7 +7,8 @@ here where others need them):
 - ``client.py``: the edge loop, ``speculative_generate`` (loop: ``_Edge.draft``; its state:
   ``_flight.py``); ``remote_generate`` (target only, over the same protocol);
   ``target_generate`` (the local reference); ``VerifierTransport``, the seam to a verifier;
-  ``DraftRunner``, ``SpecStats``, ``SpecResult``.
+  ``DraftRunner``, ``SpecStats``, ``SpecResult``, ``DraftHistory`` (what an edge learned
+  about one verifier: drafting or letting it decode alone, which is faster).
 - ``verify.py``: ``BatchedVerifier``, the multi-tenant verifier and its batching loop (``run``).
 - ``protocol.py``: ``/p2pnode/verify/1``: ``serve_verifier`` (verifier side),
   ``P2PVerifierTransport`` (edge side), the wire messages.
@@ -50,6 +51,7 @@ from p2pnode.speculation._errors import WrongModel as WrongModel
 from p2pnode.speculation.advert import VerifierAdvert as VerifierAdvert
 from p2pnode.speculation.advert import rank_verifiers as rank_verifiers
 from p2pnode.speculation.advert import verify_digest_model as verify_digest_model
+from p2pnode.speculation.client import DraftHistory as DraftHistory
 from p2pnode.speculation.client import DraftRunner as DraftRunner
 from p2pnode.speculation.client import SpecResult as SpecResult
 from p2pnode.speculation.client import SpecStats as SpecStats
@@ -79,6 +81,7 @@ __all__ = [
     "Block",
     "BlockResult",
     "DraftError",
+    "DraftHistory",
     "DraftModel",
     "DraftRunner",
     "EdgeClient",

@@ -174,7 +174,10 @@ def _decide(w: Waiter, max_tokens: int) -> Row | Outcome:
             tally = (("superseded", 1),)
             return Outcome(s, w, superseded, lead_left=s.refill, refilled=True, tally=tally)
     if base + len(d) < n:  # every draft token agreed with a lead; the next one is known
-        return Outcome(s, w, BlockResult(b.number, len(d), s.tokens[base + len(d)], n))
+        result = BlockResult(b.number, len(d), s.tokens[base + len(d)], n)
+        if not d:  # an empty block asks the verifier to keep decoding: refill its budget
+            return Outcome(s, w, result, lead_left=s.refill)
+        return Outcome(s, w, result)
     if n + len(d) - skip + 1 > max_tokens:
         return Outcome(s, w, session_limit(max_tokens))
     return Row(s, w, skip)

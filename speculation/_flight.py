@@ -26,7 +26,7 @@ from p2pnode.overlay.trust import verdict_problem
 from p2pnode.speculation._blocks import Block, BlockResult, Lead
 from p2pnode.speculation._errors import BadVerdict
 
-__all__ = ["Committed", "Flight", "Part", "SpecStats", "finished", "trim"]
+__all__ = ["Committed", "DraftHistory", "Flight", "Part", "SpecStats", "finished", "trim"]
 
 # An honest verifier never calls a live block stale (it builds on tokens that verifier commits);
 # a liar could loop us, and the draft cannot resume from one (nothing new to feed it). 2 in a row
@@ -44,6 +44,8 @@ class SpecStats:
     accepted: int = 0
     rejections: int = 0  # verified blocks not fully accepted
     lead_tokens: int = 0  # committed by the verifier on its own (lead)
+    lead_only: int = 0  # times the edge stopped drafting for the verifier to decode alone
+    keepalives: int = 0  # empty blocks sent meanwhile (to refill its lead budget)
     seconds: float = 0.0
 
     @property
@@ -66,6 +68,32 @@ class SpecStats:
             if self.blocks_verified
             else 0.0
         )
+
+
+@dataclass
+class DraftHistory:
+    """What an edge measured against one verifier over its sessions: committed tokens a second
+    while it drafts and while it lets the verifier decode alone (``rates``, smoothed over
+    stretches of ``client.SEGMENT`` tokens or more), and how many stretches it has chosen."""
+
+    rates: dict[str, float] = field(default_factory=dict)  # "draft" / "lead" -> tokens/s
+    chosen: int = 0
+
+    def observe(self, behaviour: str, tokens: int, seconds: float) -> None:
+        if tokens <= 0 or seconds <= 0:
+            return
+        rate, old = tokens / seconds, self.rates.get(behaviour)
+        self.rates[behaviour] = rate if old is None else old + 0.5 * (rate - old)
+
+    def choose(self, explore_every: int) -> str:
+        """ "draft" or "lead": each measured once first, then the faster, the slower again
+        every ``explore_every``-th stretch (the round trip and the load change)."""
+        self.chosen += 1
+        for behaviour in ("draft", "lead"):
+            if behaviour not in self.rates:
+                return behaviour
+        best, other = sorted(self.rates, key=lambda b: -self.rates[b])
+        return other if self.chosen % explore_every == 0 else best
 
 
 def finished(out: list[int], max_new: int, eos: Collection[int]) -> bool:
@@ -175,7 +203,10 @@ class Flight:
         if first and self.lead:
             self.firsts.add(block.number)
         self.number += 1
-        self.stats.blocks_sent += 1
+        if block.tokens:
+            self.stats.blocks_sent += 1
+        else:
+            self.stats.keepalives += 1
         return block
 
     def take(self, res: BlockResult) -> None:
@@ -215,6 +246,8 @@ class Flight:
             raise BadVerdict(f"verifier says {res.committed_len} committed, sent {len(c.tokens)}")
         if not alive:
             stats.blocks_stale += 1
+            return
+        if not block.tokens:  # a keep-alive of the verifier's lead: no drafts to count
             return
         stats.blocks_verified += 1
         stats.drafted += len(block.tokens)

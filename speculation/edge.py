@@ -58,7 +58,7 @@ from p2pnode.overlay.views import PeerViews
 from p2pnode.speculation._audit import audit_result, audit_sampled
 from p2pnode.speculation._blocks import SamplingOptions
 from p2pnode.speculation._errors import BadBlock, BadRequest, BadVerdict, NoVerifier, SessionLimit
-from p2pnode.speculation._flight import finished, trim
+from p2pnode.speculation._flight import DraftHistory, finished, trim
 from p2pnode.speculation.advert import rank_verifiers, verify_digest_model
 from p2pnode.speculation.client import SpecResult, SpecStats, remote_generate, speculative_generate
 from p2pnode.speculation.draft import DraftModel, load_draft
@@ -146,6 +146,8 @@ class EdgeClient:
         self._spares: dict[str, tuple[object, float]] = {}  # peer -> (stream, opened at)
         self.mode_rates: dict[str, float] = {}  # "auto": smoothed tokens/s per mode
         self._auto_runs = 0
+        # Per verifier: whether drafting pays depends on its round trip and its speed.
+        self.histories: dict[str, DraftHistory] = {}
         eos = getattr(self.tokenizer, "eos_token_id", None)
         self.eos_token_ids: tuple[int, ...] = (eos,) if isinstance(eos, int) else ()
 
@@ -332,6 +334,7 @@ class EdgeClient:
             options=options,
             eos_token_ids=self.eos_token_ids,
             on_commit=on_commit,
+            history=self.histories.setdefault(transport.peer_id, DraftHistory()),
         )
 
     async def _take_spare(self, peer: str):
@@ -393,6 +396,8 @@ class EdgeClient:
             "accepted",
             "rejections",
             "lead_tokens",
+            "lead_only",
+            "keepalives",
         ):
             setattr(total, name, getattr(total, name) + getattr(part, name))
 

@@ -1,4 +1,5 @@
-"""The verifier's batching step without a model (``speculation/_batching.py``), the package face
+"""The verifier's batching step without a model (``speculation/_batching.py``), the edge's choice
+between drafting and letting the verifier decode alone (``_flight.DraftHistory``), the package face
 and the error codes the verify protocol carries (``speculation/_errors.py``)."""
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from p2pnode.errors import P2PNodeError
 from p2pnode.speculation import protocol
 from p2pnode.speculation._batching import Row, Session, Waiter, accept, may_lead, plan
 from p2pnode.speculation._errors import VerifierError
+from p2pnode.speculation._flight import DraftHistory
 
 V = 8
 
@@ -34,6 +36,7 @@ def test_plan_answers_stale_superseded_and_led_blocks_without_computing() -> Non
         "superseded": spec.Block(1, 3, 3, (4, 7)),  # a lead committed 5 where it drafted 7
         "led": spec.Block(2, 3, 3, (4,)),  # every draft token agreed; the next is known
         "compute": spec.Block(3, 3, 3, (4, 5, 6)),  # 2 agree with leads, 1 left to verify
+        "keepalive": spec.Block(4, 3, 3, ()),  # empty: "keep decoding", behind the leads
     }
     for name, block in blocks.items():
         s.busy = False
@@ -49,9 +52,25 @@ def test_plan_answers_stale_superseded_and_led_blocks_without_computing() -> Non
                 "stale": spec.BlockResult(0, -1, -1, 5),
                 "superseded": spec.BlockResult(1, 1, 5, 5),
                 "led": spec.BlockResult(2, 1, 5, 5),
+                "keepalive": spec.BlockResult(4, 0, 4, 5),
             }[name]
         )
-        assert out.lead_left == (None if name == "led" else 3)  # a broken pipeline refills
+        # a broken pipeline refills the lead budget, and so does an empty block
+        assert out.lead_left == (None if name == "led" else 3)
+
+
+def test_draft_history_measures_both_behaviours_then_keeps_the_faster() -> None:
+    h = DraftHistory()
+    assert [h.choose(4), h.choose(4)] == ["draft", "draft"]  # nothing measured yet
+    h.observe("draft", 16, 0.4)  # 40 tokens/s
+    assert h.choose(4) == "lead"  # the other is measured once, then compared
+    h.observe("lead", 16, 0.8)
+    h.observe("lead", 0, 0.1)  # an empty stretch says nothing
+    assert h.rates == {"draft": 40.0, "lead": 20.0}
+    assert h.choose(4) == "lead"  # the 4th choice explores the slower
+    assert [h.choose(4) for _ in range(3)] == ["draft"] * 3
+    h.observe("draft", 16, 1.6)  # the round trip grew: 10 tokens/s, smoothed to 25
+    assert h.rates["draft"] == 25.0 and h.choose(4) == "lead"
 
 
 def test_plan_refuses_past_the_limit_and_fills_the_batch_with_lead_steps() -> None:

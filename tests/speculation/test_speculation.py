@@ -29,6 +29,7 @@ from p2pnode.speculation import (
     BadRequest,
     BatchedVerifier,
     Block,
+    DraftHistory,
     DraftRunner,
     EdgeClient,
     Int4Linear,
@@ -41,6 +42,7 @@ from p2pnode.speculation import (
     VerifierAdvert,
     VerifierFull,
     WrongModel,
+    client,
     load_draft,
     open_edge,
     rank_verifiers,
@@ -420,6 +422,41 @@ async def test_greedy_speculation_equals_target_several_tenants_at_once(
     assert led and led[0] >= 1
     assert verifier.stats["batches"] < verifier.stats["blocks"] + verifier.stats["lead"]
     assert not verifier.sessions  # every transport closed its session
+
+
+async def test_an_edge_that_lets_the_verifier_decode_alone_then_drafts_again(
+    target, draft, prompts
+) -> None:
+    # The history says letting the verifier decode alone was faster (a long round trip): the
+    # edge stops drafting at its first break, keeps the verifier's lead budget full with empty
+    # blocks over a 30 ms link (a lead budget of 2 would run dry within one round trip
+    # without them), and its 8th stretch explores drafting again. The output is the target's.
+    eos, n = target.eos_token_ids, client.SEGMENT * 2 + 24
+    ref = target_generate(target, prompts[0], n, eos_token_ids=eos)
+    history = DraftHistory(rates={"draft": 1.0, "lead": 100.0}, chosen=5)
+    verifier = BatchedVerifier(target)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(verifier.run)
+        with trio.fail_after(120):
+            async with inprocess_transport(verifier, one_way_delay_s=0.03) as transport:
+                r = await speculative_generate(
+                    draft,
+                    transport,
+                    prompts[0],
+                    n,
+                    gamma=3,
+                    depth=2,
+                    lead=2,
+                    eos_token_ids=eos,
+                    history=history,
+                )
+        nursery.cancel_scope.cancel()
+    assert r.tokens == ref
+    s = r.stats
+    assert s.lead_only >= 2 and s.keepalives >= 2  # stretches 6 and 7 (and any after 8)
+    assert history.chosen >= 8 and s.blocks_sent >= 1  # the 8th explored drafting
+    assert 0.0 < history.rates["lead"] < 100.0  # its measured rates were smoothed in
+    assert s.lead_tokens >= 2 * client.SEGMENT
 
 
 async def test_verifier_prefix_cache_prefills_only_the_new_suffix(target, draft, prompts) -> None:
