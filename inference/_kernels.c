@@ -8,55 +8,73 @@
  * core here, a third of what a plain sum streams; these read each weight once per call for all
  * M rows and stay near the streaming rate.
  *
- * Each output is a 16-lane accumulation over k in order, then a fixed-order lane sum, so row
+ * Each output is a VL-lane accumulation over k in order, then a fixed-order lane sum, so row
  * m's result is bitwise the same whatever M is (a verify block and a decode step agree).
+ *
+ * VL is the native vector width: 16 floats with AVX-512, else 8 (AVX2). Vectors wider than the
+ * hardware's are not kept in registers by GCC: with 64-byte vectors on an AVX2 CPU every
+ * accumulator lived on the stack and the fp32 kernel read 6.6 GB/s where F.linear read 18.8.
+ * The bits of an output depend on VL, so they agree between rows and steps on one machine, not
+ * across machines (nothing compares them across machines).
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-typedef float v16 __attribute__((vector_size(64), aligned(4)));
-typedef int32_t v16i __attribute__((vector_size(64), aligned(4)));
-typedef uint8_t v16b __attribute__((vector_size(16), aligned(1)));
-typedef uint16_t v16h __attribute__((vector_size(32), aligned(2)));
-typedef uint32_t v16u __attribute__((vector_size(64), aligned(4)));
-
-
 #ifdef __AVX512F__
+#define VL 16
+#else
+#define VL 8
+#endif
+typedef float vf __attribute__((vector_size(VL * 4)));
+typedef int32_t vfi __attribute__((vector_size(VL * 4)));
+typedef uint8_t vfb __attribute__((vector_size(VL), aligned(1)));
+typedef uint16_t vfh __attribute__((vector_size(VL * 2), aligned(2)));
+typedef uint32_t vfu __attribute__((vector_size(VL * 4)));
+
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
 /* An explicit 64-byte load: from memcpy, GCC tuned for a CPU that prefers 256-bit vectors
  * (-march=native on some AVX-512 machines) builds two 32-byte stores to the stack and one
  * 64-byte reload, a store-forwarding stall per load: the fp32 kernels ran at ~1.2 GFMA/s. */
-static inline v16 ld(const float *p) {
+static inline vf ld(const float *p) {
 #ifdef __AVX512F__
-  return (v16)_mm512_loadu_ps(p);
+  return (vf)_mm512_loadu_ps(p);
+#elif defined(__AVX2__)
+  return (vf)_mm256_loadu_ps(p);
 #else
-  v16 v; memcpy(&v, p, 64); return v;
+  vf v; memcpy(&v, p, sizeof v); return v;
 #endif
 }
-static inline void st(float *p, v16 v) {
+static inline void st(float *p, vf v) {
 #ifdef __AVX512F__
   _mm512_storeu_ps(p, (__m512)v);
+#elif defined(__AVX2__)
+  _mm256_storeu_ps(p, (__m256)v);
 #else
-  memcpy(p, &v, 64);
+  memcpy(p, &v, sizeof v);
 #endif
 }
-static inline v16 ld_bf16(const uint16_t *p) {
+static inline vf ld_bf16(const uint16_t *p) {
 #ifdef __AVX512F__
   __m512i u = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16);
-  return (v16)_mm512_castsi512_ps(u);
+  return (vf)_mm512_castsi512_ps(u);
+#elif defined(__AVX2__)
+  __m256i u = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16);
+  return (vf)_mm256_castsi256_ps(u);
 #else
-  v16h h; memcpy(&h, p, 32);
-  v16u u = __builtin_convertvector(h, v16u) << 16;
-  v16 f; memcpy(&f, &u, 64); return f;
+  vfh h; memcpy(&h, p, sizeof h);
+  vfu u = __builtin_convertvector(h, vfu) << 16;
+  vf f; memcpy(&f, &u, sizeof f); return f;
 #endif
 }
 /* int4, symmetric: w = (q - 8) * scale. In each run of 32 inputs, byte j holds input j (low
- * nibble) and input j + 16 (high nibble), so one 16-byte load gives two 16-lane vectors. */
-static inline void ld_q4(const uint8_t *p, v16 *lo, v16 *hi) {
+ * nibble) and input j + 16 (high nibble), so a load of VL bytes at byte j gives inputs j.. and
+ * j + 16.. as two vectors (VL = 16: the whole run in one load). */
+static inline void ld_q4(const uint8_t *p, vf *lo, vf *hi) {
 #ifdef __AVX512F__
   /* q - 8 as a float by a table lookup: vpermps reads only the low 4 bits of each index, so a
    * nibble needs no mask, and one permute replaces a mask, a subtract and a conversion (the
@@ -64,22 +82,28 @@ static inline void ld_q4(const uint8_t *p, v16 *lo, v16 *hi) {
    * the exact small integers the arithmetic path made, so no output changes. */
   const __m512 table = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
   __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
-  *lo = (v16)_mm512_permutexvar_ps(b, table);
-  *hi = (v16)_mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), table);
+  *lo = (vf)_mm512_permutexvar_ps(b, table);
+  *hi = (vf)_mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), table);
+#elif defined(__AVX2__)
+  const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+  const __m256i lo4 = _mm256_and_si256(b, _mm256_set1_epi32(15));
+  const __m256i hi4 = _mm256_srli_epi32(b, 4);
+  *lo = (vf)_mm256_cvtepi32_ps(_mm256_sub_epi32(lo4, _mm256_set1_epi32(8)));
+  *hi = (vf)_mm256_cvtepi32_ps(_mm256_sub_epi32(hi4, _mm256_set1_epi32(8)));
 #else
-  v16b b; memcpy(&b, p, 16);
-  v16i l = __builtin_convertvector(b & 15, v16i) - 8, h = __builtin_convertvector(b >> 4, v16i) - 8;
-  *lo = __builtin_convertvector(l, v16); *hi = __builtin_convertvector(h, v16);
+  vfb b; memcpy(&b, p, sizeof b);
+  vfi l = __builtin_convertvector(b & 15, vfi) - 8, h = __builtin_convertvector(b >> 4, vfi) - 8;
+  *lo = __builtin_convertvector(l, vf); *hi = __builtin_convertvector(h, vf);
 #endif
 }
-/* A fixed-order tree: a scalar left-to-right sum of the 16 lanes is a chain of 16 dependent
+/* A fixed-order tree: a scalar left-to-right sum of the lanes is a chain of VL dependent
  * adds per output, which measured ~25% of a decode step's gemv time. */
-static inline float hsum(v16 a) {
+static inline float hsum(vf a) {
 #ifdef __AVX512F__
   return _mm512_reduce_add_ps((__m512)a);
 #else
-  float t[16]; memcpy(t, &a, 64);
-  for (int w = 8; w; w >>= 1)
+  float t[VL]; memcpy(t, &a, sizeof t);
+  for (int w = VL / 2; w; w >>= 1)
     for (int j = 0; j < w; j++) t[j] += t[j + w];
   return t[0];
 #endif
@@ -100,16 +124,18 @@ static inline float hsum(v16 a) {
 /* One weight row at a time, read front to back (a single sequential stream measured ~30%
  * faster than interleaving 4 rows), for MT input rows at once (MT is a compile-time constant
  * so the 2 x MT accumulators stay in registers), two accumulators per input row (even and odd
- * runs of 16 inputs). K % 32 == 0. */
+ * runs of VL inputs). K % 32 == 0. A prefetch per 64-byte line of weights: PF_LINE2 where one
+ * step of 2 VL weights spans two lines. */
+#define PF_LINE2(T) (sizeof(T) * 2 * VL > 64)
 #define DENSE_MT(NAME, T, LOAD, MT) \
 static void NAME##_##MT(const T *w, const float *X, float *Y, int N, int K, int n, int m0) { \
-  v16 e[MT], o[MT]; memset(e, 0, sizeof e); memset(o, 0, sizeof o); \
-  for (int k = 0; k < K; k += 32) { \
-    if (MT > 1) { PF(w + k); if (sizeof(T) == 4) PF(w + k + 16); } /* each line once */ \
-    v16 a = LOAD(w + k), b = LOAD(w + k + 16); \
+  vf e[MT], o[MT]; memset(e, 0, sizeof e); memset(o, 0, sizeof o); \
+  for (int k = 0; k < K; k += 2 * VL) { \
+    if (MT > 1) { PF(w + k); if (PF_LINE2(T)) PF(w + k + 64 / sizeof(T)); } \
+    vf a = LOAD(w + k), b = LOAD(w + k + VL); \
     for (int m = 0; m < MT; m++) { \
       const float *x = X + (size_t)(m0 + m) * K + k; \
-      e[m] += a * ld(x); o[m] += b * ld(x + 16); \
+      e[m] += a * ld(x); o[m] += b * ld(x + VL); \
     } \
   } \
   for (int m = 0; m < MT; m++) Y[(size_t)(m0 + m) * N + n] = hsum(e[m] + o[m]); \
@@ -122,20 +148,20 @@ static void NAME##_##MT(const T *w, const float *X, float *Y, int N, int K, int 
 #define DENSE2_MT(NAME, T, LOAD, MT) \
 static void NAME##2_##MT(const T *w, const float *X, float *Y, int N, int K, int n, int m0) { \
   const T *w1 = w + K; \
-  v16 e0[MT], o0[MT], e1[MT], o1[MT]; \
+  vf e0[MT], o0[MT], e1[MT], o1[MT]; \
   memset(e0, 0, sizeof e0); memset(o0, 0, sizeof o0); \
   memset(e1, 0, sizeof e1); memset(o1, 0, sizeof o1); \
-  for (int k = 0; k < K; k += 32) { \
+  for (int k = 0; k < K; k += 2 * VL) { \
     PF(w + k); PF(w1 + k); \
-    if (sizeof(T) == 4) { PF(w + k + 16); PF(w1 + k + 16); } \
-    const v16 a0 = LOAD(w + k), a1 = LOAD(w1 + k); \
+    if (PF_LINE2(T)) { PF(w + k + 64 / sizeof(T)); PF(w1 + k + 64 / sizeof(T)); } \
+    const vf a0 = LOAD(w + k), a1 = LOAD(w1 + k); \
     for (int m = 0; m < MT; m++) { \
-      const v16 x = ld(X + (size_t)(m0 + m) * K + k); \
+      const vf x = ld(X + (size_t)(m0 + m) * K + k); \
       e0[m] += a0 * x; e1[m] += a1 * x; \
     } \
-    const v16 b0 = LOAD(w + k + 16), b1 = LOAD(w1 + k + 16); \
+    const vf b0 = LOAD(w + k + VL), b1 = LOAD(w1 + k + VL); \
     for (int m = 0; m < MT; m++) { \
-      const v16 x = ld(X + (size_t)(m0 + m) * K + k + 16); \
+      const vf x = ld(X + (size_t)(m0 + m) * K + k + VL); \
       o0[m] += b0 * x; o1[m] += b1 * x; \
     } \
   } \
@@ -148,16 +174,17 @@ static void NAME##2_##MT(const T *w, const float *X, float *Y, int N, int K, int
 /* GS is the group size: the common 64 as a constant (the group's two steps unrolled, the
  * accumulators kept in registers across groups), any other multiple of 32 at run time. */
 #define Q4_BODY(MT, GS) { \
-  v16 acc[MT]; memset(acc, 0, sizeof acc); \
+  vf acc[MT]; memset(acc, 0, sizeof acc); \
   for (int g = 0; g < K; g += GS, s++) { \
-    v16 e[MT], o[MT]; memset(e, 0, sizeof e); memset(o, 0, sizeof o); \
-    for (int k = g; k < g + GS; k += 32) { \
-      v16 lo, hi; ld_q4(p + (unsigned)k / 2, &lo, &hi); \
-      for (int m = 0; m < MT; m++) { \
-        const float *x = X + (size_t)(m0 + m) * K + k; \
-        e[m] += lo * ld(x); o[m] += hi * ld(x + 16); \
+    vf e[MT], o[MT]; memset(e, 0, sizeof e); memset(o, 0, sizeof o); \
+    for (int k = g; k < g + GS; k += 32) \
+      for (int j = 0; j < 16; j += VL) { \
+        vf lo, hi; ld_q4(p + (unsigned)k / 2 + j, &lo, &hi); \
+        for (int m = 0; m < MT; m++) { \
+          const float *x = X + (size_t)(m0 + m) * K + k + j; \
+          e[m] += lo * ld(x); o[m] += hi * ld(x + 16); \
+        } \
       } \
-    } \
     for (int m = 0; m < MT; m++) acc[m] += (e[m] + o[m]) * *s; \
   } \
   for (int m = 0; m < MT; m++) Y[(size_t)(m0 + m) * N + n] = hsum(acc[m]); \
@@ -662,8 +689,8 @@ static void rope(float *x, int heads, int hd, const float *c, const float *s) {
 }
 
 static float dot(const float *a, const float *b, int n) {
-  v16 acc = {0};
-  for (int i = 0; i < n; i += 16) acc += ld(a + i) * ld(b + i);
+  vf acc = {0};
+  for (int i = 0; i < n; i += VL) acc += ld(a + i) * ld(b + i);
   return hsum(acc);
 }
 
@@ -678,8 +705,8 @@ static void attend(const float *q, const float *K, const float *V, int64_t s_pos
   }
   const float sum = exp_shifted_sum(sc, hi - lo + 1, mx);
   const float inv = 1.0f / sum;
-  for (int d = 0; d < hd; d += 16) {
-    v16 o = {0};
+  for (int d = 0; d < hd; d += VL) {
+    vf o = {0};
     for (int j = lo; j <= hi; j++) o += sc[j - lo] * ld(V + (int64_t)j * s_pos + d);
     o *= inv;
     st(out + d, o);
