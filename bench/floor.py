@@ -288,7 +288,7 @@ def main() -> None:
     bw = max(bws.values())
     pages = ", ".join(f"{v / 1e9:.1f} on {k} pages" for k, v in bws.items())
     print(f"read bandwidth {bw / 1e9:.1f} GB/s ({pages}), compute {flops / 1e9:.1f} GFLOP/s")
-    print(f"streaming kernels: {'on' if _kernels.library() is not None else 'unavailable'}")
+    print(f"streaming kernels: {_kernels.describe()}")
     modes = [True, False] if args.compare and _kernels.library() is not None else [True]
     paths = decode_paths(loaded, bw, flops, prompt) + [draft_path(bw, flops, prompt)]
     paths += verify_paths(loaded, bw, flops, prompt)
@@ -315,6 +315,7 @@ def main() -> None:
                 "bandwidth_gb_s": bw / 1e9,
                 "bandwidth_by_pages_gb_s": {k: v / 1e9 for k, v in bws.items()},
                 "compute_gflop_s": flops / 1e9,
+                "kernels": _kernels.describe(),
                 "loadavg": load,
                 "rows": rows,
                 "summary": summary,

@@ -538,6 +538,7 @@ int gemv_q4a8i(const uint8_t *P, const float *S, const float *X, float *Y, int M
 }
 
 int q4a8_native(void) { return HAVE_Q4A8; }
+int vec_lanes(void) { return VL; }
 
 void gemv_q4a8(const uint8_t *P, const float *S, const float *X, float *Y, int M, int N, int K,
                int G) {
@@ -641,6 +642,27 @@ static inline __m512 exp16(__m512 x) {
   p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
   return _mm512_scalef_ps(p, n);
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+/* The same polynomial eight at a time. AVX2 has no scalef: 2^n is built in the exponent bits,
+ * so x is clamped at 88 (n <= 127; exp(88) = 1.65e38), not 88.72; only SiLU of inputs below -88
+ * sees that, and its output rounds to -0 either way. */
+static inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.33654f)), _mm256_set1_ps(88.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i e = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
 #endif
 
 static void silu_mul(float *g, const float *u, size_t n) {
@@ -653,12 +675,21 @@ static void silu_mul(float *g, const float *u, size_t n) {
     _mm512_storeu_ps(g + i, _mm512_mul_ps(_mm512_div_ps(x, _mm512_add_ps(one, e)),
                                           _mm512_loadu_ps(u + i)));
   }
+#elif defined(__AVX2__) && defined(__FMA__)
+  const __m256 one = _mm256_set1_ps(1.0f);
+  for (; i + 8 <= n; i += 8) {
+    const __m256 x = _mm256_loadu_ps(g + i);
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), x));
+    _mm256_storeu_ps(g + i, _mm256_mul_ps(_mm256_div_ps(x, _mm256_add_ps(one, e)),
+                                          _mm256_loadu_ps(u + i)));
+  }
 #endif
   for (; i < n; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
 }
 
 /* sc[j] = exp(sc[j] - mx) for j < n; returns their sum (softmax's numerator and denominator),
- * sixteen at a time with AVX-512 (as silu_mul; sums in sixteen lanes, then one fixed tree). */
+ * sixteen at a time with AVX-512, eight with AVX2 (as silu_mul; sums in lanes, then one fixed
+ * tree). */
 static float exp_shifted_sum(float *sc, int n, float mx) {
   int j = 0;
   float sum = 0;
@@ -671,6 +702,15 @@ static float exp_shifted_sum(float *sc, int n, float mx) {
     acc = _mm512_add_ps(acc, e);
   }
   sum = _mm512_reduce_add_ps(acc);
+#elif defined(__AVX2__) && defined(__FMA__)
+  vf acc = {0};
+  const __m256 m = _mm256_set1_ps(mx);
+  for (; j + 8 <= n; j += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + j), m));
+    _mm256_storeu_ps(sc + j, e);
+    acc += (vf)e;
+  }
+  sum = hsum(acc);
 #endif
   for (; j < n; j++) sum += (sc[j] = expf(sc[j] - mx));
   return sum;

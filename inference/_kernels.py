@@ -129,6 +129,8 @@ def build(src: bytes) -> ctypes.CDLL | None:
     lib.gemv_q4a8i.restype = _I
     lib.q4a8_native.argtypes = []
     lib.q4a8_native.restype = _I
+    lib.vec_lanes.argtypes = []
+    lib.vec_lanes.restype = _I
     i64, f32 = ctypes.c_int64, ctypes.c_float
     lib.llama_layers.argtypes = [_P, _P, *[_I] * 6, f32, f32, _P, _I, _P, _P, _P]
     lib.llama_layers.argtypes += [i64] * 5 + [_P] * 3
@@ -223,6 +225,18 @@ def pack_int4(q: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"int4 kernel needs inputs % 32 == 0, got {k}")
     runs = q.to(torch.uint8).reshape(n, k // 32, 2, 16)
     return (runs[:, :, 0] | (runs[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+
+
+def describe() -> str:
+    """What the kernels run on here, for logs and benches: "off", or the vector width and
+    whether the draft's int4 linears take int8 activations."""
+    lib = library()
+    if lib is None:
+        return "off (plain torch)"
+    lanes = lib.vec_lanes()
+    isa = "AVX-512" if lanes == 16 else "AVX2" if " avx2" in f" {_cpu_flags()}" else "generic"
+    acts = "int8 (VNNI)" if lib.q4a8_native() else "fp32"
+    return f"on: {isa}, {lanes} fp32 lanes, draft activations {acts}"
 
 
 def int8_activations() -> bool:
