@@ -509,6 +509,114 @@ static inline __m128 q8i_block(const uint8_t *p, const float *s, const int8_t *x
 #define HAVE_Q4A8 0
 #endif
 
+/* The same int8 activations on AVX2 (no VNNI), as llama.cpp's AVX2 Q4 x Q8 dot products do
+ * it: vpmaddubsw multiplies 32 unsigned nibbles by 32 int8 activations into 16 int16 pairs
+ * (at most 2 x 15 x 127, no saturation), vpmaddwd with ones sums them into 8 int32 lanes,
+ * exactly. The weights stay in pack_int4's row-major runs of 32: the low nibbles of a run's 16
+ * bytes are its inputs 0-15 and the high ones 16-31, so one run is one 32-byte vector in input
+ * order and the activations stay in their natural order. Per group of 64 the lanes go to fp32
+ * once (times the weight's and the activations' scales), and the weights' offset (q - 8) as -8
+ * x the group's activation sum. The rounding is the VNNI path's, so is the error bound. */
+#if !HAVE_Q4A8 && defined(__AVX2__) && defined(__FMA__)
+#define HAVE_Q4A8_AVX2 1
+
+/* Row x [K] to int8 per group of 64 (scale amax / 127, round to nearest even): xq [K], the
+ * group sums cs [K / 64] and scales sx [K / 64]. */
+static void q8_groups(const float *x, int K, int8_t *xq, int32_t *cs, float *sx) {
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int g = 0; g < K; g += 64) {
+    __m256 v[8], m = _mm256_setzero_ps();
+    for (int i = 0; i < 8; i++) {
+      v[i] = _mm256_loadu_ps(x + g + 8 * i);
+      m = _mm256_max_ps(m, _mm256_and_ps(v[i], magnitude));
+    }
+    float t[8];
+    _mm256_storeu_ps(t, m);
+    float amax = 0;
+    for (int i = 0; i < 8; i++) amax = t[i] > amax ? t[i] : amax;
+    const float inv = amax > 0 ? 127.0f / amax : 0.0f;
+    const __m256 vi = _mm256_set1_ps(inv);
+    __m256i sum = _mm256_setzero_si256();
+    for (int h = 0; h < 2; h++) {
+      __m256i q[4];
+      for (int i = 0; i < 4; i++) {
+        q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[4 * h + i], vi));
+        sum = _mm256_add_epi32(sum, q[i]);
+      }
+      /* packs work within 128-bit lanes: the permute puts the 32 bytes back in order */
+      const __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]),
+                                           _mm256_packs_epi32(q[2], q[3]));
+      _mm256_storeu_si256((__m256i *)(xq + g + 32 * h), _mm256_permutevar8x32_epi32(b, order));
+    }
+    int32_t st32[8];
+    _mm256_storeu_si256((__m256i *)st32, sum);
+    int32_t total = 0;
+    for (int i = 0; i < 8; i++) total += st32[i];
+    cs[g / 64] = total;
+    sx[g / 64] = amax / 127.0f;
+  }
+}
+
+static inline __m256i q4_run32(const uint8_t *p) {
+  const __m128i b = _mm_loadu_si128((const __m128i *)p), low = _mm_set1_epi8(15);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), low), _mm_and_si128(b, low));
+}
+
+#define Q8A2_MT(MT) \
+static void q8a2_##MT(const uint8_t *p, const float *s, const int8_t *xq, const int32_t *cs, \
+                      const float *sx, float *Y, int N, int K, int n, int m0) { \
+  const int G = K / 64; \
+  const __m256i ones = _mm256_set1_epi16(1); \
+  __m256 acc[MT]; float off[MT]; \
+  for (int m = 0; m < MT; m++) { acc[m] = _mm256_setzero_ps(); off[m] = 0; } \
+  for (int g = 0; g < G; g++) { \
+    const __m256i w0 = q4_run32(p + 32 * g), w1 = q4_run32(p + 32 * g + 16); \
+    for (int m = 0; m < MT; m++) { \
+      const int8_t *x = xq + (size_t)(m0 + m) * K + 64 * g; \
+      const __m256i d = _mm256_add_epi16( \
+          _mm256_maddubs_epi16(w0, _mm256_loadu_si256((const __m256i *)x)), \
+          _mm256_maddubs_epi16(w1, _mm256_loadu_si256((const __m256i *)(x + 32)))); \
+      const float sc = s[g] * sx[(size_t)(m0 + m) * G + g]; \
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(d, ones)), \
+                               _mm256_set1_ps(sc), acc[m]); \
+      off[m] += sc * (float)cs[(size_t)(m0 + m) * G + g]; \
+    } \
+  } \
+  for (int m = 0; m < MT; m++) Y[(size_t)(m0 + m) * N + n] = hsum((vf)acc[m]) - 8.0f * off[m]; \
+}
+#define Q8A2_ONE(unused, MT) Q8A2_MT(MT)
+EACH_MT(Q8A2_ONE, 0)
+
+/* 0, or -1 (nothing written) when out of memory */
+static int gemv_q4a8_avx2(const uint8_t *P, const float *S, const float *X, float *Y, int M,
+                          int N, int K) {
+  const int G = K / 64;
+  char *buf = malloc((size_t)M * (K + 8 * G));
+  if (!buf) return -1;
+  int32_t *cs = (int32_t *)buf;
+  float *sx = (float *)(cs + (size_t)M * G);
+  int8_t *xq = (int8_t *)(sx + (size_t)M * G);
+  for (int m = 0; m < M; m++)
+    q8_groups(X + (size_t)m * K, K, xq + (size_t)m * K, cs + (size_t)m * G, sx + (size_t)m * G);
+  const int groups = (M + 7) / 8;
+  for (int n = 0; n < N; n++) {
+    const uint8_t *p = P + (size_t)n * (K / 2);
+    const float *s = S + (size_t)n * G;
+    for (int g = 0, m0 = 0; g < groups; g++) {
+#define q8a2_CALL(MT) q8a2_##MT(p, s, xq, cs, sx, Y, N, K, n, m0)
+      const int mt = (M - m0) / (groups - g);
+      SWITCH_MT(q8a2_CALL, mt)
+      m0 += mt;
+    }
+  }
+  free(buf);
+  return 0;
+}
+#else
+#define HAVE_Q4A8_AVX2 0
+#endif
+
 /* N % 4 == 0, K % 64 == 0, group size 64; returns -1 (nothing written) without VNNI or memory:
  * callers check q4a8_native() first. */
 int gemv_q4a8i(const uint8_t *P, const float *S, const float *X, float *Y, int M, int N, int K) {
@@ -537,7 +645,9 @@ int gemv_q4a8i(const uint8_t *P, const float *S, const float *X, float *Y, int M
 #endif
 }
 
-int q4a8_native(void) { return HAVE_Q4A8; }
+/* 2: int8 activations on VNNI, row-major and in blocks of four rows (gemv_q4a8i); 1: on AVX2,
+ * row-major only; 0: gemv_q4a8 is gemv_int4 */
+int q4a8_native(void) { return HAVE_Q4A8 ? 2 : HAVE_Q4A8_AVX2; }
 int vec_lanes(void) { return VL; }
 
 void gemv_q4a8(const uint8_t *P, const float *S, const float *X, float *Y, int M, int N, int K,
@@ -571,6 +681,9 @@ void gemv_q4a8(const uint8_t *P, const float *S, const float *X, float *Y, int M
       return;
     }
   }
+#endif
+#if HAVE_Q4A8_AVX2
+  if (G == 64 && K % 64 == 0 && gemv_q4a8_avx2(P, S, X, Y, M, N, K) == 0) return;
 #endif
   gemv_int4(P, S, X, Y, M, N, K, G);
 }

@@ -15,7 +15,7 @@ Contract:
   returns how many were swapped (0 when the kernels are unavailable).
 - ``int4_matmul(packed, scales, x, group)``: ``x @ W.T`` for symmetric int4 weights in the
   layout ``pack_int4`` makes (see ``_kernels.c``); ``int8_act=True`` rounds the activations to
-  int8 per group of 64 and multiplies in integers (AVX-512 VNNI, ``int8_activations()``), ~2x
+  int8 per group of 64 and multiplies in integers (AVX-512 VNNI or AVX2, ``int8_activations()``), ~2x
   fewer instructions: the draft's decode, whose numerics only move acceptance;
   ``interleaved=True`` reads the blocks of four rows of ``interleave_q4`` (the draft's layout).
 - ``llama_layers`` (C): a whole Llama decoder stack for a few rows over a KV slab, driven by
@@ -235,15 +235,21 @@ def describe() -> str:
         return "off (plain torch)"
     lanes = lib.vec_lanes()
     isa = "AVX-512" if lanes == 16 else "AVX2" if " avx2" in f" {_cpu_flags()}" else "generic"
-    acts = "int8 (VNNI)" if lib.q4a8_native() else "fp32"
+    acts = {2: "int8 (VNNI)", 1: "int8 (AVX2)"}.get(lib.q4a8_native(), "fp32")
     return f"on: {isa}, {lanes} fp32 lanes, draft activations {acts}"
 
 
 def int8_activations() -> bool:
     """Whether ``int4_matmul(..., int8_act=True)`` really runs on int8 activations here (AVX-512
-    VNNI); elsewhere it is the fp32 kernel."""
+    VNNI or AVX2); elsewhere it is the fp32 kernel."""
     lib = library()
-    return lib is not None and bool(lib.q4a8_native())
+    return lib is not None and lib.q4a8_native() >= 1
+
+
+def interleaved_int4() -> bool:
+    """Whether the blocks-of-four-rows int4 layout (``interleave_q4``) runs here: AVX-512 VNNI."""
+    lib = library()
+    return lib is not None and lib.q4a8_native() == 2
 
 
 def interleave_q4(packed: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -272,14 +278,14 @@ def int4_matmul(
     group of 64 inputs of a row rounded to int8 first (one scale, amax / 127), integer dot
     products (``gemv_q4a8``, where ``int8_activations()``): for a draft, not for exact paths.
     ``interleaved``: ``packed`` and ``scales`` as ``interleave_q4`` made them (int8 activations,
-    group 64, ``int8_activations()`` true): the draft's decode layout, ~2x the read rate."""
+    group 64, ``interleaved_int4()`` true): the draft's decode layout, ~2x the read rate."""
     lib = library()
     assert lib is not None
     n, k = packed.shape[0], packed.shape[1] * 2
     x2 = _rows(x)
     y = torch.empty(x2.shape[0], n, dtype=torch.float32)
     if interleaved:
-        if group_size != 64 or not int8_activations():
+        if group_size != 64 or not interleaved_int4():
             raise ValueError("the interleaved layout needs group 64 and int8 activations (VNNI)")
         args = (packed.data_ptr(), scales.data_ptr(), x2.data_ptr(), y.data_ptr())
         if lib.gemv_q4a8i(*args, x2.shape[0], n, k):

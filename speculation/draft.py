@@ -165,7 +165,7 @@ class Int4Linear(nn.Module):
             and group_size == 64
             and self.out_features % 4 == 0
             and self.in_features % 64 == 0
-            and _kernels.int8_activations()
+            and _kernels.interleaved_int4()
         )
         if self.interleaved:
             self.q4, self.q4_scales = _kernels.interleave_q4(self.q4, self.q4_scales)
@@ -336,7 +336,7 @@ def load_draft(
     ``_kernels.MAX_ROWS`` tokens) runs torch's int4 op in bf16 either way.
 
     ``int8_act`` None: decode steps round each linear's activations to int8 (per 64 inputs) and
-    multiply in integers where the CPU has AVX-512 VNNI (``_kernels.int8_activations()``): a
+    multiply in integers where the CPU has AVX-512 VNNI or AVX2 (``_kernels.int8_activations()``): a
     draft's outputs are only proposals, the target decides what is committed."""
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer

@@ -111,7 +111,7 @@ def test_int4_kernel_on_int8_activations_stays_within_the_rounding_bound() -> No
         x = torch.randn(9, k) * 3
         y = _kernels.int4_matmul(_kernels.pack_int4(q), scales, x, 64, int8_act=True)
         ref = x.double() @ deq.double().t()
-        if not _kernels.int8_activations():  # no AVX-512 VNNI: the fp32 kernel, as above
+        if not _kernels.int8_activations():  # neither VNNI nor AVX2: the fp32 kernel, as above
             assert (y - ref).abs().max() <= 1e-4 * ref.abs().max()
             continue
         step = x.reshape(9, k // 64, 64).abs().amax(-1).double() / 127
@@ -127,7 +127,7 @@ def test_int4_kernel_on_int8_activations_stays_within_the_rounding_bound() -> No
 
 
 @needs_lib
-@pytest.mark.skipif(not _kernels.int8_activations(), reason="no AVX-512 VNNI here")
+@pytest.mark.skipif(not _kernels.interleaved_int4(), reason="no AVX-512 VNNI here")
 def test_interleaved_int4_layout_gives_the_int8_path_to_float_rounding() -> None:
     # The blocks of four rows the draft decodes from: the same integer products, summed in
     # another order, so the outputs agree with the row-major int8 path to float rounding.
