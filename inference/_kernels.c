@@ -11,9 +11,10 @@
  * Each output is a VL-lane accumulation over k in order, then a fixed-order lane sum, so row
  * m's result is bitwise the same whatever M is (a verify block and a decode step agree).
  *
- * VL is the native vector width: 16 floats with AVX-512, else 8 (AVX2). Vectors wider than the
- * hardware's are not kept in registers by GCC: with 64-byte vectors on an AVX2 CPU every
- * accumulator lived on the stack and the fp32 kernel read 6.6 GB/s where F.linear read 18.8.
+ * VL is the native vector width: 16 floats with AVX-512, 8 with AVX, else 4 (SSE, NEON).
+ * Vectors wider than the hardware's are not kept in registers by GCC: with 64-byte vectors on
+ * an AVX2 CPU every accumulator lived on the stack and the fp32 kernel read 6.6 GB/s where
+ * F.linear read 18.8 (an SSE-only build, -march=x86-64-v2, runs 4 lanes: 12.1 GB/s).
  * The bits of an output depend on VL, so they agree between rows and steps on one machine, not
  * across machines (nothing compares them across machines).
  */
@@ -22,10 +23,12 @@
 #include <stdlib.h>
 #include <string.h>
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__)
 #define VL 16
-#else
+#elif defined(__AVX__)
 #define VL 8
+#else
+#define VL 4 /* SSE, NEON: 16-byte registers */
 #endif
 typedef float vf __attribute__((vector_size(VL * 4)));
 typedef int32_t vfi __attribute__((vector_size(VL * 4)));

@@ -234,7 +234,8 @@ def describe() -> str:
     if lib is None:
         return "off (plain torch)"
     lanes = lib.vec_lanes()
-    isa = "AVX-512" if lanes == 16 else "AVX2" if " avx2" in f" {_cpu_flags()}" else "generic"
+    avx2 = " avx2" in f" {_cpu_flags()}"
+    isa = {16: "AVX-512", 8: "AVX2" if avx2 else "AVX", 4: "SSE or NEON"}.get(lanes, "?")
     acts = {2: "int8 (VNNI)", 1: "int8 (AVX2)"}.get(lib.q4a8_native(), "fp32")
     return f"on: {isa}, {lanes} fp32 lanes, draft activations {acts}"
 
