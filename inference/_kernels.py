@@ -83,17 +83,19 @@ def library() -> ctypes.CDLL | None:
     return build(_SOURCE.read_bytes())
 
 
-def build(src: bytes) -> ctypes.CDLL | None:
+def build(src: bytes, march: str = "native") -> ctypes.CDLL | None:
     """``src`` (a version of ``_kernels.c``) compiled into the model cache and loaded, or None
     (logged) without a working compiler. ``library()`` is this on the current source;
-    ``bench/kernel_ab.py`` loads another revision's beside it."""
+    ``bench/kernel_ab.py`` loads another revision's beside it. ``march``: the compiler's
+    ``-march`` (the tests build narrower CPUs' code paths, e.g. ``x86-64-v2``, to run them)."""
     from p2pnode.inference.models import cache_dir
 
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         log.warning("no C compiler (cc/gcc): decode runs on the slower torch path")
         return None
-    flags = " ".join(_FLAGS + _LIBS).encode()
+    cflags = [f"-march={march}" if f == "-march=native" else f for f in _FLAGS]
+    flags = " ".join(cflags + _LIBS).encode()
     key = hashlib.sha256(src + cc.encode() + flags + _cpu_flags().encode())
     out = cache_dir() / "kernels" / f"stream-{key.hexdigest()[:16]}.so"
     if not out.is_file():
@@ -103,7 +105,7 @@ def build(src: bytes) -> ctypes.CDLL | None:
         try:
             c_file.write_bytes(src)
             subprocess.run(
-                [cc, *_FLAGS, "-o", str(tmp), str(c_file), *_LIBS],
+                [cc, *cflags, "-o", str(tmp), str(c_file), *_LIBS],
                 check=True,
                 capture_output=True,
                 timeout=120,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import platform
 
 import pytest
 import torch
@@ -37,6 +38,55 @@ def test_stream_linear_matches_f_linear_and_rows_are_independent(dtype) -> None:
     ref = F.linear(long, w.float())
     tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16 inputs there: an 8-bit mantissa
     assert (lin(long) - ref).abs().max() <= tol * ref.abs().max()
+
+
+def _cpu_has(*flags: str) -> bool:
+    line = f" {_kernels._cpu_flags()} "
+    return all(f" {f} " in line for f in flags)
+
+
+# The build for this CPU takes one vector width; volunteers' CPUs take the others. Each narrower
+# x86 level is compiled and run here where the CPU can execute it (v3: AVX2 and FMA; v2: SSE4.2,
+# the 16-byte vectors NEON has too).
+NARROWER = [("x86-64-v3", 8, ("avx2", "fma")), ("x86-64-v2", 4, ("sse4_2",))]
+
+
+@needs_lib
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 -march levels")
+@pytest.mark.parametrize(("march", "lanes", "needs"), NARROWER, ids=[m for m, _, _ in NARROWER])
+def test_narrower_builds_give_the_same_numbers_in_their_own_width(march, lanes, needs) -> None:
+    if not _cpu_has(*needs):
+        pytest.skip(f"this CPU cannot run {march} code")
+    narrow = _kernels.build(_kernels._SOURCE.read_bytes(), march=march)
+    assert narrow is not None and narrow.vec_lanes() == lanes
+    torch.manual_seed(4)
+    for dtype in (torch.float32, torch.bfloat16):
+        w = torch.randn(201, 96).to(dtype)
+        lin = _kernels.StreamLinear(w, narrow)
+        for rows in (1, 2, 5, 7, 9):
+            x = torch.randn(rows, 96)
+            ref = F.linear(x, w.float())
+            with torch.no_grad():
+                y = lin(x)
+            assert (y - ref).abs().max() <= 1e-5 * ref.abs().max()
+            assert torch.equal(lin(x[-1:]), y[-1:])  # rows independent in this width too
+    # int4 on fp32 activations (gemv_int4), and int8 activations where the level has them.
+    q = torch.randint(0, 16, (42, 576), dtype=torch.int32)
+    scales = torch.rand(42, 576 // 64) + 0.1
+    deq = (q.float() - 8) * scales.repeat_interleave(64, dim=1)
+    packed = _kernels.pack_int4(q)
+    x = torch.randn(5, 576) * 3
+    ref = x.double() @ deq.double().t()
+    for fn in (narrow.gemv_int4, narrow.gemv_q4a8):
+        y = torch.empty(5, 42)
+        fn(packed.data_ptr(), scales.data_ptr(), x.data_ptr(), y.data_ptr(), 5, 42, 576, 64)
+        step = x.reshape(5, 9, 64).abs().amax(-1).double() / 127
+        bound = step @ deq.abs().double().reshape(42, 9, 64).sum(-1).t() / 2
+        err = (y.double() - ref).abs()
+        assert (err <= bound + 1e-4 * ref.abs().max()).all(), fn.__name__
+        rounded = fn is narrow.gemv_q4a8 and lanes == 8  # AVX2's int8 path, else fp32 inputs
+        assert (err.max() > 1e-4 * ref.abs().max()) == rounded, fn.__name__
+    assert narrow.q4a8_native() == (1 if lanes == 8 else 0)
 
 
 @needs_lib
@@ -331,7 +381,7 @@ def test_build_compiles_another_version_beside_the_current_one(caplog) -> None:
     # bench/kernel_ab.py loads a revision's source beside the tree's: the same source gives
     # a working library again, a broken one None and a warning (never an exception).
     again = _kernels.build(_kernels._SOURCE.read_bytes())
-    assert again is not None and again.q4a8_native() in (0, 1)
+    assert again is not None and again.q4a8_native() in (0, 1, 2)
     with caplog.at_level("WARNING", logger=_kernels.__name__):
         assert _kernels.build(b"this is not C\n") is None
     assert "building _kernels.c failed" in caplog.text
