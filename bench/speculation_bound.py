@@ -1,0 +1,274 @@
+"""How fast edge-cloud speculation could be at all, from this machine's measured step times and
+the draft's measured agreement with the target: an upper bound to judge the pipeline against.
+
+    python bench/speculation_bound.py [--rtts 0,50,100,200] [--new-tokens 96] [--prompts 8]
+
+Measured (one torch thread, the models as nodes load them): the target's forward over 1, 5 and
+9 new positions after a prompt, the draft's decode step, and for each prompt the draft's
+*agreement sequence*: position by position along the target's own greedy output, whether the
+draft's greedy token, given the true prefix, is the target's. Along a draft chain that has been
+right so far the draft sees the true prefix, so that sequence alone says which guesses of any
+drafting schedule are right. The prompts are this script's own, none of the judging benches'.
+
+Simulated from those figures, per round trip (``simulate_*``, pure functions, tested):
+- ``remote``: the verifier decodes alone and streams (one target step a token);
+- ``sync``: draft ``gamma``, send, verify, answer, repeat (no lead);
+- ``ideal``: an idealised streaming pipeline no real protocol beats under these costs: the
+  edge drafts continuously, each guess is sent the moment it exists and arrives after half the
+  round trip, the edge hears each commit after half the round trip and restarts at once from a
+  contradicted guess; the verifier never waits, and each step verifies every consecutive guess
+  that has arrived (up to ``--max-block``) or, with none, decodes one token alone. No shared-core
+  contention, no protocol cost, no first-token latency.
+and a what-if grid at one round trip: independent agreements of a given rate, and cheaper drafts.
+
+Prints the tables and writes ``bench/results/speculation_bound.json``. Why it exists: at 100 ms
+the pipeline's measured tokens/s stayed at 0.9-0.97x target-only remote generation however it
+was tuned; this says how much of that is the pipeline and how much is the draft.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results" / "speculation_bound.json"
+
+PROMPTS = [
+    "Describe how a bicycle works.",
+    "Give me a recipe for pancakes.",
+    "Why do cats purr?",
+    "Summarize the plot of Romeo and Juliet.",
+    "What is machine learning?",
+    "How do vaccines work?",
+    "Write a haiku about autumn.",
+    "Explain photosynthesis to a child.",
+    "What makes a good password?",
+    "Tell me about the history of the printing press.",
+]
+
+StepCost = Callable[[int], float]  # ms of a target forward over k positions
+
+
+def linear_cost(t1: float, t5: float) -> StepCost:
+    """A target step's ms for k positions, through the measured 1- and 5-position points."""
+    slope = (t5 - t1) / 4
+    return lambda k: t1 + slope * (k - 1)
+
+
+def _agrees(agree: Sequence[int], base: int, upto: int) -> bool:
+    """Guesses of a chain that knew the true tokens up to ``base`` are right through ``upto``."""
+    return all(agree[base:upto])
+
+
+def simulate_remote(n: int, cost: StepCost) -> float:
+    """ms to stream ``n`` tokens from a verifier decoding alone."""
+    return n * cost(1)
+
+
+def simulate_sync(
+    agree: Sequence[int], rtt_ms: float, cost: StepCost, draft_ms: float, gamma: int
+) -> float:
+    """ms for the synchronous loop: draft ``gamma``, a round trip, one verify of gamma + 1."""
+    n, c, t = len(agree), 0, 0.0
+    while c < n:
+        g = min(gamma, n - c)
+        acc = 0
+        while acc < g and agree[c + acc]:
+            acc += 1
+        t += g * draft_ms + rtt_ms + cost(g + 1)
+        c = min(n, c + acc + 1)
+    return t
+
+
+def simulate_ideal(
+    agree: Sequence[int],
+    rtt_ms: float,
+    cost: StepCost,
+    draft_ms: float,
+    *,
+    horizon: int = 16,
+    max_block: int = 8,
+    resync_ms: float | None = None,
+) -> float:
+    """ms for the idealised streaming pipeline (module docstring) to commit ``len(agree)``
+    tokens. ``agree[i]``: the draft's guess at new position i + 1, given the true prefix, is
+    the target's. ``horizon``: guesses the edge runs ahead of what it knows; ``resync_ms``: the
+    edge's cost to feed the true tokens after a contradiction (default half a draft step)."""
+    n, half = len(agree), rtt_ms / 2
+    resync = draft_ms / 2 if resync_ms is None else resync_ms
+    c, t = 0, 0.0  # verifier: committed tokens, clock
+    base = top = 0  # edge: true tokens it knows, last position guessed
+    et = 0.0  # edge clock
+    to_edge: list[tuple[float, int]] = []  # (arrival, committed)
+    guesses: list[tuple[float, int, int]] = []  # (arrival, chain base, position)
+    while c < n:
+        while et < t:  # the edge works until the verifier's next step starts
+            while to_edge and to_edge[0][0] <= et:
+                arrival, committed = to_edge.pop(0)
+                if committed <= base:
+                    continue
+                if top >= committed and _agrees(agree, base, committed):
+                    base = committed  # its chain was right: keep drafting on it
+                else:
+                    base = top = committed
+                    et = max(et, arrival) + resync
+            if top - base < horizon and top < n:
+                et += draft_ms
+                top += 1
+                guesses.append((et + half, base, top))
+            elif to_edge:
+                et = max(et, to_edge[0][0])
+            else:
+                et = t
+        have = {p for arrival, b, p in guesses if arrival <= t and p > c and _agrees(agree, b, c)}
+        k = 0
+        while k < max_block and c + 1 + k in have:
+            k += 1
+        acc = 0
+        while acc < k and agree[c + acc]:
+            acc += 1
+        t += cost(k + 1)
+        c = min(n, c + acc + 1)
+        to_edge.append((t + half, c))
+        guesses = [g for g in guesses if g[2] > c]
+    return t
+
+
+# ---------------------------------------------------------------- measurements
+
+
+def _measure(n_prompts: int, new_tokens: int) -> dict:
+    import torch
+    from transformers import DynamicCache
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    from speculation_processes import _one_thread, chat_ids, forward_ms
+
+    _one_thread()
+    from p2pnode.inference.models import load_model
+    from p2pnode.speculation.client import target_generate
+    from p2pnode.speculation.draft import load_draft
+
+    target, draft = load_model(None), load_draft()
+    prompts = [chat_ids(target.tokenizer, p) for p in PROMPTS[:n_prompts]]
+    steps = {k: forward_ms(target.model, prompts[0], k) for k in (1, 5, 9)}
+    steps["draft"] = forward_ms(draft.model, prompts[0], 1)
+    seqs = []
+    for i, (text, p) in enumerate(zip(PROMPTS, prompts, strict=False)):
+        t0 = time.perf_counter()
+        ref = target_generate(target, p, new_tokens, eos_token_ids=target.eos_token_ids)
+        agree, cache = [], DynamicCache()
+        with torch.inference_mode():
+            out = draft.model(input_ids=torch.tensor([p]), past_key_values=cache, use_cache=True)
+            for tok in ref:
+                agree.append(int(int(out.logits[0, -1].argmax()) == tok))
+                out = draft.model(
+                    input_ids=torch.tensor([[tok]]), past_key_values=cache, use_cache=True
+                )
+        seqs.append({"prompt": text, "agree": agree})
+        rate = sum(agree) / max(len(agree), 1)
+        print(
+            f"  prompt {i + 1}/{len(prompts)}: {len(agree)} tokens, agreement {rate:.2f} "
+            f"({time.perf_counter() - t0:.1f} s)",
+            flush=True,
+        )
+    return {"step_ms": steps, "sequences": seqs}
+
+
+def _rates(seqs, fn) -> float:
+    """tokens/s over all sequences together."""
+    return 1000 * sum(len(a) for a in seqs) / sum(fn(a) for a in seqs)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rtts", default="0,50,100,200")
+    ap.add_argument("--new-tokens", type=int, default=96)
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--gamma", type=int, default=4, help="the sync loop's block")
+    ap.add_argument("--horizon", type=int, default=16)
+    ap.add_argument("--max-block", type=int, default=8)
+    ap.add_argument("--what-if-rtt", type=float, default=100.0)
+    args = ap.parse_args()
+    rtts = [float(r) for r in args.rtts.split(",")]
+
+    print(f"measuring: {args.prompts} prompts x {args.new_tokens} tokens", flush=True)
+    m = _measure(min(args.prompts, len(PROMPTS)), args.new_tokens)
+    st = m["step_ms"]
+    cost = linear_cost(st[1], st[5])
+    seqs = [s["agree"] for s in m["sequences"] if s["agree"]]
+    agreement = sum(map(sum, seqs)) / sum(map(len, seqs))
+    print(
+        f"target step 1/5/9 positions {st[1]:.1f}/{st[5]:.1f}/{st[9]:.1f} ms, draft step "
+        f"{st['draft']:.1f} ms, agreement {agreement:.3f}"
+    )
+
+    def ideal(a, rtt, draft_ms=st["draft"]):
+        return simulate_ideal(
+            a, rtt, cost, draft_ms, horizon=args.horizon, max_block=args.max_block
+        )
+
+    rows = []
+    print(
+        f"{'RTT ms':>7} {'remote':>8} {'sync':>8} {'ideal':>8} {'ideal/remote':>13} "
+        f"{'ideal/sync':>11}  (tokens/s, first-token latency left out)"
+    )
+    for rtt in rtts:
+        remote = _rates(seqs, lambda a: simulate_remote(len(a), cost))
+        sync = _rates(seqs, lambda a, rtt=rtt: simulate_sync(a, rtt, cost, st["draft"], args.gamma))
+        best = _rates(seqs, lambda a, rtt=rtt: ideal(a, rtt))
+        rows.append({"rtt_ms": rtt, "remote": remote, "sync": sync, "ideal": best})
+        print(
+            f"{rtt:7.0f} {remote:8.1f} {sync:8.1f} {best:8.1f} {best / remote:13.2f} "
+            f"{best / sync:11.2f}"
+        )
+    by = {r["rtt_ms"]: r for r in rows}
+    if 0.0 in by and 200.0 in by:
+        print(
+            f"ideal inter-token latency at 200 ms / at 0 ms: "
+            f"{by[0.0]['ideal'] / by[200.0]['ideal']:.2f}"
+        )
+
+    rng, n = random.Random(0), max(args.new_tokens, 16)
+    grid = []
+    rtt = args.what_if_rtt
+    print(f"what if, at {rtt:.0f} ms: ideal / remote for independent agreements and draft costs")
+    factors = (1.0, 0.5, 0.25)
+    print(f"{'agreement':>10} " + " ".join(f"{'draft x' + str(f):>12}" for f in factors))
+    for rate in (round(agreement, 2), 0.85, 0.9, 0.95):
+        iid = [[int(rng.random() < rate) for _ in range(n)] for _ in range(40)]
+        remote = _rates(iid, lambda a: simulate_remote(len(a), cost))
+        line = []
+        for f in factors:
+            r = _rates(iid, lambda a, f=f: ideal(a, rtt, st["draft"] * f)) / remote
+            grid.append({"agreement": rate, "draft_factor": f, "ideal_over_remote": r})
+            line.append(f"{r:12.2f}")
+        print(f"{rate:10.2f} " + " ".join(line))
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(
+        json.dumps(
+            {
+                "step_ms": {str(k): v for k, v in st.items()},
+                "agreement": agreement,
+                "agreement_median_per_prompt": statistics.median(sum(a) / len(a) for a in seqs),
+                "sequences": m["sequences"],
+                "rtts": rows,
+                "what_if_rtt_ms": rtt,
+                "what_if": grid,
+                "params": vars(args),
+            },
+            indent=1,
+        )
+    )
+    print(f"wrote {RESULTS}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,54 @@
+"""The speculation bound's simulations (``bench/speculation_bound.py``) on cases whose times can be
+worked out by hand: a draft that is always right, one that is always wrong, and a round trip
+longer than the whole generation."""
+
+from __future__ import annotations
+
+import importlib.util
+import random
+from pathlib import Path
+
+import pytest
+
+_PATH = Path(__file__).resolve().parents[2] / "bench" / "speculation_bound.py"
+_SPEC = importlib.util.spec_from_file_location("speculation_bound", _PATH)
+bound = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(bound)
+
+
+def flat(k: int) -> float:
+    return 10.0  # a target step costs 10 ms whatever its positions
+
+
+def test_a_draft_always_right_commits_a_full_block_each_step_after_the_first() -> None:
+    # Step 1 finds no guess (none is drafted before it starts) and decodes one token alone; by
+    # step 2 the edge has drafted far ahead, so every later step verifies 4 guesses and commits
+    # them plus its own token: 1 + 10 x 5 = 51 tokens in 11 steps.
+    t = bound.simulate_ideal([1] * 51, 0.0, flat, 0.01, max_block=4)
+    assert t == pytest.approx(110.0)
+
+
+@pytest.mark.parametrize("rtt", [0.0, 100.0])
+def test_a_draft_always_wrong_leaves_the_verifier_decoding_alone(rtt: float) -> None:
+    # Every guess is contradicted by the token before it, so no step ever has a usable guess.
+    assert bound.simulate_ideal([0] * 40, rtt, flat, 3.0) == bound.simulate_remote(40, flat)
+
+
+def test_guesses_that_arrive_after_the_end_change_nothing() -> None:
+    agree = [int(random.Random(1).random() < 0.8) for _ in range(50)]
+    far = bound.simulate_ideal(agree, 1e6, flat, 1.0)
+    assert far == bound.simulate_remote(50, flat)
+    assert bound.simulate_ideal(agree, 0.0, flat, 1.0) < far  # and near, they help
+
+
+def test_sync_pays_drafting_a_round_trip_and_a_verify_per_block() -> None:
+    # gamma 4 all accepted: 5 tokens per (4 x 10 ms drafting + 100 ms + one 20 ms verify).
+    assert bound.simulate_sync([1] * 50, 100.0, lambda k: 20.0, 10.0, 4) == pytest.approx(1600.0)
+    # all rejected: 1 token per block, the last blocks shorter where few tokens are left
+    t = bound.simulate_sync([0] * 5, 100.0, lambda k: 20.0, 10.0, 4)
+    assert t == pytest.approx(160 + 160 + 150 + 140 + 130)
+
+
+def test_linear_cost_passes_through_the_measured_points() -> None:
+    cost = bound.linear_cost(30.0, 42.0)
+    assert (cost(1), cost(5), cost(9)) == (30.0, 42.0, 54.0)
