@@ -5,6 +5,7 @@ is held for the one-way delay in userspace, in both processes, so a round trip c
 
     python bench/speculation_processes.py [--rtts 0,50,100,200] [--new-tokens 32] [--gamma 4]
         [--modes sync:1:4,async:2:4,async:3:2] [--prompts 2] [--edge-core 0] [--verifier-core 1]
+        [--prompt-set judge|tune]
 
 A mode is NAME:DEPTH:GAMMA[:LEAD] (depth = blocks in flight; 1 is the synchronous baseline;
 LEAD > 0: the verifier keeps decoding on its own for up to LEAD tokens while no block of the
@@ -23,6 +24,8 @@ wan.py's per-write delays apart from the algorithm's.
 ``--warm`` starts each session on a stream opened beforehand (as ``EdgeClient`` does for every
 request after its first), so the first token pays no stream negotiation (2 RTT in py-libp2p).
 Every speculative output is checked token for token against the target's greedy output.
+``--prompt-set tune`` runs on other prompts (``TUNE_PROMPTS``): the edge's constants are chosen
+there, and the figures reported on the default judging set.
 Writes bench/results/speculation_processes.json. ``SPEC_TRACE=FILE`` also writes a timeline:
 ``FILE.verifier`` (each forward pass: wall-clock start, end, rows) and ``FILE.edge`` (each draft
 step, block sent, verdict and lead token received), to see what each side waits on.
@@ -51,6 +54,15 @@ PROMPTS = [
     "What is the capital of France? Answer with details.",
     "List three uses of Python.",
 ]
+# The prompts an edge constant may be chosen on (``--prompt-set tune``), kept apart from the
+# judging ones above, which only measure.
+TUNE_PROMPTS = [
+    "Describe how a bicycle works.",
+    "Give me a recipe for pancakes.",
+    "Why do cats purr?",
+    "Summarize the plot of Romeo and Juliet.",
+]
+PROMPT_SETS = {"judge": PROMPTS, "tune": TUNE_PROMPTS}
 
 
 def _one_thread() -> None:
@@ -153,7 +165,7 @@ class DelayedTransport:
 # ---------------------------------------------------------------- verifier process
 
 
-def serve(spec: Path, n_prompts: int, new_tokens: int) -> None:
+def serve(spec: Path, n_prompts: int, new_tokens: int, texts: list[str]) -> None:
     _one_thread()
     from p2pnode.identity import NodeKey
     from p2pnode.inference.models import load_model
@@ -166,7 +178,7 @@ def serve(spec: Path, n_prompts: int, new_tokens: int) -> None:
     wan.install(str(spec), "cloud")
     trace = os.environ.get("SPEC_TRACE")
     target = load_model(None)
-    prompts = [chat_ids(target.tokenizer, p) for p in PROMPTS[:n_prompts]]
+    prompts = [chat_ids(target.tokenizer, p) for p in texts[:n_prompts]]
     target_generate(target, prompts[0], 4)  # warm-up
     t0 = time.perf_counter()
     refs = [
@@ -195,6 +207,7 @@ def serve(spec: Path, n_prompts: int, new_tokens: int) -> None:
                 "peer_id": node.peer_id,
                 "model_id": target.model_id,
                 "refs": refs,
+                "texts": texts[:n_prompts],
                 "target_seconds": local_s,
                 "target_tokens": sum(len(r) for r in refs),
                 "verify_ms": verify_ms,
@@ -288,7 +301,7 @@ async def edge_runs(
 
         client.DraftRunner.extend = traced_extend
     eos = (draft.tokenizer.eos_token_id,)
-    prompts = [chat_ids(draft.tokenizer, p) for p in PROMPTS[: len(info["refs"])]]
+    prompts = [chat_ids(draft.tokenizer, p) for p in info["texts"][: len(info["refs"])]]
     t_d = forward_ms(draft.model, prompts[0], 1)
     v0, v4 = info["verify_ms"]["0"], info["verify_ms"]["4"]
 
@@ -514,6 +527,13 @@ def main() -> None:
     ap.add_argument("--rtts", default="0,50,100,200")
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--prompts", type=int, default=2)
+    ap.add_argument(
+        "--prompt-set",
+        choices=sorted(PROMPT_SETS),
+        default="judge",
+        help="judge: the prompts the figures are reported on; tune: others, to choose an edge "
+        "constant on (never on the judging set)",
+    )
     ap.add_argument("--modes", default="sync:1:4,async:3:2,async:3:2:8,async:3:4:8")
     ap.add_argument("--edge-core", type=int, default=0)
     ap.add_argument("--verifier-core", type=int, default=1)
@@ -532,7 +552,7 @@ def main() -> None:
     )
     args = ap.parse_args()
     if args.serve is not None:
-        serve(args.serve, args.prompts, args.new_tokens)
+        serve(args.serve, args.prompts, args.new_tokens, PROMPT_SETS[args.prompt_set])
         return
     os.sched_setaffinity(0, {args.edge_core})
     _one_thread()
@@ -542,6 +562,7 @@ def main() -> None:
         spec = write_spec(Path(tmp), rtts)
         cmd = ["taskset", "-c", str(args.verifier_core), sys.executable, __file__]
         cmd += ["--serve", str(spec), "--prompts", str(args.prompts)]
+        cmd += ["--prompt-set", args.prompt_set]
         cmd += ["--new-tokens", str(args.new_tokens)]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         child = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
@@ -566,11 +587,13 @@ def main() -> None:
             except subprocess.TimeoutExpired:
                 child.kill()
     tag = args.delay_in + ("_warm" if args.warm else "")
+    tag += "_tune" if args.prompt_set == "tune" else ""
     out = Path(__file__).parent / "results" / f"speculation_processes_{tag}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     result = {
         "delay_in": args.delay_in,
         "warm": args.warm,
+        "prompt_set": args.prompt_set,
         "rows": rows,
         "load_end": os.getloadavg(),
     }
