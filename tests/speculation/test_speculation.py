@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 from collections import Counter
 from contextlib import asynccontextmanager
 from functools import partial
@@ -457,6 +458,51 @@ async def test_an_edge_that_lets_the_verifier_decode_alone_then_drafts_again(
     assert history.chosen >= 8 and s.blocks_sent >= 1  # the 8th explored drafting
     assert 0.0 < history.rates["lead"] < 100.0  # its measured rates were smoothed in
     assert s.lead_tokens >= 2 * client.SEGMENT
+
+
+async def test_the_first_tokens_come_while_the_draft_still_prefills(
+    target, draft, prompts, monkeypatch
+) -> None:
+    # The verifier's prefill gives the first token as a lead. Here the draft's prefill cannot
+    # finish before two tokens have been committed: an edge that held the verifier's tokens
+    # back until its draft was ready would never finish; this one commits them, then drafts,
+    # and the output is the target's.
+    eos = target.eos_token_ids
+    ref = target_generate(target, prompts[0], 8, eos_token_ids=eos)
+    committed: list[int] = []
+    two = threading.Event()
+    prefill = DraftRunner.prefill
+
+    def gated(self) -> None:
+        if not two.wait(timeout=30):
+            raise AssertionError("no token was committed while the draft prefilled")
+        prefill(self)
+
+    def on_commit(new: list[int]) -> None:
+        committed.extend(new)
+        if len(committed) >= 2:
+            two.set()
+
+    monkeypatch.setattr(DraftRunner, "prefill", gated)
+    verifier = BatchedVerifier(target)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(verifier.run)
+        with trio.fail_after(120):
+            async with inprocess_transport(verifier, one_way_delay_s=0.01) as transport:
+                r = await speculative_generate(
+                    draft,
+                    transport,
+                    prompts[0],
+                    8,
+                    gamma=3,
+                    depth=2,
+                    lead=4,
+                    eos_token_ids=eos,
+                    on_commit=on_commit,
+                )
+        nursery.cancel_scope.cancel()
+    assert r.tokens == ref == committed
+    assert r.stats.lead_tokens >= 2
 
 
 async def test_verifier_prefix_cache_prefills_only_the_new_suffix(target, draft, prompts) -> None:
