@@ -73,7 +73,9 @@ log = logging.getLogger(__name__)
 # mode -> (blocks in flight, draft tokens per block, verifier lead). Async: with the verifier's
 # lead filling the round trip after each rejection, 2 blocks of 4 measured best at 0-100 ms RTT
 # (bench/speculation_processes.py; without lead, 3 blocks of 2 were best, as a block built on a
-# guess survives with probability alpha^(gamma+1)). Sync pays a round trip per block: gamma 4.
+# guess survives with probability alpha^(gamma+1)); on its tuning prompts (--prompt-set tune)
+# 3x4, 3x2, 2x3 and 4x2 came within run-to-run noise of it. Sync pays a round trip per block:
+# gamma 4.
 MODES = {"sync": (1, 4, 0), "async": (2, 4, 8), "remote": (0, 0, 0)}
 AUTO_MODES = ("async", "remote")
 AUTO_EXPLORE = 8  # every 8th "auto" request retries the slower mode (load and peers change)
