@@ -425,6 +425,21 @@ async def test_greedy_speculation_equals_target_several_tenants_at_once(
     assert not verifier.sessions  # every transport closed its session
 
 
+async def _speculate(target, draft, prompt: list[int], n: int, *, delay: float, **kw):
+    """One edge session against a fresh batched verifier, over the in-process transport with a
+    one-way ``delay`` (s); ``kw`` goes to ``speculative_generate``."""
+    verifier = BatchedVerifier(target)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(verifier.run)
+        with trio.fail_after(120):
+            async with inprocess_transport(verifier, one_way_delay_s=delay) as transport:
+                r = await speculative_generate(
+                    draft, transport, prompt, n, eos_token_ids=target.eos_token_ids, **kw
+                )
+        nursery.cancel_scope.cancel()
+    return r
+
+
 async def test_an_edge_that_lets_the_verifier_decode_alone_then_drafts_again(
     target, draft, prompts
 ) -> None:
@@ -435,23 +450,9 @@ async def test_an_edge_that_lets_the_verifier_decode_alone_then_drafts_again(
     eos, n = target.eos_token_ids, client.SEGMENT * 2 + 24
     ref = target_generate(target, prompts[0], n, eos_token_ids=eos)
     history = DraftHistory(rates={"draft": 1.0, "lead": 100.0}, chosen=5)
-    verifier = BatchedVerifier(target)
-    async with trio.open_nursery() as nursery:
-        await nursery.start(verifier.run)
-        with trio.fail_after(120):
-            async with inprocess_transport(verifier, one_way_delay_s=0.03) as transport:
-                r = await speculative_generate(
-                    draft,
-                    transport,
-                    prompts[0],
-                    n,
-                    gamma=3,
-                    depth=2,
-                    lead=2,
-                    eos_token_ids=eos,
-                    history=history,
-                )
-        nursery.cancel_scope.cancel()
+    r = await _speculate(
+        target, draft, prompts[0], n, delay=0.03, gamma=3, depth=2, lead=2, history=history
+    )
     assert r.tokens == ref
     s = r.stats
     assert s.lead_only >= 2 and s.keepalives >= 2  # stretches 6 and 7 (and any after 8)
@@ -484,23 +485,9 @@ async def test_the_first_tokens_come_while_the_draft_still_prefills(
             two.set()
 
     monkeypatch.setattr(DraftRunner, "prefill", gated)
-    verifier = BatchedVerifier(target)
-    async with trio.open_nursery() as nursery:
-        await nursery.start(verifier.run)
-        with trio.fail_after(120):
-            async with inprocess_transport(verifier, one_way_delay_s=0.01) as transport:
-                r = await speculative_generate(
-                    draft,
-                    transport,
-                    prompts[0],
-                    8,
-                    gamma=3,
-                    depth=2,
-                    lead=4,
-                    eos_token_ids=eos,
-                    on_commit=on_commit,
-                )
-        nursery.cancel_scope.cancel()
+    r = await _speculate(
+        target, draft, prompts[0], 8, delay=0.01, gamma=3, depth=2, lead=4, on_commit=on_commit
+    )
     assert r.tokens == ref == committed
     assert r.stats.lead_tokens >= 2
 
