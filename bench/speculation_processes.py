@@ -5,7 +5,7 @@ is held for the one-way delay in userspace, in both processes, so a round trip c
 
     python bench/speculation_processes.py [--rtts 0,50,100,200] [--new-tokens 32] [--gamma 4]
         [--modes sync:1:4,async:2:4,async:3:2] [--prompts 2] [--edge-core 0] [--verifier-core 1]
-        [--prompt-set judge|tune]
+        [--prompt-set judge|tune] [--lookup N]
 
 A mode is NAME:DEPTH:GAMMA[:LEAD] (depth = blocks in flight; 1 is the synchronous baseline;
 LEAD > 0: the verifier keeps decoding on its own for up to LEAD tokens while no block of the
@@ -25,7 +25,8 @@ wan.py's per-write delays apart from the algorithm's.
 request after its first), so the first token pays no stream negotiation (2 RTT in py-libp2p).
 Every speculative output is checked token for token against the target's greedy output.
 ``--prompt-set tune`` runs on other prompts (``TUNE_PROMPTS``): the edge's constants are chosen
-there, and the figures reported on the default judging set.
+there, and the figures reported on the default judging set. ``--lookup N``: the prompt-lookup
+guesses the verifier's lead steps check (``speculation/_lookup.py``; 0 turns them off).
 Writes bench/results/speculation_processes.json. ``SPEC_TRACE=FILE`` also writes a timeline:
 ``FILE.verifier`` (each forward pass: wall-clock start, end, rows) and ``FILE.edge`` (each draft
 step, block sent, verdict and lead token received), to see what each side waits on.
@@ -165,7 +166,7 @@ class DelayedTransport:
 # ---------------------------------------------------------------- verifier process
 
 
-def serve(spec: Path, n_prompts: int, new_tokens: int, texts: list[str]) -> None:
+def serve(spec: Path, n_prompts: int, new_tokens: int, texts: list[str], lookup: int) -> None:
     _one_thread()
     from p2pnode.identity import NodeKey
     from p2pnode.inference.models import load_model
@@ -196,7 +197,7 @@ def serve(spec: Path, n_prompts: int, new_tokens: int, texts: list[str]) -> None
             roles={"verifier"},
             **_timeouts(spec, "cloud"),
         )
-        verifier = BatchedVerifier(target)
+        verifier = BatchedVerifier(target, lookup=lookup)
         if trace:
             _trace_verifier(verifier, trace + ".verifier")
         async with open_overlay_node(cfg) as node, trio.open_nursery() as nursery:
@@ -528,6 +529,12 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--prompts", type=int, default=2)
     ap.add_argument(
+        "--lookup",
+        type=int,
+        help="prompt-lookup guesses a verifier lead step checks (0: none; default: the "
+        "verifier's own, speculation.verify.LOOKUP)",
+    )
+    ap.add_argument(
         "--prompt-set",
         choices=sorted(PROMPT_SETS),
         default="judge",
@@ -552,17 +559,21 @@ def main() -> None:
     )
     args = ap.parse_args()
     if args.serve is not None:
-        serve(args.serve, args.prompts, args.new_tokens, PROMPT_SETS[args.prompt_set])
+        serve(args.serve, args.prompts, args.new_tokens, PROMPT_SETS[args.prompt_set], args.lookup)
         return
     os.sched_setaffinity(0, {args.edge_core})
     _one_thread()
+    if args.lookup is None:
+        from p2pnode.speculation.verify import LOOKUP
+
+        args.lookup = LOOKUP
     rtts = [int(x) for x in args.rtts.split(",")]
     modes = parse_modes(args.modes)
     with tempfile.TemporaryDirectory() as tmp:
         spec = write_spec(Path(tmp), rtts)
         cmd = ["taskset", "-c", str(args.verifier_core), sys.executable, __file__]
         cmd += ["--serve", str(spec), "--prompts", str(args.prompts)]
-        cmd += ["--prompt-set", args.prompt_set]
+        cmd += ["--prompt-set", args.prompt_set, "--lookup", str(args.lookup)]
         cmd += ["--new-tokens", str(args.new_tokens)]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         child = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
@@ -594,6 +605,7 @@ def main() -> None:
         "delay_in": args.delay_in,
         "warm": args.warm,
         "prompt_set": args.prompt_set,
+        "lookup": args.lookup,
         "rows": rows,
         "load_end": os.getloadavg(),
     }

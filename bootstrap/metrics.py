@@ -170,6 +170,16 @@ class LiveCollector(Collector):
         ("accepted", "p2pnode_verifier_accepted_tokens", "Draft tokens accepted"),
         ("lead", "p2pnode_verifier_lead_tokens", "Tokens the verifier committed ahead (lead)"),
         ("stale", "p2pnode_verifier_stale_blocks", "Blocks built on a stale base (no compute)"),
+        (
+            "lookup_guessed",
+            "p2pnode_verifier_lookup_guessed_tokens",
+            "Prompt-lookup guesses checked in lead steps",
+        ),
+        (
+            "lookup_accepted",
+            "p2pnode_verifier_lookup_accepted_tokens",
+            "Prompt-lookup guesses accepted in lead steps",
+        ),
         ("batches", "p2pnode_verifier_batches", "Batched target forward passes"),
         ("prefill_tokens", "p2pnode_verifier_prefill_tokens", "Prompt tokens prefilled"),
         (

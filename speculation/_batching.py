@@ -4,11 +4,13 @@ Contract (the rules are the ones ``verify.py``'s contract states; this is where 
 - ``Session``: a tenant's committed tokens (prompt + output; its cache holds all but the last),
   sampling options, seeded generator and lead budget. ``Waiter``: a block ``verify`` queued and
   the caller waiting for its answer.
-- ``plan(waiting, leaders, max_batch, max_tokens) -> BatchPlan``: which blocks are answered
-  without computing (stale; superseded or fully decided by lead tokens; over the session's
-  limit) and which rows go into the forward pass: each block's draft past the tokens leads
-  already committed (``Row.skip``), then one lead step per session free to lead, up to
-  ``max_batch`` rows in all.
+- ``plan(waiting, leaders, max_batch, max_tokens, lookup=0) -> BatchPlan``: which blocks are
+  answered without computing (stale; superseded or fully decided by lead tokens; over the
+  session's limit) and which rows go into the forward pass: each block's draft past the tokens
+  leads already committed (``Row.skip``), then one lead step per session free to lead, up to
+  ``max_batch`` rows in all. A lead step checks up to ``lookup`` guesses from the session's
+  ``NgramIndex`` (``_lookup.py``), within its lead budget and token limit, so it commits
+  1 + the accepted guesses, each told as its own ``Lead``.
 - ``accept(rows, forwards) -> list[Outcome]``: each row's acceptance on its logits. It changes
   no session; the only state it touches is a sampling session's generator, whose draws are the
   acceptance itself. A row that fails yields a ``VerifierError`` outcome, not an exception.
@@ -30,6 +32,7 @@ from transformers import DynamicCache
 from p2pnode.speculation._accept import accept_draft
 from p2pnode.speculation._blocks import Block, BlockResult, Lead, SamplingOptions
 from p2pnode.speculation._errors import SessionLimit, VerifierError
+from p2pnode.speculation._lookup import NgramIndex
 
 __all__ = [
     "BatchPlan",
@@ -61,6 +64,7 @@ class Session:
     broke_at: tuple[int, float] | None = None  # (committed length, time) of the last break
     reaction_s: float = 0.0  # smoothed time from a break to the edge's next fresh block
     on_lead: Callable[[Lead | VerifierError], None] | None = None
+    lookup: NgramIndex | None = None  # follows ``tokens``: guesses for its lead steps
     busy: bool = False  # a block submitted and not yet returned to its caller
     # What this session's blocks and leads did (the console shows them per session).
     counts: dict[str, int] = field(
@@ -93,15 +97,17 @@ class Waiter:
 @dataclass(frozen=True)
 class Row:
     """One row of the forward pass: a block's draft past ``skip`` tokens already committed by
-    leads, or (``waiter`` None) a lead step: the session's next token, no draft."""
+    leads, or (``waiter`` None) a lead step: the session's next token, checking ``guess`` (its
+    prompt-lookup guesses, one-hot proposals) on the way."""
 
     session: Session
     waiter: Waiter | None
     skip: int = 0
+    guess: tuple[int, ...] = ()
 
     @property
     def draft(self) -> tuple[int, ...]:
-        return () if self.waiter is None else self.waiter.block.tokens[self.skip :]
+        return self.guess if self.waiter is None else self.waiter.block.tokens[self.skip :]
 
     @property
     def q(self) -> torch.Tensor | None:
@@ -116,8 +122,8 @@ class Row:
 @dataclass(frozen=True)
 class Outcome:
     session: Session
-    waiter: Waiter | None  # None: a lead step, told to the session's ``on_lead``
-    answer: BlockResult | Lead | VerifierError
+    waiter: Waiter | None  # None: a lead step, each of its tokens told to ``on_lead``
+    answer: BlockResult | tuple[Lead, ...] | VerifierError
     commit: tuple[int, ...] = ()  # tokens the session commits
     lead_left: int | None = None  # the session's lead budget after it (None: unchanged)
     tally: tuple[tuple[str, int], ...] = ()  # added to the verifier's and the session's counts
@@ -145,7 +151,11 @@ def may_lead(sessions: Iterable[Session], max_tokens: int) -> tuple[list[Session
 
 
 def plan(
-    waiting: list[Waiter], leaders: list[Session], max_batch: int, max_tokens: int
+    waiting: list[Waiter],
+    leaders: list[Session],
+    max_batch: int,
+    max_tokens: int,
+    lookup: int = 0,
 ) -> BatchPlan:
     rows: list[Row] = []
     decided: list[Outcome] = []
@@ -157,7 +167,17 @@ def plan(
             decided.append(step)
     with_block = {w.session.sid for w in waiting}
     free = [s for s in leaders if s.sid not in with_block][: max_batch - len(waiting)]
-    return BatchPlan(rows + [Row(s, None) for s in free], decided)
+    return BatchPlan(
+        rows + [Row(s, None, guess=_guess(s, lookup, max_tokens)) for s in free], decided
+    )
+
+
+def _guess(s: Session, lookup: int, max_tokens: int) -> tuple[int, ...]:
+    """A lead step's guesses: at most ``lookup``, within its lead budget and its token limit
+    (the step commits the accepted guesses and one token more)."""
+    if s.lookup is None:
+        return ()
+    return s.lookup.guess(min(lookup, s.lead_left - 1, max_tokens - s.committed_len - 2))
 
 
 def _decide(w: Waiter, max_tokens: int) -> Row | Outcome:
@@ -205,8 +225,9 @@ def _accept_row(row: Row, logits: torch.Tensor, cache: DynamicCache) -> Outcome:
     commit = (*draft[:n], nxt)
     committed_len = s.committed_len + len(commit)
     if w is None:
-        lead = Lead(committed_len - 1, nxt)
-        return Outcome(s, None, lead, commit, s.lead_left - 1, (("lead", 1),), cache)
+        leads = tuple(Lead(s.committed_len + i, t) for i, t in enumerate(commit))
+        tally = (("lead", len(commit)), ("lookup_guessed", len(draft)), ("lookup_accepted", n))
+        return Outcome(s, None, leads, commit, s.lead_left - len(commit), tally, cache)
     # Lead only where the edge's pipeline broke (a rejection): its blocks in flight are dead
     # and the next useful one is a round trip away. After a full acceptance the next block
     # is usually on its way already, and a lead step would only delay it.

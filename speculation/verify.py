@@ -31,6 +31,11 @@ Contract:
   round trip the verifier keeps decoding until that block can be there instead of idling.
   Blocks are gathered for ``max_wait_ms`` only while some session outside the pass could still
   send one; a lone leading session's next lead step starts at once.
+  A lead step also checks up to ``lookup`` guesses taken from the session's own tokens (prompt
+  lookup on the last ``lookup_ngram`` tokens, ``_lookup.py``; ``lookup=0``: none), accepted as
+  a block's drafts are (greedy: the target's argmax; sampling: rejection sampling against a
+  one-hot proposal), so one step may commit several tokens, each its own ``Lead``; the budget
+  counts tokens, and no step commits more than the budget has left.
 - Refusals are ``VerifierError`` subclasses (``_errors.py``) with a message saying what to do:
   ``VerifierFull`` (max sessions), ``SessionLimit`` (max tokens per session / context),
   ``UnknownSession`` (closed, or reaped after ``idle_timeout_s``), ``SessionBusy`` (one block at a
@@ -88,9 +93,18 @@ from p2pnode.speculation._errors import (
     WrongModel,
 )
 from p2pnode.speculation._kvstack import pad_batch
+from p2pnode.speculation._lookup import NgramIndex
 from p2pnode.speculation._prefix import PrefixKV
 
 __all__ = ["BatchedVerifier"]
+
+# A lead step checks up to LOOKUP prompt-lookup guesses keyed on the last LOOKUP_NGRAM tokens
+# (``_lookup.py``). Chosen on the speculation bound's prompts, not the judging benches': 3-token
+# keys wasted fewer positions than 1 or 2 (1.39 a step against 2.85 and 1.67, for 1.26 tokens
+# against 1.36 and 1.31), and a batched pass pays for every position; 4 guesses against 2
+# added 0.05 tokens a step.
+LOOKUP = 4
+LOOKUP_NGRAM = 3
 
 
 class BatchedVerifier:
@@ -106,6 +120,8 @@ class BatchedVerifier:
         idle_timeout_s: float = 120.0,
         max_lead: int = 64,
         prefix_cache_tokens: int = 8192,
+        lookup: int = LOOKUP,
+        lookup_ngram: int = LOOKUP_NGRAM,
     ) -> None:
         self.target = target
         self.device = _device_of(target.model)
@@ -118,9 +134,15 @@ class BatchedVerifier:
         self.max_wait_s = max_wait_ms / 1000
         self.idle_timeout_s = idle_timeout_s
         self.max_lead = max_lead
+        if lookup < 0 or lookup_ngram < 1:
+            raise ValueError(
+                f"need lookup >= 0 and lookup_ngram >= 1, got {lookup}, {lookup_ngram}"
+            )
+        self.lookup, self.lookup_ngram = lookup, lookup_ngram
         self.sessions: dict[str, Session] = {}
         self.stats = {"batches": 0, "blocks": 0, "stale": 0, "accepted": 0, "drafted": 0}
         self.stats.update(lead=0, superseded=0, sessions=0, prefill_tokens=0, prefix_hit_tokens=0)
+        self.stats.update(lookup_guessed=0, lookup_accepted=0)
         # KV of closed sessions' tokens: a session on a known prefix prefills only the rest.
         self.prefix = PrefixKV(self.model_id, prefix_cache_tokens)
         # Measured speeds (EWMA), advertised with the verifier's digest (speculation/advert.py).
@@ -195,10 +217,13 @@ class BatchedVerifier:
             on_lead=on_lead,
             reaction_s=self._reaction_s,  # other sessions' figure until this one measures its own
         )
+        if self.lookup:
+            s.lookup = NgramIndex(self.lookup_ngram)
+            s.lookup.extend(prompt)
         s.refill = s.lead_left = self._refill(s)
         self.sessions[sid] = s
         if first is not None:
-            lead_step = Lead(len(prompt), first)
+            lead_step = (Lead(len(prompt), first),)
             tally = (("lead", 1),)
             self._apply([Outcome(s, None, lead_step, (first,), s.lead_left - 1, tally)])
             s.broke_at = (s.committed_len, trio.current_time())  # the edge drafts from here
@@ -303,7 +328,7 @@ class BatchedVerifier:
         task_status.started()
         while True:
             waiting = await self._gather()
-            batch = plan(waiting, self._leaders(), self.max_batch, self.max_tokens)
+            batch = plan(waiting, self._leaders(), self.max_batch, self.max_tokens, self.lookup)
             outcomes = list(batch.decided)
             if batch.rows:
                 async with self._device:
@@ -371,6 +396,8 @@ class BatchedVerifier:
             if o.cache is not None:
                 s.cache = o.cache
             s.tokens += o.commit
+            if s.lookup is not None:
+                s.lookup.extend(o.commit)
             # Rejected draft tokens leave the cache (and whatever a failed pass appended).
             extra = s.cache.get_seq_length() - (s.committed_len - 1)
             if extra > 0:
@@ -386,7 +413,8 @@ class BatchedVerifier:
                 if key in s.counts:
                     s.counts[key] += value
             if o.waiter is None:
-                self._tell(s, o.answer)
+                for news in o.answer if isinstance(o.answer, tuple) else (o.answer,):
+                    self._tell(s, news)
                 continue
             o.waiter.answer = o.answer  # type: ignore[assignment]
             if o.waiter.abandoned:

@@ -13,6 +13,7 @@ from p2pnode.speculation import protocol
 from p2pnode.speculation._batching import Row, Session, Waiter, accept, may_lead, plan
 from p2pnode.speculation._errors import VerifierError
 from p2pnode.speculation._flight import DraftHistory
+from p2pnode.speculation._lookup import NgramIndex
 
 V = 8
 
@@ -84,6 +85,28 @@ def test_plan_refuses_past_the_limit_and_fills_the_batch_with_lead_steps() -> No
     assert [x.sid for x in free] == ["l0", "l1", "l2"] and [x.sid for x in at_limit] == ["full"]
 
 
+def test_a_lead_step_checks_prompt_lookup_guesses_within_its_budget_and_limit() -> None:
+    # The session's tokens end in (5, 6), which was followed by 7, 5, 6 before: those are the
+    # guesses. The target takes the first two and then says 3: three tokens commit, each told
+    # as its own Lead at its position, and the budget pays for all three.
+    s = _session([5, 6, 7, 5, 6], lead=6)
+    s.lookup = NgramIndex(2)
+    s.lookup.extend(s.tokens)
+    (row,) = plan([], [s], max_batch=8, max_tokens=100, lookup=3).rows
+    assert row.waiter is None and row.guess == (7, 5, 6) and row.inputs == [6, 7, 5, 6]
+    (out,) = accept([row], [(_logits([7, 5, 3, 0]), DynamicCache())])
+    assert out.commit == (7, 5, 3)
+    assert out.answer == (spec.Lead(5, 7), spec.Lead(6, 5), spec.Lead(7, 3))
+    assert out.lead_left == 3
+    assert dict(out.tally) == {"lead": 3, "lookup_guessed": 3, "lookup_accepted": 2}
+    # never more guesses than the budget leaves room for, nor past the token limit
+    s.lead_left = 2
+    assert plan([], [s], 8, max_tokens=100, lookup=3).rows[0].guess == (7,)
+    s.lead_left = 6
+    assert plan([], [s], 8, max_tokens=len(s.tokens) + 3, lookup=3).rows[0].guess == (7,)
+    assert plan([], [s], 8, max_tokens=100, lookup=0).rows[0].guess == ()
+
+
 def test_accept_is_greedy_verification_and_leaves_sessions_alone() -> None:
     s = _session([1, 2, 3], lead=4)
     w = Waiter(s, spec.Block(0, 3, 3, (4, 5, 6)))
@@ -92,7 +115,7 @@ def test_accept_is_greedy_verification_and_leaves_sessions_alone() -> None:
     out = accept([block_row, lead_row], [(_logits([4, 7, 0, 0]), cache), (_logits([6]), cache)])
     assert out[0].answer == spec.BlockResult(0, 1, 7, 5) and out[0].commit == (4, 7)
     assert out[0].lead_left == 4  # rejected: lead while the correction travels
-    assert out[1].answer == spec.Lead(1, 6) and out[1].lead_left == 1
+    assert out[1].answer == (spec.Lead(1, 6),) and out[1].lead_left == 1
     assert s.tokens == [1, 2, 3]  # committing is BatchedVerifier._apply's
     broken = accept([block_row], [(_logits([4]), cache)])  # too few logit rows: a bug
     assert isinstance(broken[0].answer, VerifierError)

@@ -200,6 +200,24 @@ def test_rejection_sampling_reproduces_target_distribution() -> None:
     assert max(abs(second[t] / m - float(p[1, t])) for t in range(5)) < 0.04  # m >= ~2500
 
 
+def test_rejection_sampling_of_fixed_guesses_reproduces_target_distribution() -> None:
+    # Prompt-lookup guesses are not drawn from any q: the same two guesses every time, checked
+    # against a one-hot proposal (q None). The emitted tokens must still follow p exactly (bounds
+    # as above; taking the guesses as they are would put all the first token's mass on 1).
+    p = torch.tensor([[0.5, 0.2, 0.1, 0.1, 0.1], [0.05, 0.05, 0.3, 0.3, 0.3], [0.2] * 5])
+    gen, n, guesses = torch.Generator().manual_seed(2), 6000, [1, 3]
+    first, second = Counter(), Counter()
+    for _ in range(n):
+        acc, nxt = verify_sampling(p, None, guesses, gen)
+        emitted = [*guesses[:acc], nxt]
+        first[emitted[0]] += 1
+        if len(emitted) > 1:
+            second[emitted[1]] += 1
+    assert max(abs(first[t] / n - float(p[0, t])) for t in range(5)) < 0.025
+    m = sum(second.values())  # the first guess is taken with p0[1] = 0.2: m ~ 1200
+    assert max(abs(second[t] / m - float(p[1, t])) for t in range(5)) < 0.06
+
+
 # ---------------------------------------------------------------- batched verifier
 
 
@@ -367,6 +385,33 @@ async def test_verifier_lead_commits_target_tokens_and_blocks_merge_with_them(
                 await trio.sleep(0.01)
         assert news[:-1] == [Lead(len(p), ref[0]), Lead(len(p) + 1, ref[1])]
         nursery.cancel_scope.cancel()
+
+
+async def test_lead_steps_check_prompt_lookup_guesses_and_keep_the_targets_tokens(target) -> None:
+    # A prompt whose answer copies it: lead steps that check guesses taken from the session's own
+    # tokens commit several tokens in some steps (fewer forward passes than tokens), and the
+    # tokens are the target's, as with lookup off.
+    tok, eos = target.tokenizer, target.eos_token_ids
+    text = "Repeat this line three times: the quick brown fox jumps over the lazy dog."
+    msgs = [{"role": "user", "content": text}]
+    p = list(tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)["input_ids"])
+    ref = target_generate(target, p, 10, eos_token_ids=eos)
+    stats = {}
+    for lookup in (4, 0):
+        verifier = BatchedVerifier(target, lookup=lookup)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(verifier.run)
+            with trio.fail_after(60):
+                async with inprocess_transport(verifier) as transport:
+                    r = await remote_generate(transport, p, 10, eos_token_ids=eos)
+            nursery.cancel_scope.cancel()
+        assert r.tokens == ref, lookup
+        stats[lookup] = dict(verifier.stats)
+    on, off = stats[4], stats[0]
+    assert on["lookup_accepted"] >= 1 and on["batches"] < off["batches"]
+    assert off["lookup_guessed"] == 0 and off["batches"] == len(ref) - 1  # the first: prefill
+    with pytest.raises(ValueError, match="lookup"):
+        BatchedVerifier(target, lookup=-1)
 
 
 # ---------------------------------------------------------------- edge client
