@@ -238,11 +238,15 @@ class BatchedVerifier:
         Why: a fixed budget of 8 covered ~200 ms of lead steps here; at 200 ms RTT the edge's
         next block came ~300 ms after a break and the verifier sat idle for the difference,
         every break (inter-token 37 ms after the first against 22 ms at 0 ms RTT). Leading
-        longer than the reaction costs the edge's block a wait behind lead steps instead."""
+        longer than the reaction costs the edge's block a wait behind lead steps instead.
+        The budget counts tokens: where lead steps accept prompt-lookup guesses, the steps that
+        fit are scaled by the tokens a lead step has committed on average."""
         step = self.timing["batch_s"]
         if not s.lead or s.reaction_s <= 0 or step <= 0:
             return s.lead
-        return min(self.max_lead, max(s.lead, math.ceil(s.reaction_s / step) + 1))
+        lead, extra = self.stats["lead"], self.stats["lookup_accepted"]
+        per_step = lead / (lead - extra) if lead > extra else 1.0
+        return min(self.max_lead, max(s.lead, math.ceil(s.reaction_s / step * per_step) + 1))
 
     def _observe(self, key: str, value: float) -> None:
         old = self.timing[key]

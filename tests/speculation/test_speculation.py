@@ -16,6 +16,7 @@ import pytest
 import torch
 import trio
 from prometheus_client import CollectorRegistry
+from transformers import DynamicCache
 
 from p2pnode.bootstrap.metrics import NodeMetrics
 from p2pnode.identity import NodeKey
@@ -56,6 +57,7 @@ from p2pnode.speculation import (
     verify_greedy,
     verify_sampling,
 )
+from p2pnode.speculation._batching import Session
 from p2pnode.speculation.draft import from_gptq, quantize_sym_int4, to_gptq
 from p2pnode.speculation.protocol import VerifyBlock, decode_q, encode_q
 from p2pnode.speculation.testing import inprocess_transport
@@ -336,6 +338,18 @@ async def test_lead_budget_after_a_break_covers_the_edges_measured_reaction(
         nursery.cancel_scope.cancel()
     assert len(leads) == 2 + s.refill
     assert [x.token for x in leads] == ref[:2] + ref[3 : 3 + s.refill]
+
+
+def test_lead_budget_counts_the_tokens_lookup_adds_to_a_step(target) -> None:
+    # A reaction of 10 lead steps: 11 tokens of budget at one token a step; where lead steps
+    # have committed 1.5 tokens each on average (prompt-lookup guesses), 16, the same time.
+    v = BatchedVerifier(target)
+    v.timing["batch_s"] = 0.03
+    s = Session("s", SamplingOptions(), [1, 2], DynamicCache(), torch.Generator(), 0.0, lead=2)
+    s.reaction_s = 0.3
+    assert v._refill(s) == 11
+    v.stats.update(lead=30, lookup_accepted=10)
+    assert v._refill(s) == 16
 
 
 async def test_verifier_lead_commits_target_tokens_and_blocks_merge_with_them(
