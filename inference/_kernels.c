@@ -850,23 +850,105 @@ static float dot(const float *a, const float *b, int n) {
   return hsum(acc);
 }
 
-/* hd % 16 == 0 */
-static void attend(const float *q, const float *K, const float *V, int64_t s_pos, int lo, int hi,
-                   int hd, float scale, float *sc, float *out) {
-  float mx = -INFINITY;
-  for (int j = lo; j <= hi; j++) {
-    const float v = dot(q, K + (int64_t)j * s_pos, hd) * scale;
-    sc[j - lo] = v;
-    if (v > mx) mx = v;
+/* Four keys' dot products at once: each is dot()'s arithmetic (so its bits), but the four
+ * accumulation chains run side by side where one chain waits on each FMA's latency (one key
+ * at a time, a verify step's attention was ~1/5 of its time at 200 cached tokens). */
+static void dot4(const float *q, const float *k, int64_t s_pos, int hd, float scale, float *sc) {
+  vf a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+  const float *k1 = k + s_pos, *k2 = k1 + s_pos, *k3 = k2 + s_pos;
+  for (int i = 0; i < hd; i += VL) {
+    const vf x = ld(q + i);
+    a0 += x * ld(k + i);
+    a1 += x * ld(k1 + i);
+    a2 += x * ld(k2 + i);
+    a3 += x * ld(k3 + i);
   }
-  const float sum = exp_shifted_sum(sc, hi - lo + 1, mx);
-  const float inv = 1.0f / sum;
-  for (int d = 0; d < hd; d += VL) {
-    vf o = {0};
-    for (int j = lo; j <= hi; j++) o += sc[j - lo] * ld(V + (int64_t)j * s_pos + d);
-    o *= inv;
-    st(out + d, o);
+  sc[0] = hsum(a0) * scale;
+  sc[1] = hsum(a1) * scale;
+  sc[2] = hsum(a2) * scale;
+  sc[3] = hsum(a3) * scale;
+}
+
+/* out[d] += sum_j p[j] V[j, d] for j < n, in order for every d, with C vectors of d
+ * accumulated side by side over each V row (C independent chains, not one waiting on each
+ * FMA). Called chunk after chunk of keys, it makes the bits of a single loop over all j. */
+#define PV_CHUNK(C)                                                                      \
+  static void pv_##C(const float *p, const float *V, int64_t s_pos, int n, float *out) { \
+    vf o[C];                                                                             \
+    for (int c = 0; c < C; c++) o[c] = ld(out + c * VL);                                 \
+    for (int j = 0; j < n; j++, V += s_pos)                                              \
+      for (int c = 0; c < C; c++) o[c] += p[j] * ld(V + c * VL);                          \
+    for (int c = 0; c < C; c++) st(out + c * VL, o[c]);                                  \
   }
+PV_CHUNK(1)
+PV_CHUNK(4)
+PV_CHUNK(8)
+
+static void pv(const float *p, const float *V, int64_t s_pos, int n, int hd, float *out) {
+  const int c = hd % (8 * VL) == 0 ? 8 : hd % (4 * VL) == 0 ? 4 : 1;
+  for (int d = 0; d < hd; d += c * VL) {
+    if (c == 8) pv_8(p, V + d, s_pos, n, out + d);
+    else if (c == 4) pv_4(p, V + d, s_pos, n, out + d);
+    else pv_1(p, V + d, s_pos, n, out + d);
+  }
+}
+
+/* Keys a chunk: 64 keys of a 64-wide head are 16 KB of K (or V), read from memory once and
+ * then from L1 by every query of the chunk. */
+#define ATT_CHUNK 64
+
+/* Attention of the R rows of one sequence (one KV row, keys from lo; row r sees keys up to
+ * slot[r]) for the G query heads of one KV head. Every query head of every row reads a chunk
+ * of keys while it is in L1: one query at a time over all keys, a verify step of 5 rows read
+ * each KV head's keys 15 times from L2/L3 (at 1,000 cached tokens, ~1/4 of the step).
+ * q [R, qd] and out [R, qd] point at the group's first head; sc holds R * G * ctx scores.
+ * Every score is dot()'s arithmetic and every output sums over keys in order: the bits do not
+ * depend on R, G or the chunking. hd % 16 == 0. */
+static void attend(const float *q, int qd, const float *K, const float *V, int64_t s_pos, int lo,
+                   const int32_t *slot, int R, int G, int hd, float scale, float *sc, int ctx,
+                   float *out) {
+  int hi = lo;
+  for (int r = 0; r < R; r++)
+    if (slot[r] > hi) hi = slot[r];
+  for (int j0 = lo; j0 <= hi; j0 += ATT_CHUNK) {
+    const int j1 = j0 + ATT_CHUNK <= hi + 1 ? j0 + ATT_CHUNK : hi + 1;
+    for (int r = 0; r < R; r++) {
+      const int e = j1 <= slot[r] + 1 ? j1 : slot[r] + 1;
+      for (int g = 0; g < G; g++) {
+        const float *qq = q + (size_t)r * qd + g * hd;
+        float *s = sc + (size_t)(r * G + g) * ctx - lo;
+        int j = j0;
+        for (; j + 4 <= e; j += 4) dot4(qq, K + (int64_t)j * s_pos, s_pos, hd, scale, s + j);
+        for (; j < e; j++) s[j] = dot(qq, K + (int64_t)j * s_pos, hd) * scale;
+      }
+    }
+  }
+  float inv[R * G];
+  for (int r = 0; r < R; r++)
+    for (int g = 0; g < G; g++) {
+      float *s = sc + (size_t)(r * G + g) * ctx;
+      const int n = slot[r] - lo + 1;
+      float mx = -INFINITY;
+      for (int j = 0; j < n; j++)
+        if (s[j] > mx) mx = s[j];
+      inv[r * G + g] = 1.0f / exp_shifted_sum(s, n, mx);
+      memset(out + (size_t)r * qd + g * hd, 0, hd * sizeof(float));
+    }
+  for (int j0 = lo; j0 <= hi; j0 += ATT_CHUNK) {
+    const int j1 = j0 + ATT_CHUNK <= hi + 1 ? j0 + ATT_CHUNK : hi + 1;
+    for (int r = 0; r < R; r++) {
+      const int e = j1 <= slot[r] + 1 ? j1 : slot[r] + 1;
+      if (e <= j0) continue;
+      for (int g = 0; g < G; g++)
+        pv(sc + (size_t)(r * G + g) * ctx + (j0 - lo), V + (int64_t)j0 * s_pos, s_pos, e - j0,
+           hd, out + (size_t)r * qd + g * hd);
+    }
+  }
+  for (int r = 0; r < R; r++)
+    for (int g = 0; g < G; g++) {
+      float *o = out + (size_t)r * qd + g * hd;
+      for (int d = 0; d < hd; d++) o[d] *= inv[r * G + g];
+    }
 }
 
 /* x [M, H]: the residual stream in, the last layer's output out (before the final norm).
@@ -881,7 +963,7 @@ int llama_layers(const lin_t *lins, const float *const *norms, int L, int H, int
   int ctx = 1;
   for (int m = 0; m < M; m++)
     if (rslot[m] - rlo[m] + 1 > ctx) ctx = rslot[m] - rlo[m] + 1;
-  const size_t n = (size_t)M * (H + 2 * qd + 2 * kd + 2 * F) + ctx;
+  const size_t n = (size_t)M * (H + 2 * qd + 2 * kd + 2 * F + (size_t)group * ctx);
   float *buf = malloc(n * sizeof(float));
   if (!buf) return -1;
   float *h = buf, *q = h + (size_t)M * H, *k = q + (size_t)M * qd, *v = k + (size_t)M * kd;
@@ -903,12 +985,16 @@ int llama_layers(const lin_t *lins, const float *const *norms, int L, int H, int
         memcpy(dst + s_kv, v + (size_t)m * kd + j * hd, hd * sizeof(float));
       }
     }
-    for (int m = 0; m < M; m++)
-      for (int hh = 0; hh < nh; hh++) {
-        const float *K = KV + rb[m] * s_b + (hh / group) * s_head;
-        attend(q + (size_t)m * qd + hh * hd, K, K + s_kv, s_pos, rlo[m], rslot[m], hd, scale, sc,
-               att + (size_t)m * qd + hh * hd);
+    /* runs of rows of one sequence (a verify block): one pass over its keys for them all */
+    for (int m = 0, r; m < M; m += r) {
+      for (r = 1; m + r < M && rb[m + r] == rb[m] && rlo[m + r] == rlo[m]; r++) {
       }
+      for (int j = 0; j < nkv; j++) {
+        const float *K = KV + rb[m] * s_b + j * s_head;
+        attend(q + (size_t)m * qd + j * group * hd, qd, K, K + s_kv, s_pos, rlo[m], rslot + m,
+               r, group, hd, scale, sc, ctx, att + (size_t)m * qd + j * group * hd);
+      }
+    }
     if (lin_apply(W + 3, att, h, M)) goto fail;
     for (size_t i = 0; i < (size_t)M * H; i++) x[i] += h[i];
     for (int m = 0; m < M; m++)

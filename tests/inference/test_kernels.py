@@ -260,13 +260,13 @@ def test_slab_pool_reuses_a_given_back_tensor_only_where_it_fits() -> None:
         Slab(2, 1, 4, 1, 200, kv=torch.empty(2, 2, 1, 1, 100, 4))
 
 
-def _tiny_llama():
+def _tiny_llama(hidden: int = 64):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(3)
     cfg = LlamaConfig(
         vocab_size=96,
-        hidden_size=64,
+        hidden_size=hidden,
         intermediate_size=128,
         num_hidden_layers=2,
         num_attention_heads=4,
@@ -297,18 +297,24 @@ def _torch_and_fast(model, prompt: torch.Tensor, block: torch.Tensor):
 
 
 @needs_lib
-def test_fast_path_matches_transformers_and_rows_are_independent() -> None:
+@pytest.mark.parametrize(
+    "hidden, cached",
+    # head width 16 and 64 (the C attention's narrow and wide paths); 125 cached tokens put the
+    # block's rows on both sides of a 64-key chunk boundary
+    [(64, 40), (256, 125)],
+)
+def test_fast_path_matches_transformers_and_rows_are_independent(hidden, cached) -> None:
     from p2pnode.inference import _fastpath
 
-    model = _tiny_llama()
+    model = _tiny_llama(hidden)
     assert _fastpath.install(model)
-    prompt = torch.randint(0, 96, (1, 40))
+    prompt = torch.randint(0, 96, (1, cached))
     block = torch.randint(0, 96, (1, 5))
     with torch.inference_mode():
         ref, got, cache = _torch_and_fast(model, prompt, block)
         # Float rounding only; a wrong position, slot or head shows up at the logits' scale.
         assert (got - ref).abs().max() <= 1e-4 * ref.abs().max()
-        assert cache.get_seq_length() == 45
+        assert cache.get_seq_length() == cached + 5
         assert isinstance(cache.layers[0], _SlabLayer)  # the fast path ran: KV now in a slab
         # The block's rows are the bits of one-token steps, and a crop rolls back in place.
         cache.crop(-5)
@@ -358,7 +364,8 @@ def test_batched_decode_with_left_pads_equals_each_row_alone() -> None:
 
     model = _tiny_llama()
     assert _fastpath.install(model)
-    prompts = [torch.randint(0, 96, (n,)).tolist() for n in (7, 19, 12)]
+    # two neighbours of one length: their rows share pads (and a KV window) but not their KV
+    prompts = [torch.randint(0, 96, (n,)).tolist() for n in (7, 19, 19, 12)]
     with torch.inference_mode():
         alone = []
         for p in prompts:
@@ -370,8 +377,8 @@ def test_batched_decode_with_left_pads_equals_each_row_alone() -> None:
         states = [backend.new_state(None, 0) for _ in prompts]
         for s, p in zip(states, prompts, strict=True):
             backend.extend(s, p)
-        together = [backend.decode(states, [t] * 3) for t in (5, 9, 11)]
-    for i in range(3):
+        together = [backend.decode(states, [t] * len(prompts)) for t in (5, 9, 11)]
+    for i in range(len(prompts)):
         for step in range(3):
             assert torch.equal(together[step][i], alone[i][step])
 
