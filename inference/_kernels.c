@@ -220,13 +220,18 @@ EACH_MT(Q4_ONE, 0)
 #ifndef BLOCK_BYTES
 #define BLOCK_BYTES (128 * 1024)
 #endif
-/* Two weight rows a pass (DENSE2) need 4 x MT accumulators: past 3 rows they outgrow AVX2's 16
- * registers and spill, and one weight row a pass (13 registers at 5 rows) ran the q/k/v/o/
+/* Two weight rows a pass (DENSE2) need 4 x MT accumulators: past 3 rows they outgrow the 16
+ * registers of AVX2 (and SSE, NEON) and spill, and one weight row a pass (13 registers at 5 rows) ran the q/k/v/o/
  * gate/up shapes (576 inputs) 10-20 % faster at 4-6 rows, from DRAM and from cache alike. With
  * wide inputs (down_proj: 1,536) the rows of X no longer fit beside the weights in L1, and
  * DENSE2, reading X half as often, stayed ~15 % the faster: it keeps those. */
 #ifndef X_L1_BYTES
 #define X_L1_BYTES (16 * 1024)
+#endif
+#if VL == 16 /* AVX-512: 32 registers hold DENSE2's 24 accumulators at 6 rows */
+#define DENSE2_MAX_MT(K, mt) 6
+#else
+#define DENSE2_MAX_MT(K, mt) ((K) * (int)sizeof(float) * (mt) > X_L1_BYTES ? 6 : 3)
 #endif
 #define DENSE_ENTRY(NAME, T) \
 void NAME(const T *W, const float *X, float *Y, int M, int N, int K) { \
@@ -238,7 +243,7 @@ void NAME(const T *W, const float *X, float *Y, int M, int N, int K) { \
     for (int g = 0, m0 = 0; g < groups; g++) { \
       const int mt = (M - m0) / (groups - g); \
       int n = n0; \
-      if (mt >= 2 && mt <= (K * (int)sizeof(float) * mt > X_L1_BYTES ? 6 : 3)) \
+      if (mt >= 2 && mt <= DENSE2_MAX_MT(K, mt)) \
         for (; n + 2 <= n1; n += 2) { \
           const T *w = W + (size_t)n * K; \
           switch (mt) { \
