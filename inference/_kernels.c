@@ -1019,6 +1019,14 @@ static void attend(const float *q, int qd, const float *K, const float *V, int64
     }
 }
 
+/* The rows from m on that belong to one sequence (a verify block): same KV row, same window
+ * start. A batched decode step's rows are runs of one. */
+static int run_of(const int32_t *rb, const int32_t *rlo, int m, int M) {
+  int r = 1;
+  while (m + r < M && rb[m + r] == rb[m] && rlo[m + r] == rlo[m]) r++;
+  return r;
+}
+
 /* x [M, H]: the residual stream in, the last layer's output out (before the final norm).
  * lins: 7 per layer (q, k, v, o, gate, up, down); norms: 2 per layer (input, post-attention).
  * cs, sn: rotary cos/sin [M, hd]. Returns 0, or -1 when out of memory (x is then undefined). */
@@ -1028,10 +1036,13 @@ int llama_layers(const lin_t *lins, const float *const *norms, int L, int H, int
                  int64_t s_head, int64_t s_pos, const int32_t *rb, const int32_t *rslot,
                  const int32_t *rlo) {
   const int qd = nh * hd, kd = nkv * hd, group = nh / nkv;
-  int ctx = 1;
+  int ctx = 1, runs = 1;
   for (int m = 0; m < M; m++)
     if (rslot[m] - rlo[m] + 1 > ctx) ctx = rslot[m] - rlo[m] + 1;
-  const size_t n = (size_t)M * (H + 2 * qd + 2 * kd + 2 * F + (size_t)group * ctx);
+  for (int m = 0; m < M; m += run_of(rb, rlo, m, M))
+    if (run_of(rb, rlo, m, M) > runs) runs = run_of(rb, rlo, m, M);
+  const size_t n =
+      (size_t)M * (H + 2 * qd + 2 * kd + 2 * F) + (size_t)runs * group * ctx;
   float *buf = malloc(n * sizeof(float));
   if (!buf) return -1;
   float *h = buf, *q = h + (size_t)M * H, *k = q + (size_t)M * qd, *v = k + (size_t)M * kd;
@@ -1053,10 +1064,9 @@ int llama_layers(const lin_t *lins, const float *const *norms, int L, int H, int
         memcpy(dst + s_kv, v + (size_t)m * kd + j * hd, hd * sizeof(float));
       }
     }
-    /* runs of rows of one sequence (a verify block): one pass over its keys for them all */
+    /* each run of rows of one sequence: one pass over its keys for them all */
     for (int m = 0, r; m < M; m += r) {
-      for (r = 1; m + r < M && rb[m + r] == rb[m] && rlo[m + r] == rlo[m]; r++) {
-      }
+      r = run_of(rb, rlo, m, M);
       for (int j = 0; j < nkv; j++) {
         const float *K = KV + rb[m] * s_b + j * s_head;
         attend(q + (size_t)m * qd + j * group * hd, qd, K, K + s_kv, s_pos, rlo[m], rslot + m,
