@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import itertools
 import platform
 
 import pytest
@@ -60,11 +61,13 @@ def test_narrower_builds_give_the_same_numbers_in_their_own_width(march, lanes, 
     narrow = _kernels.build(_kernels._SOURCE.read_bytes(), march=march)
     assert narrow is not None and narrow.vec_lanes() == lanes
     torch.manual_seed(4)
-    for dtype in (torch.float32, torch.bfloat16):
-        w = torch.randn(201, 96).to(dtype)
+    # 96 inputs: one weight row a pass at 4-6 rows; 1,024: two (the rows of X outgrow L1)
+    for dtype, shape in itertools.product((torch.float32, torch.bfloat16), ((201, 96), (34, 1024))):
+        w = torch.randn(*shape).to(dtype)
         lin = _kernels.StreamLinear(w, narrow)
+        x_all = torch.randn(9, shape[1])
         for rows in (1, 2, 5, 7, 9):
-            x = torch.randn(rows, 96)
+            x = x_all[:rows]
             ref = F.linear(x, w.float())
             with torch.no_grad():
                 y = lin(x)
@@ -87,6 +90,27 @@ def test_narrower_builds_give_the_same_numbers_in_their_own_width(march, lanes, 
         rounded = fn is narrow.gemv_q4a8 and lanes == 8  # AVX2's int8 path, else fp32 inputs
         assert (err.max() > 1e-4 * ref.abs().max()) == rounded, fn.__name__
     assert narrow.q4a8_native() == (1 if lanes == 8 else 0)
+    _fast_path_in_build(narrow)
+
+
+def _fast_path_in_build(lib) -> None:
+    """The C decoder stack of build ``lib`` (its attention's own vector width) against
+    transformers, and a verify block's rows against one-token steps."""
+    from p2pnode.inference import _fastpath
+
+    model = _tiny_llama(256)  # 64-wide heads
+    assert _fastpath.install(model)
+    _fastpath.plan(model).lib = lib
+    prompt, block = torch.randint(0, 96, (1, 125)), torch.randint(0, 96, (1, 5))
+    with torch.inference_mode():
+        ref, got, cache = _torch_and_fast(model, prompt, block)
+        assert (got - ref).abs().max() <= 1e-4 * ref.abs().max()
+        cache.crop(-5)
+        steps = [
+            model(input_ids=block[:, i : i + 1], past_key_values=cache).logits[0, 0]
+            for i in range(5)
+        ]
+        assert torch.equal(torch.stack(steps), got[0])
 
 
 @needs_lib
