@@ -963,17 +963,19 @@ static void pv(const float *p, const float *V, int64_t s_pos, int n, int hd, flo
 static void attend(const float *q, int qd, const float *K, const float *V, int64_t s_pos, int lo,
                    const int32_t *slot, int R, int G, int hd, float scale, float *sc, int ctx,
                    float *out) {
-  int hi = lo;
+  K += (int64_t)lo * s_pos; /* from here on, keys count from the window's start */
+  V += (int64_t)lo * s_pos;
+  int n = 1; /* keys the longest row sees */
   for (int r = 0; r < R; r++)
-    if (slot[r] > hi) hi = slot[r];
-  for (int j0 = lo; j0 <= hi; j0 += ATT_CHUNK) {
-    const int j1 = j0 + ATT_CHUNK <= hi + 1 ? j0 + ATT_CHUNK : hi + 1;
+    if (slot[r] - lo + 1 > n) n = slot[r] - lo + 1;
+  for (int j0 = 0; j0 < n; j0 += ATT_CHUNK) {
+    const int j1 = j0 + ATT_CHUNK < n ? j0 + ATT_CHUNK : n;
     for (int r = 0; r < R; r++) {
-      const int e = j1 <= slot[r] + 1 ? j1 : slot[r] + 1;
+      const int e = j1 <= slot[r] - lo + 1 ? j1 : slot[r] - lo + 1;
       int g = 0;
       for (; g + 2 <= G; g += 2) {
         const float *qq = q + (size_t)r * qd + g * hd;
-        float *s = sc + (size_t)(r * G + g) * ctx - lo, *s2 = s + ctx;
+        float *s = sc + (size_t)(r * G + g) * ctx, *s2 = s + ctx;
         int j = j0;
         for (; j + 4 <= e; j += 4)
           dot2x4(qq, hd, K + (int64_t)j * s_pos, s_pos, scale, s + j, s2 + j);
@@ -984,7 +986,7 @@ static void attend(const float *q, int qd, const float *K, const float *V, int64
       }
       for (; g < G; g++) {
         const float *qq = q + (size_t)r * qd + g * hd;
-        float *s = sc + (size_t)(r * G + g) * ctx - lo;
+        float *s = sc + (size_t)(r * G + g) * ctx;
         int j = j0;
         for (; j + 4 <= e; j += 4) dot4(qq, K + (int64_t)j * s_pos, s_pos, hd, scale, s + j);
         for (; j < e; j++) s[j] = dot(qq, K + (int64_t)j * s_pos, hd) * scale;
@@ -995,21 +997,21 @@ static void attend(const float *q, int qd, const float *K, const float *V, int64
   for (int r = 0; r < R; r++)
     for (int g = 0; g < G; g++) {
       float *s = sc + (size_t)(r * G + g) * ctx;
-      const int n = slot[r] - lo + 1;
+      const int seen = slot[r] - lo + 1;
       float mx = -INFINITY;
-      for (int j = 0; j < n; j++)
+      for (int j = 0; j < seen; j++)
         if (s[j] > mx) mx = s[j];
-      inv[r * G + g] = 1.0f / exp_shifted_sum(s, n, mx);
+      inv[r * G + g] = 1.0f / exp_shifted_sum(s, seen, mx);
       memset(out + (size_t)r * qd + g * hd, 0, hd * sizeof(float));
     }
-  for (int j0 = lo; j0 <= hi; j0 += ATT_CHUNK) {
-    const int j1 = j0 + ATT_CHUNK <= hi + 1 ? j0 + ATT_CHUNK : hi + 1;
+  for (int j0 = 0; j0 < n; j0 += ATT_CHUNK) {
+    const int j1 = j0 + ATT_CHUNK < n ? j0 + ATT_CHUNK : n;
     for (int r = 0; r < R; r++) {
-      const int e = j1 <= slot[r] + 1 ? j1 : slot[r] + 1;
+      const int e = j1 <= slot[r] - lo + 1 ? j1 : slot[r] - lo + 1;
       if (e <= j0) continue;
       for (int g = 0; g < G; g++)
-        pv(sc + (size_t)(r * G + g) * ctx + (j0 - lo), V + (int64_t)j0 * s_pos, s_pos, e - j0,
-           hd, out + (size_t)r * qd + g * hd);
+        pv(sc + (size_t)(r * G + g) * ctx + j0, V + (int64_t)j0 * s_pos, s_pos, e - j0, hd,
+           out + (size_t)r * qd + g * hd);
     }
   }
   for (int r = 0; r < R; r++)
