@@ -144,10 +144,10 @@ static void NAME##_##MT(const T *w, const float *X, float *Y, int N, int K, int 
   for (int m = 0; m < MT; m++) Y[(size_t)(m0 + m) * N + n] = hsum(e[m] + o[m]); \
 }
 
-/* Two weight rows a pass for 2-6 input rows: each input vector loaded serves both rows, so a
- * 5-row step makes 14 loads per 20 FMAs where one row a pass made 12 per 10, and the load
- * ports, not the FMAs, were what kept 5 rows at ~1.4x one row's time. Every output's FMAs are
- * DENSE_MT's, in the same order, so the bits are too. */
+/* Two weight rows a pass for 2-6 input rows (which of them: DENSE2_MAX_MT below): each input
+ * vector loaded serves both rows, so a 5-row step makes 14 loads per 20 FMAs where one row a
+ * pass made 12 per 10, and the load ports, not the FMAs, were what kept 5 rows at ~1.4x one
+ * row's time. Every output's FMAs are DENSE_MT's, in the same order, so the bits are too. */
 #define DENSE2_MT(NAME, T, LOAD, MT) \
 static void NAME##2_##MT(const T *w, const float *X, float *Y, int N, int K, int n, int m0) { \
   const T *w1 = w + K; \
@@ -221,10 +221,10 @@ EACH_MT(Q4_ONE, 0)
 #define BLOCK_BYTES (128 * 1024)
 #endif
 /* Two weight rows a pass (DENSE2) need 4 x MT accumulators: past 3 rows they outgrow the 16
- * registers of AVX2 (and SSE, NEON) and spill, and one weight row a pass (13 registers at 5 rows) ran the q/k/v/o/
- * gate/up shapes (576 inputs) 10-20 % faster at 4-6 rows, from DRAM and from cache alike. With
- * wide inputs (down_proj: 1,536) the rows of X no longer fit beside the weights in L1, and
- * DENSE2, reading X half as often, stayed ~15 % the faster: it keeps those. */
+ * registers of AVX2 (and SSE, NEON) and spill, and one weight row a pass (13 registers at 5
+ * rows) ran the q/k/v/o/gate/up shapes (576 inputs) 10-20 % faster at 4-6 rows, from DRAM and
+ * from cache alike. With wide inputs (down_proj: 1,536) the rows of X no longer fit beside the
+ * weights in L1, and DENSE2, reading X half as often, stayed ~15 % the faster: it keeps those. */
 #ifndef X_L1_BYTES
 #define X_L1_BYTES (16 * 1024)
 #endif
@@ -965,13 +965,15 @@ static void attend(const float *q, int qd, const float *K, const float *V, int64
                    float *out) {
   K += (int64_t)lo * s_pos; /* from here on, keys count from the window's start */
   V += (int64_t)lo * s_pos;
-  int n = 1; /* keys the longest row sees */
-  for (int r = 0; r < R; r++)
-    if (slot[r] - lo + 1 > n) n = slot[r] - lo + 1;
+  int seen[R], n = 1; /* the keys each row sees; the most any row does */
+  for (int r = 0; r < R; r++) {
+    seen[r] = slot[r] - lo + 1;
+    if (seen[r] > n) n = seen[r];
+  }
   for (int j0 = 0; j0 < n; j0 += ATT_CHUNK) {
     const int j1 = j0 + ATT_CHUNK < n ? j0 + ATT_CHUNK : n;
     for (int r = 0; r < R; r++) {
-      const int e = j1 <= slot[r] - lo + 1 ? j1 : slot[r] - lo + 1;
+      const int e = j1 < seen[r] ? j1 : seen[r];
       int g = 0;
       for (; g + 2 <= G; g += 2) {
         const float *qq = q + (size_t)r * qd + g * hd;
@@ -997,17 +999,16 @@ static void attend(const float *q, int qd, const float *K, const float *V, int64
   for (int r = 0; r < R; r++)
     for (int g = 0; g < G; g++) {
       float *s = sc + (size_t)(r * G + g) * ctx;
-      const int seen = slot[r] - lo + 1;
       float mx = -INFINITY;
-      for (int j = 0; j < seen; j++)
+      for (int j = 0; j < seen[r]; j++)
         if (s[j] > mx) mx = s[j];
-      inv[r * G + g] = 1.0f / exp_shifted_sum(s, seen, mx);
+      inv[r * G + g] = 1.0f / exp_shifted_sum(s, seen[r], mx);
       memset(out + (size_t)r * qd + g * hd, 0, hd * sizeof(float));
     }
   for (int j0 = 0; j0 < n; j0 += ATT_CHUNK) {
     const int j1 = j0 + ATT_CHUNK < n ? j0 + ATT_CHUNK : n;
     for (int r = 0; r < R; r++) {
-      const int e = j1 <= slot[r] - lo + 1 ? j1 : slot[r] - lo + 1;
+      const int e = j1 < seen[r] ? j1 : seen[r];
       if (e <= j0) continue;
       for (int g = 0; g < G; g++)
         pv(sc + (size_t)(r * G + g) * ctx + j0, V + (int64_t)j0 * s_pos, s_pos, e - j0, hd,
@@ -1041,10 +1042,9 @@ int llama_layers(const lin_t *lins, const float *const *norms, int L, int H, int
   int ctx = 1, runs = 1;
   for (int m = 0; m < M; m++)
     if (rslot[m] - rlo[m] + 1 > ctx) ctx = rslot[m] - rlo[m] + 1;
-  for (int m = 0; m < M; m += run_of(rb, rlo, m, M))
-    if (run_of(rb, rlo, m, M) > runs) runs = run_of(rb, rlo, m, M);
-  const size_t n =
-      (size_t)M * (H + 2 * qd + 2 * kd + 2 * F) + (size_t)runs * group * ctx;
+  for (int m = 0, r; m < M; m += r)
+    if ((r = run_of(rb, rlo, m, M)) > runs) runs = r;
+  const size_t n = (size_t)M * (H + 2 * qd + 2 * kd + 2 * F) + (size_t)runs * group * ctx;
   float *buf = malloc(n * sizeof(float));
   if (!buf) return -1;
   float *h = buf, *q = h + (size_t)M * H, *k = q + (size_t)M * qd, *v = k + (size_t)M * kd;
