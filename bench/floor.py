@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 import trio
 
-from p2pnode.inference import _hugepages, _kernels
+from p2pnode.inference import _gemm, _hugepages, _kernels
 from p2pnode.inference._backend import HFBackend
 from p2pnode.inference.engine import open_engine
 from p2pnode.inference.models import load_model
@@ -66,17 +66,15 @@ def read_bandwidths(reps: int = 7) -> dict[str, float]:
 
 
 def compute_rate(reps: int = 5) -> float:
-    """The faster of a plain fp32 matmul and oneDNN's GEMM on a blocked weight (what prefill
-    runs, ``inference/_kernels.py``), at a prefill-sized shape: the floor is the best kernel
-    this machine has, not the one the engine happens to call."""
+    """The fastest of a plain fp32 matmul and the packed prefill GEMMs (``inference/_gemm.py``:
+    the C panels and oneDNN's blocked weight) at a prefill-sized shape: the floor is the best
+    kernel this machine has, not the one the engine happens to call."""
     a, w = torch.randn(512, 576), torch.randn(1536, 576)
     rates = [2 * 512 * 576 * 1536 / best_s(lambda: a @ w.t(), reps)]
-    packed = _kernels._onednn_weight(w)
-    if packed is not None:
-        lin = torch.ops.mkldnn._linear_pointwise
-        rates.append(
-            2 * 512 * 576 * 1536 / best_s(lambda: lin(a, packed, None, "none", [], ""), reps)
-        )
+    for make in (_gemm._panels, _gemm._onednn):
+        form = make(w)
+        if form is not None:
+            rates.append(2 * 512 * 576 * 1536 / best_s(lambda f=form: f(a), reps))
     return max(rates)
 
 
@@ -289,6 +287,7 @@ def main() -> None:
     pages = ", ".join(f"{v / 1e9:.1f} on {k} pages" for k, v in bws.items())
     print(f"read bandwidth {bw / 1e9:.1f} GB/s ({pages}), compute {flops / 1e9:.1f} GFLOP/s")
     print(f"streaming kernels: {_kernels.describe()}")
+    print(f"prefill GEMM: {_gemm.choice()}")
     modes = [True, False] if args.compare and _kernels.library() is not None else [True]
     paths = decode_paths(loaded, bw, flops, prompt) + [draft_path(bw, flops, prompt)]
     paths += verify_paths(loaded, bw, flops, prompt)
@@ -316,6 +315,7 @@ def main() -> None:
                 "bandwidth_by_pages_gb_s": {k: v / 1e9 for k, v in bws.items()},
                 "compute_gflop_s": flops / 1e9,
                 "kernels": _kernels.describe(),
+                "prefill_gemm": _gemm.choice(),
                 "loadavg": load,
                 "rows": rows,
                 "summary": summary,

@@ -19,6 +19,7 @@
  * across machines (nothing compares them across machines).
  */
 #include <math.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -1028,6 +1029,101 @@ static int run_of(const int32_t *rb, const int32_t *rlo, int m, int M) {
   int r = 1;
   while (m + r < M && rb[m + r] == rb[m] && rlo[m + r] == rlo[m]) r++;
   return r;
+}
+
+/* Prefill-sized matmuls (more than 16 rows) on weights packed in panels of GN outputs,
+ * P[N / GN][K][GN] (``pack_panels`` in _kernels.py): the GN weights of one input are one
+ * contiguous run, a 64-byte line on AVX2. A tile of up to GM rows keeps GM x 2 accumulators
+ * in registers and takes, per input, two weight vectors and GM broadcasts of X: an outer
+ * product, bound by the FMAs, with no lane sums. The first tile of a panel prefetches the
+ * next panel into L2, so the weights' DRAM read overlaps the arithmetic (oneDNN's blocked
+ * GEMM at 50 rows ran at 63 GFLOP/s from DRAM against 74 from cache here; this kernel 84).
+ * Each output sums over k in order, so a row's bits do not depend on M or on the tiling. */
+#define GN (2 * VL)
+#define GM 6
+#define PANEL_TILE(MR)                                                                     \
+  static void ptile_##MR(const float *p, const float *x, int K, float *y, int N,          \
+                         const float *pf, int kp, int step) {                               \
+    vf c0[MR], c1[MR];                                                                      \
+    for (int i = 0; i < MR; i++) c0[i] = c1[i] = (vf){0};                                   \
+    for (int k = 0; k < K; k++, p += GN) {                                                  \
+      if (k == kp) {                                                                        \
+        for (int l = 0; l < GN; l += 16) __builtin_prefetch(pf + (size_t)k * GN + l, 0, 2); \
+        kp += step;                                                                         \
+      }                                                                                     \
+      const vf b0 = ld(p), b1 = ld(p + VL);                                                 \
+      for (int i = 0; i < MR; i++) {                                                        \
+        const float a = x[(size_t)i * K + k];                                               \
+        c0[i] += a * b0;                                                                    \
+        c1[i] += a * b1;                                                                    \
+      }                                                                                     \
+    }                                                                                       \
+    for (int i = 0; i < MR; i++) {                                                          \
+      st(y + (size_t)i * N, c0[i]);                                                         \
+      st(y + (size_t)i * N + VL, c1[i]);                                                    \
+    }                                                                                       \
+  }
+PANEL_TILE(1)
+PANEL_TILE(2)
+PANEL_TILE(3)
+PANEL_TILE(4)
+PANEL_TILE(5)
+PANEL_TILE(6)
+
+int panel_width(void) { return GN; }
+
+typedef struct {
+  const float *P, *X;
+  float *Y;
+  int M, N, K, p0, p1;
+} panels_job;
+
+/* Panels [p0, p1) for all M rows; tiles balanced (50 rows: 5 x 6 + 4 x 5, not 8 x 6 + 2).
+ * The panel two ahead is prefetched while this one runs, its inputs spread over the tiles
+ * (tile t takes inputs t, t + tiles, ...): all in the first tile, or one panel ahead, left
+ * 50 rows at 86-88 GFLOP/s from DRAM against 98-101 from cache. */
+static void *panels_run(void *arg) {
+  const panels_job *j = arg;
+  const int K = j->K, N = j->N, tiles = (j->M + GM - 1) / GM;
+  for (int pn = j->p0; pn < j->p1; pn++) {
+    const float *p = j->P + (size_t)pn * K * GN;
+    const float *pf = pn + 2 < j->p1 ? p + (size_t)2 * K * GN : NULL;
+    for (int t = 0, m0 = 0; t < tiles; t++) {
+      const int mr = (j->M - m0) / (tiles - t), kp = pf ? t : K;
+      const float *x = j->X + (size_t)m0 * K;
+      float *y = j->Y + (size_t)m0 * N + (size_t)pn * GN;
+      switch (mr) {
+      case 1: ptile_1(p, x, K, y, N, pf, kp, tiles); break;
+      case 2: ptile_2(p, x, K, y, N, pf, kp, tiles); break;
+      case 3: ptile_3(p, x, K, y, N, pf, kp, tiles); break;
+      case 4: ptile_4(p, x, K, y, N, pf, kp, tiles); break;
+      case 5: ptile_5(p, x, K, y, N, pf, kp, tiles); break;
+      default: ptile_6(p, x, K, y, N, pf, kp, tiles);
+      }
+      m0 += mr;
+    }
+  }
+  return NULL;
+}
+
+/* Y [M, N] = X [M, K] W^T with W packed as P; N % GN == 0. threads > 1 splits the panels
+ * between this thread and threads - 1 others; a share whose thread cannot start runs here. */
+void gemm_panels(const float *P, const float *X, float *Y, int M, int N, int K, int threads) {
+  const int panels = N / GN;
+  if (threads > panels) threads = panels;
+  if (threads < 1) threads = 1;
+  panels_job jobs[threads];
+  pthread_t tid[threads];
+  int started[threads];
+  for (int t = 0; t < threads; t++)
+    jobs[t] = (panels_job){P, X, Y, M, N, K, panels * t / threads, panels * (t + 1) / threads};
+  for (int t = 1; t < threads; t++)
+    started[t] = pthread_create(&tid[t], NULL, panels_run, &jobs[t]) == 0;
+  panels_run(&jobs[0]);
+  for (int t = 1; t < threads; t++) {
+    if (started[t]) pthread_join(tid[t], NULL);
+    else panels_run(&jobs[t]);
+  }
 }
 
 /* x [M, H]: the residual stream in, the last layer's output out (before the final norm).

@@ -7,10 +7,11 @@ Contract:
   works or ``P2PNODE_KERNELS=0``: every caller then keeps the plain torch path.
 - ``StreamLinear(weight)`` replaces an ``nn.Linear`` without bias: inputs of at most
   ``MAX_ROWS`` rows (decode steps, verify blocks) go through the fp32 or bf16 kernel, longer
-  ones (prefill) through oneDNN's GEMM on a blocked copy of an fp32 weight, made on the first
-  such input (``P2PNODE_PACKED_PREFILL=0``, a bf16 weight or a torch without oneDNN:
-  ``F.linear``). It keeps the caller's weight tensor (a tied lm_head stays tied). Outputs agree with ``F.linear`` to float rounding (~1e-6 relative), and a row's output
-  is bitwise the same whatever the number of rows.
+  ones (prefill) through a packed copy of an fp32 weight (``_gemm``: the C panel GEMM or
+  oneDNN's, whichever ran faster here), made on the first such input
+  (``P2PNODE_PACKED_PREFILL=0`` or a bf16 weight: ``F.linear``). It keeps the caller's weight
+  tensor (a tied lm_head stays tied). Outputs agree with ``F.linear`` to float rounding, and
+  a row's output of up to ``MAX_ROWS`` rows is bitwise the same whatever the number of rows.
 - ``accelerate(model)`` swaps the bias-free linears of a decoder and its lm_head in place;
   returns how many were swapped (0 when the kernels are unavailable).
 - ``int4_matmul(packed, scales, x, group)``: ``x @ W.T`` for symmetric int4 weights in the
@@ -34,17 +35,18 @@ import shutil
 import subprocess
 from functools import cache
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+if TYPE_CHECKING:
+    from p2pnode.inference._gemm import PrefillWeight
+
 log = logging.getLogger(__name__)
 
-MAX_ROWS = 16  # above this a matmul is compute-bound and the BLAS is the faster path
-# P2PNODE_PACKED_PREFILL=0: prefill-shaped matmuls on F.linear, without oneDNN's weight copy
-# (saves the copy's memory: the size of the fp32 decoder linears).
-_PACKED = os.environ.get("P2PNODE_PACKED_PREFILL", "1") != "0"
+MAX_ROWS = 16  # above this a matmul is compute-bound and a packed GEMM is the faster path
 _enabled = [True]
 
 
@@ -61,7 +63,7 @@ def enabled() -> bool:
 
 _SOURCE = Path(__file__).with_name("_kernels.c")
 _FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-shared", "-fPIC"]
-_LIBS = ["-lm"]
+_LIBS = ["-lm", "-pthread"]
 _P = ctypes.c_void_p
 _I = ctypes.c_int
 
@@ -137,6 +139,10 @@ def build(src: bytes, march: str = "native") -> ctypes.CDLL | None:
     lib.llama_layers.argtypes = [_P, _P, *[_I] * 6, f32, f32, _P, _I, _P, _P, _P]
     lib.llama_layers.argtypes += [i64] * 5 + [_P] * 3
     lib.llama_layers.restype = _I
+    lib.gemm_panels.argtypes = [_P, _P, _P, _I, _I, _I, _I]
+    lib.gemm_panels.restype = None
+    lib.panel_width.argtypes = []
+    lib.panel_width.restype = _I
     return lib
 
 
@@ -158,15 +164,16 @@ class StreamLinear(nn.Module):
         self.out_features, self.in_features = weight.shape
         self._fn = lib.gemv_f32 if weight.dtype == torch.float32 else lib.gemv_bf16
         self._lib = lib
-        # oneDNN's blocked copy of an fp32 weight, made on the first prefill-shaped input: its
-        # GEMM runs at ~110 GFLOP/s here against MKL's 80-100 (more at 50 rows than at 1,000).
-        # A copy, not a view: the decode kernels keep streaming the plain layout.
-        self._onednn: list[torch.Tensor | None] = []  # [] until first asked
+        # A packed copy of an fp32 weight for prefill-shaped inputs (``_gemm``), made on the
+        # first one. A copy, not a view: the decode kernels keep streaming the plain layout.
+        self._prefill: list[PrefillWeight | None] = []  # [] until first asked
 
-    def _packed(self) -> torch.Tensor | None:
-        if not self._onednn:
-            self._onednn.append(_onednn_weight(self.weight.data))
-        return self._onednn[0]
+    def _packed(self) -> PrefillWeight | None:
+        if not self._prefill:
+            from p2pnode.inference import _gemm  # it times the C kernels it may choose
+
+            self._prefill.append(_gemm.prefill_weight(self.weight.data))
+        return self._prefill[0]
 
     def __deepcopy__(self, memo: dict) -> StreamLinear:
         # The kernel handle is shared, never copied (ctypes pointers cannot be); the weight is
@@ -182,22 +189,11 @@ class StreamLinear(nn.Module):
             packed = self._packed()
             if packed is None or x.dtype != torch.float32 or x.requires_grad:
                 return F.linear(x.to(w.dtype), w).to(x.dtype)
-            return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+            return packed(_rows(x)).reshape(*x.shape[:-1], self.out_features)
         x2 = _rows(x)
         y = torch.empty(n_rows, self.out_features, dtype=torch.float32)
         self._fn(w.data_ptr(), x2.data_ptr(), y.data_ptr(), n_rows, *w.shape)
         return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
-
-
-def _onednn_weight(w: torch.Tensor) -> torch.Tensor | None:
-    """``w`` reordered for oneDNN's GEMM, or None where that is off or unavailable."""
-    if not _PACKED or w.dtype != torch.float32 or not torch.backends.mkldnn.is_available():
-        return None
-    try:
-        return torch.ops.mkldnn._reorder_linear_weight(w, 64)
-    except (RuntimeError, AttributeError) as exc:  # a torch built without oneDNN's linear
-        log.info("oneDNN linear unavailable, prefill stays on F.linear: %s", exc)
-        return None
 
 
 def accelerate(model: nn.Module) -> int:

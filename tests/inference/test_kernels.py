@@ -13,6 +13,8 @@ import torch.nn.functional as F
 from p2pnode.inference import _kernels
 from p2pnode.inference._kvslab import Slab, SlabPool, _SlabLayer
 
+from testkit.kernels import check_panels
+
 lib = _kernels.library()
 needs_lib = pytest.mark.skipif(
     lib is None,
@@ -90,6 +92,8 @@ def test_narrower_builds_give_the_same_numbers_in_their_own_width(march, lanes, 
         rounded = fn is narrow.gemv_q4a8 and lanes == 8  # AVX2's int8 path, else fp32 inputs
         assert (err.max() > 1e-4 * ref.abs().max()) == rounded, fn.__name__
     assert narrow.q4a8_native() == (1 if lanes == 8 else 0)
+    assert narrow.panel_width() == 2 * lanes
+    check_panels(narrow)
     _fast_path_in_build(narrow)
 
 
@@ -111,29 +115,6 @@ def _fast_path_in_build(lib) -> None:
             for i in range(5)
         ]
         assert torch.equal(torch.stack(steps), got[0])
-
-
-@needs_lib
-@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
-def test_prefill_shaped_inputs_run_on_a_onednn_copy_of_the_weight() -> None:
-    torch.manual_seed(2)
-    w = torch.randn(201, 96)
-    lin = _kernels.StreamLinear(w, lib)
-    x = torch.randn(2, 40, 96)  # 80 rows: past MAX_ROWS
-    with torch.no_grad():
-        y = lin(x)
-    packed = lin._packed()
-    assert packed is not None and packed.is_mkldnn  # the blocked copy, made on that call
-    ref = F.linear(x, w)
-    assert y.shape == ref.shape and (y - ref).abs().max() <= 1e-5 * ref.abs().max()
-    with torch.no_grad():
-        lin(x)
-    assert lin._packed() is packed  # made once
-    # An input that needs gradients keeps autograd (oneDNN's op has none): F.linear.
-    xg = x.clone().requires_grad_()
-    lin(xg).sum().backward()
-    assert torch.allclose(xg.grad, w.sum(0).expand_as(x), atol=1e-4)
-    assert copy.deepcopy(lin)._onednn == []  # a copy makes its own from its own weight
 
 
 @needs_lib
