@@ -1,16 +1,20 @@
-"""Decode steps and verify blocks of a Llama model in one C call (``llama_layers`` in
-``_kernels.c``), for inputs of at most ``MAX_ROWS`` tokens on the CPU.
+"""A Llama model's forward in one C call (``llama_layers`` in ``_kernels.c``) on the CPU:
+decode steps and verify blocks (at most ``MAX_ROWS`` tokens), and prefills on one thread.
 
 Why: a step of a 30-layer model through transformers is ~40 torch ops per layer; their
 dispatch costs as much as streaming a small model's weights. The C stack runs the same
 arithmetic (fp32, same weights, the same streaming kernels for every linear) with no dispatch,
 and each row's result is independent of the other rows (a verify block gives a decode step's
-bits).
+bits). A prefill (more than ``MAX_ROWS`` tokens, at most ``MAX_PREFILL_ROWS``) runs the C
+stack's prefill kernels: the panel GEMM on the linears' packed copies (``_gemm``) and a tiled
+attention with an online softmax; it applies where the panels are this machine's prefill GEMM
+and torch runs one thread (with more, oneDNN's and torch's attention use them all).
 
 Contract:
 - ``install(model)`` makes ``model(...)`` take the fast path when it applies and transformers'
   own forward otherwise; returns whether it installed (Llama-shaped decoder, fp32 activations,
-  kernels available). Applies: no grad, at most ``MAX_ROWS`` new tokens per row, no attention
+  kernels available). Applies: no grad, at most ``MAX_ROWS`` new tokens per row (a prefill,
+  up to ``MAX_PREFILL_ROWS``, under the conditions above), no attention
   mask (or an all-ones one), and a ``DynamicCache`` or a ``_kvslab.Slab`` cache (a
   ``DynamicCache`` is moved into a slab once, in place, so later steps append without copies).
   ``P2PNODE_KERNELS=0`` or ``_kernels.set_enabled(False)`` turns it off.
@@ -20,7 +24,8 @@ Contract:
   the final hidden states ``[rows, hidden]`` (before the final norm); the caller sets lengths.
   ``head(model, hidden)``: their logits (the final norm in C, then the lm_head).
 - Numerics: float rounding only (norms, softmax and SiLU in another summation order); logits
-  agree with the torch path to ~1e-4 on logits of magnitude ~20.
+  agree with the torch path to ~1e-4 on logits of magnitude ~20. A prefill's rows are float
+  rounding away from the same rows as one-token steps (other kernels), not bitwise equal.
 - The plan (weight pointers) is built on first use and checked on every call against the
   model's current tensors, so a replaced weight is never read through a stale pointer.
 """
@@ -41,10 +46,14 @@ from p2pnode.inference import _kernels
 from p2pnode.inference._kvslab import Slab, _SlabLayer
 from p2pnode.inference.models import LLAMA_LINEARS
 
-# New tokens per sequence. Past 16 the forward is matmul-bound and torch's path (oneDNN's GEMM
-# on a blocked weight copy) wins: after 1,024 cached tokens, 20/24/32 new tokens took 114/162/
-# 213 ms here as one C call against 100/108/131 ms on torch's path; at 9-16 they were even.
+# New tokens per sequence on the exact kernels (a row's bits those of a one-token step). Past
+# 16 the forward is matmul-bound, and the streaming kernels lost to a packed GEMM: after 1,024
+# cached tokens, 20/24/32 new tokens took 114/162/213 ms as one C call on them against
+# 100/108/131 ms on torch's path with oneDNN; at 9-16 they were even.
 MAX_ROWS = 16
+# A prefill through the C stack holds ~21 KB of work buffers per row (the default model): this
+# many rows bound it (~85 MB); the engine prefills in chunks of at most 1,024.
+MAX_PREFILL_ROWS = 4096
 
 
 class _Lin(ctypes.Structure):
@@ -55,6 +64,7 @@ class _Lin(ctypes.Structure):
         ("G", ctypes.c_int32),
         ("w", ctypes.c_void_p),
         ("s", ctypes.c_void_p),
+        ("p", ctypes.c_void_p),  # the panel-packed weight for prefill rows, or None
     ]
 
 
@@ -75,6 +85,10 @@ class _Plan:
     eps: float
     scale: float
     final_norm: int  # the final RMSNorm's weight
+    mods: list[nn.Module]  # the linears, in ``lins``' order
+    # ``lins`` with every fp32 weight's panel-packed copy (``_gemm``): None until asked, then
+    # the array, or False where some linear has none (prefill then stays on transformers)
+    prefill_lins: ctypes.Array | bool | None = None
 
     def current(self) -> bool:
         return all(d.get(attr) is t for d, attr, t in self.refs)
@@ -129,14 +143,16 @@ def _build(model: nn.Module) -> _Plan | None:
     if head_dim % 16 or heads % kv_heads:
         return None
     refs: list = []
-    lins, norms = [], []
+    lins, norms, mods = [], [], []
     scale = None
     for layer in inner.layers:
         for name in LLAMA_LINEARS:
-            d = _describe(layer.get_submodule(name), refs)
+            mod = layer.get_submodule(name)
+            d = _describe(mod, refs)
             if d is None:
                 return None
             lins.append(d)
+            mods.append(mod)
         for norm in (layer.input_layernorm, layer.post_attention_layernorm):
             w = norm.weight
             if w.dtype != torch.float32 or not w.is_contiguous():
@@ -164,6 +180,7 @@ def _build(model: nn.Module) -> _Plan | None:
         eps=float(cfg.rms_norm_eps),
         scale=float(scale),
         final_norm=final.data_ptr(),
+        mods=mods,
     )
 
 
@@ -173,6 +190,22 @@ def plan(model: nn.Module) -> _Plan | None:
     if p is False or (p is not None and not p.current()):
         p = _plans[model] = _build(model)
     return p
+
+
+def _prefill_lins(p: _Plan) -> ctypes.Array | None:
+    """``p.lins`` pointing each linear at its panel-packed copy (made on first use, as the
+    transformers path would make it), or None where a linear has none: a bf16 or int4 one, or
+    oneDNN's GEMM chosen on this machine (``_gemm.choice()``)."""
+    if p.prefill_lins is None:
+        p.prefill_lins = False
+        lins = []
+        for d, mod in zip(p.lins, p.mods, strict=True):
+            packed = mod._packed() if isinstance(mod, _kernels.StreamLinear) else None
+            if d.kind != 0 or packed is None or packed.kind != "panels":
+                return None
+            lins.append(_Lin(d.kind, d.N, d.K, d.G, d.w, d.s, packed.packed.data_ptr()))
+        p.prefill_lins = (_Lin * len(lins))(*lins)
+    return p.prefill_lins or None
 
 
 def _required_plan(model: nn.Module) -> _Plan:
@@ -204,6 +237,7 @@ def _run(
     slots: list[int],
     lo: list[int],
     positions: torch.Tensor,
+    lins: ctypes.Array | None = None,
 ) -> torch.Tensor:
     inner = model.model
     rows = ids.numel()
@@ -214,7 +248,7 @@ def _run(
     st = kv.stride()
     meta = torch.tensor([batch_rows, slots, lo], dtype=torch.int32)
     rc = p.lib.llama_layers(
-        p.lins,
+        p.lins if lins is None else lins,
         p.norms,
         p.layers,
         p.hidden,
@@ -321,8 +355,11 @@ def _try(model, input_ids, cache, attention_mask, position_ids, use_cache, logit
     if input_ids.device.type != "cpu" or not isinstance(cache, Cache):
         return None
     batch, t = input_ids.shape
-    p = plan(model) if 1 <= t <= MAX_ROWS else None
+    p = plan(model) if 1 <= t <= MAX_PREFILL_ROWS else None
     if p is None:
+        return None
+    lins = _prefill_lins(p) if t > MAX_ROWS and torch.get_num_threads() == 1 else None
+    if t > MAX_ROWS and lins is None:  # a prefill off the C stack's conditions: transformers
         return None
     slab = _slab_of(cache, batch, model)
     if slab is None:
@@ -336,9 +373,8 @@ def _try(model, input_ids, cache, attention_mask, position_ids, use_cache, logit
         position_ids = torch.arange(n, n + t).expand(batch, t)
     rows_b = [b for b in range(batch) for _ in range(t)]
     slots = [n + i for _ in range(batch) for i in range(t)]
-    hidden = _run(
-        p, model, input_ids.reshape(-1), slab, rows_b, slots, [0] * len(slots), position_ids
-    )
+    ids = input_ids.reshape(-1)
+    hidden = _run(p, model, ids, slab, rows_b, slots, [0] * len(slots), position_ids, lins)
     slab.set_length(n + t)
     hidden = hidden.reshape(batch, t, -1)
     keep = logits_to_keep if isinstance(logits_to_keep, int) else 0

@@ -725,11 +725,19 @@ typedef struct {
   int32_t N, K, G;
   const void *w;
   const float *s;
+  const float *p; /* kind 0: the weight packed in panels (gemm_panels) for prefill, or NULL */
 } lin_t;
 
 /* 0, or -1 when a kernel could not run (out of memory; the plan checks shapes and VNNI) */
+void gemm_panels(const float *P, const float *X, float *Y, int M, int N, int K, int threads);
+
+/* More rows than this take the prefill kernels (gemm_panels, attend_tiles), whose results are
+ * float rounding away from the exact ones; up to it a row's bits equal a one-token step's. */
+#define EXACT_ROWS 16
+
 static int lin_apply(const lin_t *L, const float *X, float *Y, int M) {
-  if (L->kind == 0) gemv_f32((const float *)L->w, X, Y, M, L->N, L->K);
+  if (L->kind == 0 && L->p && M > EXACT_ROWS) gemm_panels(L->p, X, Y, M, L->N, L->K, 1);
+  else if (L->kind == 0) gemv_f32((const float *)L->w, X, Y, M, L->N, L->K);
   else if (L->kind == 1) gemv_bf16((const uint16_t *)L->w, X, Y, M, L->N, L->K);
   else if (L->kind == 2) gemv_int4((const uint8_t *)L->w, L->s, X, Y, M, L->N, L->K, L->G);
   else if (L->kind == 3) gemv_q4a8((const uint8_t *)L->w, L->s, X, Y, M, L->N, L->K, L->G);
@@ -1126,6 +1134,173 @@ void gemm_panels(const float *P, const float *X, float *Y, int M, int N, int K, 
   }
 }
 
+/* Attention for prefill-sized runs (more than ATT_EXACT_ROWS rows of one sequence): flash
+ * style, the R x G query vectors in tiles of GM against chunks of KC keys, the scores and the
+ * PV product as outer-product tiles like gemm_panels (no lane sums), the softmax online (a
+ * running max and sum per query, the output rescaled when the max grows). attend's 1,000-key
+ * score rows and one-query-at-a-time dot products ran a cached prefill's attention at ~49
+ * GFLOP/s, as torch's flash kernel did. A query's result depends on the chunking, so a
+ * prefill row is float rounding away from attend's (within tolerance, tested), not bitwise.
+ * work: hd * KC + GM * KC + 2 * R * G floats. Causal runs skip the chunks no row of a tile
+ * sees. hd % (2 * VL) == 0. */
+#define KC 64
+#define QK_TILE(MR)                                                                            \
+  static void qk_##MR(const float *const *qp, const float *kt, int hd, float scale, float *s) { \
+    vf a0[MR], a1[MR];                                                                          \
+    for (int i = 0; i < MR; i++) a0[i] = a1[i] = (vf){0};                                       \
+    for (int d = 0; d < hd; d++, kt += KC) {                                                    \
+      const vf b0 = ld(kt), b1 = ld(kt + VL);                                                   \
+      for (int i = 0; i < MR; i++) {                                                            \
+        const float a = qp[i][d];                                                               \
+        a0[i] += a * b0;                                                                        \
+        a1[i] += a * b1;                                                                        \
+      }                                                                                         \
+    }                                                                                           \
+    for (int i = 0; i < MR; i++) {                                                              \
+      st(s + i * KC, a0[i] * scale);                                                            \
+      st(s + i * KC + VL, a1[i] * scale);                                                       \
+    }                                                                                           \
+  }
+#define PV_TILE(MR)                                                                             \
+  static void pvt_##MR(float *const *op, const float *p, const float *V, int64_t s_pos, int nk, \
+                       int d0) {                                                                \
+    vf o0[MR], o1[MR];                                                                          \
+    for (int i = 0; i < MR; i++) {                                                              \
+      o0[i] = ld(op[i] + d0);                                                                   \
+      o1[i] = ld(op[i] + d0 + VL);                                                              \
+    }                                                                                           \
+    for (int j = 0; j < nk; j++, V += s_pos) {                                                  \
+      const vf b0 = ld(V + d0), b1 = ld(V + d0 + VL);                                           \
+      for (int i = 0; i < MR; i++) {                                                            \
+        const float a = p[i * KC + j];                                                          \
+        o0[i] += a * b0;                                                                        \
+        o1[i] += a * b1;                                                                        \
+      }                                                                                         \
+    }                                                                                           \
+    for (int i = 0; i < MR; i++) {                                                              \
+      st(op[i] + d0, o0[i]);                                                                    \
+      st(op[i] + d0 + VL, o1[i]);                                                               \
+    }                                                                                           \
+  }
+QK_TILE(1)
+QK_TILE(2)
+QK_TILE(3)
+QK_TILE(4)
+QK_TILE(5)
+QK_TILE(6)
+PV_TILE(1)
+PV_TILE(2)
+PV_TILE(3)
+PV_TILE(4)
+PV_TILE(5)
+PV_TILE(6)
+
+static void qk_tile(int mr, const float *const *qp, const float *kt, int hd, float scale,
+                    float *s) {
+  switch (mr) {
+  case 1: qk_1(qp, kt, hd, scale, s); break;
+  case 2: qk_2(qp, kt, hd, scale, s); break;
+  case 3: qk_3(qp, kt, hd, scale, s); break;
+  case 4: qk_4(qp, kt, hd, scale, s); break;
+  case 5: qk_5(qp, kt, hd, scale, s); break;
+  default: qk_6(qp, kt, hd, scale, s);
+  }
+}
+
+static void pv_tile(int mr, float *const *op, const float *p, const float *V, int64_t s_pos,
+                    int nk, int d0) {
+  switch (mr) {
+  case 1: pvt_1(op, p, V, s_pos, nk, d0); break;
+  case 2: pvt_2(op, p, V, s_pos, nk, d0); break;
+  case 3: pvt_3(op, p, V, s_pos, nk, d0); break;
+  case 4: pvt_4(op, p, V, s_pos, nk, d0); break;
+  case 5: pvt_5(op, p, V, s_pos, nk, d0); break;
+  default: pvt_6(op, p, V, s_pos, nk, d0);
+  }
+}
+
+/* One tile's scores for keys [j0, j0 + nk) -> probabilities in place, the running max and sum
+ * updated and the outputs rescaled where the max grew. Row i sees seen[i] keys in all. */
+static void online_softmax(float *S, int mr, int nk, int j0, const int *seen, float *mx,
+                           float *l, float *const *op, int hd) {
+  for (int i = 0; i < mr; i++) {
+    float *s = S + i * KC;
+    int own = seen[i] - j0;
+    if (own > nk) own = nk;
+    if (own <= 0) { /* a row that sees none of these keys: they weigh nothing */
+      memset(s, 0, nk * sizeof(float));
+      continue;
+    }
+    float m = mx[i];
+    int j = 0;
+    if (own >= VL) {
+      vf vm = ld(s);
+      for (j = VL; j + VL <= own; j += VL) {
+        const vf x = ld(s + j);
+        const vfi gt = x > vm;
+        vm = (vf)(((vfi)x & gt) | ((vfi)vm & ~gt));
+      }
+      for (int t = 0; t < VL; t++)
+        if (vm[t] > m) m = vm[t];
+    }
+    for (; j < own; j++)
+      if (s[j] > m) m = s[j];
+    const float alpha = expf(mx[i] - m); /* 0 on the first chunk (mx = -inf) */
+    const float sum = exp_shifted_sum(s, own, m);
+    if (own < nk) memset(s + own, 0, (nk - own) * sizeof(float));
+    l[i] = l[i] * alpha + sum;
+    mx[i] = m;
+    if (alpha != 1.0f)
+      for (int d = 0; d < hd; d++) op[i][d] *= alpha;
+  }
+}
+
+static void attend_tiles(const float *q, int qd, const float *K, const float *V, int64_t s_pos,
+                         int lo, const int32_t *slot, int R, int G, int hd, float scale,
+                         float *work, float *out) {
+  K += (int64_t)lo * s_pos;
+  V += (int64_t)lo * s_pos;
+  const int nq = R * G;
+  float *kt = work, *S = kt + hd * KC, *mx = S + GM * KC, *l = mx + nq;
+  int n = 1;
+  for (int r = 0; r < R; r++)
+    if (slot[r] - lo + 1 > n) n = slot[r] - lo + 1;
+  for (int v = 0; v < nq; v++) {
+    mx[v] = -INFINITY;
+    l[v] = 0;
+    memset(out + (size_t)(v / G) * qd + (v % G) * hd, 0, hd * sizeof(float));
+  }
+  for (int j0 = 0; j0 < n; j0 += KC) {
+    const int nkc = n - j0 < KC ? n - j0 : KC;
+    for (int d = 0; d < hd; d++) /* the chunk's keys transposed, zeros past its end */
+      for (int c = 0; c < KC; c++) kt[d * KC + c] = c < nkc ? K[(int64_t)(j0 + c) * s_pos + d] : 0;
+    for (int v0 = 0; v0 < nq; v0 += GM) {
+      const int mr = nq - v0 < GM ? nq - v0 : GM;
+      const float *qp[GM];
+      float *op[GM];
+      int seen[GM], most = 0;
+      for (int i = 0; i < mr; i++) {
+        const int r = (v0 + i) / G, g = (v0 + i) % G;
+        qp[i] = q + (size_t)r * qd + g * hd;
+        op[i] = out + (size_t)r * qd + g * hd;
+        seen[i] = slot[r] - lo + 1;
+        if (seen[i] > most) most = seen[i];
+      }
+      if (most <= j0) continue;
+      const int nk = most - j0 < nkc ? most - j0 : nkc;
+      for (int c = 0; c < nk; c += 2 * VL) qk_tile(mr, qp, kt + c, hd, scale, S + c);
+      online_softmax(S, mr, nk, j0, seen, mx + v0, l + v0, op, hd);
+      for (int d0 = 0; d0 < hd; d0 += 2 * VL)
+        pv_tile(mr, op, S, V + (int64_t)j0 * s_pos, s_pos, nk, d0);
+    }
+  }
+  for (int v = 0; v < nq; v++) {
+    float *o = out + (size_t)(v / G) * qd + (v % G) * hd;
+    const float inv = 1.0f / l[v];
+    for (int d = 0; d < hd; d++) o[d] *= inv;
+  }
+}
+
 /* x [M, H]: the residual stream in, the last layer's output out (before the final norm).
  * lins: 7 per layer (q, k, v, o, gate, up, down); norms: 2 per layer (input, post-attention).
  * cs, sn: rotary cos/sin [M, hd]. Returns 0, or -1 when out of memory (x is then undefined). */
@@ -1135,12 +1310,18 @@ int llama_layers(const lin_t *lins, const float *const *norms, int L, int H, int
                  int64_t s_head, int64_t s_pos, const int32_t *rb, const int32_t *rslot,
                  const int32_t *rlo) {
   const int qd = nh * hd, kd = nkv * hd, group = nh / nkv;
-  int ctx = 1, runs = 1;
+  int ctx = 1, runs = 1, tiled = 0; /* the longest run attend takes; attend_tiles' */
   for (int m = 0; m < M; m++)
     if (rslot[m] - rlo[m] + 1 > ctx) ctx = rslot[m] - rlo[m] + 1;
-  for (int m = 0, r; m < M; m += r)
-    if ((r = run_of(rb, rlo, m, M)) > runs) runs = r;
-  const size_t n = (size_t)M * (H + 2 * qd + 2 * kd + 2 * F) + (size_t)runs * group * ctx;
+  for (int m = 0, r; m < M; m += r) {
+    r = run_of(rb, rlo, m, M);
+    if (r > EXACT_ROWS && r > tiled) tiled = r;
+    else if (r <= EXACT_ROWS && r > runs) runs = r;
+  }
+  size_t work = (size_t)runs * group * ctx, work_tiles = (size_t)hd * KC + GM * KC;
+  work_tiles += 2 * (size_t)tiled * group;
+  if (tiled && work_tiles > work) work = work_tiles;
+  const size_t n = (size_t)M * (H + 2 * qd + 2 * kd + 2 * F) + work;
   float *buf = malloc(n * sizeof(float));
   if (!buf) return -1;
   float *h = buf, *q = h + (size_t)M * H, *k = q + (size_t)M * qd, *v = k + (size_t)M * kd;
@@ -1167,8 +1348,12 @@ int llama_layers(const lin_t *lins, const float *const *norms, int L, int H, int
       r = run_of(rb, rlo, m, M);
       for (int j = 0; j < nkv; j++) {
         const float *K = KV + rb[m] * s_b + j * s_head;
-        attend(q + (size_t)m * qd + j * group * hd, qd, K, K + s_kv, s_pos, rlo[m], rslot + m,
-               r, group, hd, scale, sc, ctx, att + (size_t)m * qd + j * group * hd);
+        const float *qj = q + (size_t)m * qd + j * group * hd;
+        float *oj = att + (size_t)m * qd + j * group * hd;
+        if (r > EXACT_ROWS)
+          attend_tiles(qj, qd, K, K + s_kv, s_pos, rlo[m], rslot + m, r, group, hd, scale, sc, oj);
+        else
+          attend(qj, qd, K, K + s_kv, s_pos, rlo[m], rslot + m, r, group, hd, scale, sc, ctx, oj);
       }
     }
     if (lin_apply(W + 3, att, h, M)) goto fail;

@@ -165,15 +165,16 @@ class StreamLinear(nn.Module):
         self._fn = lib.gemv_f32 if weight.dtype == torch.float32 else lib.gemv_bf16
         self._lib = lib
         # A packed copy of an fp32 weight for prefill-shaped inputs (``_gemm``), made on the
-        # first one. A copy, not a view: the decode kernels keep streaming the plain layout.
-        self._prefill: list[PrefillWeight | None] = []  # [] until first asked
+        # first one, with the weight it was made from (a replaced weight gets a new copy). A
+        # copy, not a view: the decode kernels keep streaming the plain layout.
+        self._prefill: list[tuple[torch.Tensor, PrefillWeight | None]] = []  # [] until asked
 
     def _packed(self) -> PrefillWeight | None:
-        if not self._prefill:
+        if not self._prefill or self._prefill[0][0] is not self.weight:
             from p2pnode.inference import _gemm  # it times the C kernels it may choose
 
-            self._prefill.append(_gemm.prefill_weight(self.weight.data))
-        return self._prefill[0]
+            self._prefill[:] = [(self.weight, _gemm.prefill_weight(self.weight.data))]
+        return self._prefill[0][1]
 
     def __deepcopy__(self, memo: dict) -> StreamLinear:
         # The kernel handle is shared, never copied (ctypes pointers cannot be); the weight is
