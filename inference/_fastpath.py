@@ -42,7 +42,7 @@ from torch import nn
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from p2pnode.inference import _kernels
+from p2pnode.inference import _gemm, _kernels
 from p2pnode.inference._kvslab import Slab, _SlabLayer
 from p2pnode.inference.models import LLAMA_LINEARS
 
@@ -201,7 +201,9 @@ def _prefill_lins(p: _Plan) -> ctypes.Array | None:
         lins = []
         for d, mod in zip(p.lins, p.mods, strict=True):
             packed = mod._packed() if isinstance(mod, _kernels.StreamLinear) else None
-            if d.kind != 0 or packed is None or packed.kind != "panels":
+            if d.kind != 0 or not isinstance(packed, _gemm.PanelWeight):
+                return None
+            if packed.width != p.lib.panel_width():  # packed for another build of the kernels
                 return None
             lins.append(_Lin(d.kind, d.N, d.K, d.G, d.w, d.s, packed.packed.data_ptr()))
         p.prefill_lins = (_Lin * len(lins))(*lins)

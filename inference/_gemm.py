@@ -35,7 +35,7 @@ from p2pnode.inference import _kernels
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PrefillWeight", "choice", "pack_panels", "panel_width", "prefill_weight"]
+__all__ = ["PanelWeight", "PrefillWeight", "choice", "pack_panels", "panel_width", "prefill_weight"]
 
 
 class PrefillWeight(Protocol):
@@ -58,11 +58,15 @@ def pack_panels(w: torch.Tensor, width: int) -> torch.Tensor:
     return w.reshape(n // width, width, k).transpose(1, 2).contiguous()
 
 
-class _Panels:
+class PanelWeight:
+    """The ``panels`` form: ``packed`` in the layout of a build whose ``panel_width()`` is
+    ``width`` (the C decoder stack reads it directly for prefill rows)."""
+
     kind = "panels"
 
     def __init__(self, w: torch.Tensor, lib: ctypes.CDLL, width: int) -> None:
         self.n, self.k = w.shape
+        self.width = width  # the build's panel_width(): another build reads another layout
         self.packed = pack_panels(w, width)
         self._fn = lib.gemm_panels
 
@@ -101,11 +105,11 @@ def _onednn(w: torch.Tensor) -> _OneDNN | None:
         return None
 
 
-def _panels(w: torch.Tensor) -> _Panels | None:
+def _panels(w: torch.Tensor) -> PanelWeight | None:
     lib, width = _kernels.library(), panel_width()
     if lib is None or width < 1 or w.shape[0] % width:
         return None
-    return _Panels(w, lib, width)
+    return PanelWeight(w, lib, width)
 
 
 def _best_s(fn, x: torch.Tensor, reps: int = 5) -> float:

@@ -1313,10 +1313,11 @@ int llama_layers(const lin_t *lins, const float *const *norms, int L, int H, int
   int ctx = 1, runs = 1, tiled = 0; /* the longest run attend takes; attend_tiles' */
   for (int m = 0; m < M; m++)
     if (rslot[m] - rlo[m] + 1 > ctx) ctx = rslot[m] - rlo[m] + 1;
+  const int tiles_fit = hd % (2 * VL) == 0; /* attend_tiles' output blocks (else attend) */
   for (int m = 0, r; m < M; m += r) {
     r = run_of(rb, rlo, m, M);
-    if (r > EXACT_ROWS && r > tiled) tiled = r;
-    else if (r <= EXACT_ROWS && r > runs) runs = r;
+    if (tiles_fit && r > EXACT_ROWS && r > tiled) tiled = r;
+    else if ((!tiles_fit || r <= EXACT_ROWS) && r > runs) runs = r;
   }
   size_t work = (size_t)runs * group * ctx, work_tiles = (size_t)hd * KC + GM * KC;
   work_tiles += 2 * (size_t)tiled * group;
@@ -1350,7 +1351,7 @@ int llama_layers(const lin_t *lins, const float *const *norms, int L, int H, int
         const float *K = KV + rb[m] * s_b + j * s_head;
         const float *qj = q + (size_t)m * qd + j * group * hd;
         float *oj = att + (size_t)m * qd + j * group * hd;
-        if (r > EXACT_ROWS)
+        if (tiles_fit && r > EXACT_ROWS)
           attend_tiles(qj, qd, K, K + s_kv, s_pos, rlo[m], rslot + m, r, group, hd, scale, sc, oj);
         else
           attend(qj, qd, K, K + s_kv, s_pos, rlo[m], rslot + m, r, group, hd, scale, sc, ctx, oj);

@@ -100,11 +100,22 @@ def test_narrower_builds_give_the_same_numbers_in_their_own_width(march, lanes, 
 def _fast_path_in_build(lib) -> None:
     """The C decoder stack of build ``lib`` (its attention's own vector width) against
     transformers, and a verify block's rows against one-token steps."""
-    from p2pnode.inference import _fastpath
+    from p2pnode.inference import _fastpath, _gemm
 
     model = _tiny_llama(256)  # 64-wide heads
     assert _fastpath.install(model)
     _fastpath.plan(model).lib = lib
+    for mod in model.modules():  # prefill panels in this build's width
+        if isinstance(mod, _kernels.StreamLinear):
+            form = _gemm.PanelWeight(mod.weight.data, lib, lib.panel_width())
+            mod._prefill[:] = [(mod.weight, form)]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.inference_mode():
+            _prefill_against_transformers(model, torch.randint(0, 96, (1, 150)), 0)
+    finally:
+        torch.set_num_threads(threads)
     prompt, block = torch.randint(0, 96, (1, 125)), torch.randint(0, 96, (1, 5))
     with torch.inference_mode():
         ref, got, cache = _torch_and_fast(model, prompt, block)
@@ -328,6 +339,89 @@ def test_fast_path_matches_transformers_and_rows_are_independent(hidden, cached)
             for i in range(5)
         ]
         assert torch.equal(torch.stack(steps), got[0])
+
+
+@pytest.fixture
+def c_prefill(monkeypatch):
+    """The conditions of the C stack's prefill: the panel GEMM (pinned, whatever this machine
+    would choose) and one torch thread; restored after."""
+    from p2pnode.inference import _gemm
+
+    monkeypatch.setenv("P2PNODE_PREFILL_GEMM", "panels")
+    _gemm.choice.cache_clear()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+    _gemm.choice.cache_clear()
+
+
+def _prefill_against_transformers(model, ids: torch.Tensor, cached: int) -> None:
+    """``ids`` prefilled by the fast path (``cached`` tokens first, then the rest in one call)
+    against one transformers forward of them all: every new row's logits and the KV."""
+    from transformers import DynamicCache
+
+    old = _kernels.set_enabled(False)
+    try:
+        ref_cache = DynamicCache()
+        ref = model(input_ids=ids, past_key_values=ref_cache).logits
+    finally:
+        _kernels.set_enabled(old)
+    cache = DynamicCache()
+    if cached:
+        model(input_ids=ids[:, :cached], past_key_values=cache)
+    got = model(input_ids=ids[:, cached:], past_key_values=cache).logits
+    assert isinstance(cache.layers[0], _SlabLayer)  # the fast path ran: KV now in a slab
+    assert (got - ref[:, cached:]).abs().max() <= 1e-4 * ref.abs().max()
+    for lay, want in zip(cache.layers, ref_cache.layers, strict=True):
+        for a, b in ((lay.keys, want.keys), (lay.values, want.values)):
+            assert a.shape == b.shape and (a - b).abs().max() <= 1e-4 * b.abs().max()
+
+
+@needs_lib
+@pytest.mark.parametrize(
+    "hidden, cached, new",
+    # 16- and 64-wide heads; new rows past one tile of queries and past 64-key chunks, from an
+    # empty cache and after a cached prefix (the rows of a cache hit, a chunked prefill)
+    [(64, 0, 83), (256, 0, 150), (256, 70, 41), (256, 130, 17)],
+)
+def test_prefill_through_the_c_stack_matches_transformers(c_prefill, hidden, cached, new) -> None:
+    from p2pnode.inference import _fastpath
+
+    model = _tiny_llama(hidden)
+    assert _fastpath.install(model)
+    ids = torch.randint(0, 96, (1, cached + new))
+    with torch.inference_mode():
+        _prefill_against_transformers(model, ids, cached)
+    assert _fastpath._prefill_lins(_fastpath.plan(model)) is not None
+
+
+@needs_lib
+def test_prefill_stays_on_transformers_with_threads_or_without_panels(c_prefill, monkeypatch):
+    from transformers import DynamicCache
+
+    from p2pnode.inference import _fastpath, _gemm
+
+    ids = torch.randint(0, 96, (1, 40))
+    torch.set_num_threads(2)  # oneDNN's GEMM and torch's attention use the threads
+    model = _tiny_llama()
+    assert _fastpath.install(model)
+    cache = DynamicCache()
+    with torch.inference_mode():
+        model(input_ids=ids, past_key_values=cache)
+    assert not isinstance(cache.layers[0], _SlabLayer)
+    torch.set_num_threads(1)
+    monkeypatch.setenv("P2PNODE_PREFILL_GEMM", "onednn")
+    _gemm.choice.cache_clear()
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("torch built without oneDNN: the panels are the only packed form")
+    model = _tiny_llama()
+    assert _fastpath.install(model)
+    cache = DynamicCache()
+    with torch.inference_mode():
+        model(input_ids=ids, past_key_values=cache)
+    assert not isinstance(cache.layers[0], _SlabLayer)
+    assert _fastpath._prefill_lins(_fastpath.plan(model)) is None
 
 
 @needs_lib

@@ -16,7 +16,7 @@ def check_panels(build) -> None:
     torch.manual_seed(5)
     for n, k in ((3 * width, 96), (width, 1024)):
         w = torch.randn(n, k)
-        form = _gemm._Panels(w, build, width)
+        form = _gemm.PanelWeight(w, build, width)
         x_all = torch.randn(50, k)
         ref_all = F.linear(x_all, w)
         for threads in (1, 2):
