@@ -1144,8 +1144,13 @@ void gemm_panels(const float *P, const float *X, float *Y, int M, int N, int K, 
  * work: hd * KC + GM * KC + 2 * R * G floats. Causal runs skip the chunks no row of a tile
  * sees. hd % (2 * VL) == 0. */
 #define KC 64
+static inline vf vmax(vf a, vf b) {
+  const vfi gt = a > b;
+  return (vf)(((vfi)a & gt) | ((vfi)b & ~gt));
+}
 #define QK_TILE(MR)                                                                            \
-  static void qk_##MR(const float *const *qp, const float *kt, int hd, float scale, float *s) { \
+  static void qk_##MR(const float *const *qp, const float *kt, int hd, float scale, float *s,  \
+                      vf *top) {                                                                \
     vf a0[MR], a1[MR];                                                                          \
     for (int i = 0; i < MR; i++) a0[i] = a1[i] = (vf){0};                                       \
     for (int d = 0; d < hd; d++, kt += KC) {                                                    \
@@ -1157,8 +1162,11 @@ void gemm_panels(const float *P, const float *X, float *Y, int M, int N, int K, 
       }                                                                                         \
     }                                                                                           \
     for (int i = 0; i < MR; i++) {                                                              \
-      st(s + i * KC, a0[i] * scale);                                                            \
-      st(s + i * KC + VL, a1[i] * scale);                                                       \
+      a0[i] *= scale;                                                                           \
+      a1[i] *= scale;                                                                           \
+      st(s + i * KC, a0[i]);                                                                    \
+      st(s + i * KC + VL, a1[i]);                                                               \
+      top[i] = vmax(top[i], vmax(a0[i], a1[i]));                                                \
     }                                                                                           \
   }
 #define PV_TILE(MR)                                                                             \
@@ -1196,14 +1204,14 @@ PV_TILE(5)
 PV_TILE(6)
 
 static void qk_tile(int mr, const float *const *qp, const float *kt, int hd, float scale,
-                    float *s) {
+                    float *s, vf *top) {
   switch (mr) {
-  case 1: qk_1(qp, kt, hd, scale, s); break;
-  case 2: qk_2(qp, kt, hd, scale, s); break;
-  case 3: qk_3(qp, kt, hd, scale, s); break;
-  case 4: qk_4(qp, kt, hd, scale, s); break;
-  case 5: qk_5(qp, kt, hd, scale, s); break;
-  default: qk_6(qp, kt, hd, scale, s);
+  case 1: qk_1(qp, kt, hd, scale, s, top); break;
+  case 2: qk_2(qp, kt, hd, scale, s, top); break;
+  case 3: qk_3(qp, kt, hd, scale, s, top); break;
+  case 4: qk_4(qp, kt, hd, scale, s, top); break;
+  case 5: qk_5(qp, kt, hd, scale, s, top); break;
+  default: qk_6(qp, kt, hd, scale, s, top);
   }
 }
 
@@ -1220,9 +1228,11 @@ static void pv_tile(int mr, float *const *op, const float *p, const float *V, in
 }
 
 /* One tile's scores for keys [j0, j0 + nk) -> probabilities in place, the running max and sum
- * updated and the outputs rescaled where the max grew. Row i sees seen[i] keys in all. */
-static void online_softmax(float *S, int mr, int nk, int j0, const int *seen, float *mx,
-                           float *l, float *const *op, int hd) {
+ * updated and the outputs rescaled where the max grew. Row i sees seen[i] keys in all. top[i]:
+ * the lanes' max of row i's scores as qk_tile stored them (all nk columns and no more when nk
+ * is a multiple of 2 * VL): a row that sees all of them takes its max from there. */
+static void online_softmax(float *S, int mr, int nk, int j0, const int *seen, const vf *top,
+                           float *mx, float *l, float *const *op, int hd) {
   for (int i = 0; i < mr; i++) {
     float *s = S + i * KC;
     int own = seen[i] - j0;
@@ -1232,20 +1242,15 @@ static void online_softmax(float *S, int mr, int nk, int j0, const int *seen, fl
       continue;
     }
     float m = mx[i];
-    int j = 0;
-    if (own >= VL) {
-      vf vm = ld(s);
-      for (j = VL; j + VL <= own; j += VL) {
-        const vf x = ld(s + j);
-        const vfi gt = x > vm;
-        vm = (vf)(((vfi)x & gt) | ((vfi)vm & ~gt));
-      }
+    if (own == nk && nk % (2 * VL) == 0) {
       for (int t = 0; t < VL; t++)
-        if (vm[t] > m) m = vm[t];
+        if (top[i][t] > m) m = top[i][t];
+    } else {
+      for (int j = 0; j < own; j++)
+        if (s[j] > m) m = s[j];
     }
-    for (; j < own; j++)
-      if (s[j] > m) m = s[j];
-    const float alpha = expf(mx[i] - m); /* 0 on the first chunk (mx = -inf) */
+    /* 0 on the first chunk (mx = -inf); 1, with nothing to rescale, while the max holds */
+    const float alpha = m > mx[i] ? expf(mx[i] - m) : 1.0f;
     const float sum = exp_shifted_sum(s, own, m);
     if (own < nk) memset(s + own, 0, (nk - own) * sizeof(float));
     l[i] = l[i] * alpha + sum;
@@ -1272,8 +1277,15 @@ static void attend_tiles(const float *q, int qd, const float *K, const float *V,
   }
   for (int j0 = 0; j0 < n; j0 += KC) {
     const int nkc = n - j0 < KC ? n - j0 : KC;
-    for (int d = 0; d < hd; d++) /* the chunk's keys transposed, zeros past its end */
-      for (int c = 0; c < KC; c++) kt[d * KC + c] = c < nkc ? K[(int64_t)(j0 + c) * s_pos + d] : 0;
+    /* the chunk's keys transposed, zeros past its end; read row by row (column by column
+     * was ~10 % of this function, each key's first line a cache miss per column) */
+    for (int c = 0; c < KC; c++) {
+      const float *k = K + (int64_t)(j0 + c) * s_pos;
+      if (c < nkc)
+        for (int d = 0; d < hd; d++) kt[d * KC + c] = k[d];
+      else
+        for (int d = 0; d < hd; d++) kt[d * KC + c] = 0;
+    }
     for (int v0 = 0; v0 < nq; v0 += GM) {
       const int mr = nq - v0 < GM ? nq - v0 : GM;
       const float *qp[GM];
@@ -1288,8 +1300,10 @@ static void attend_tiles(const float *q, int qd, const float *K, const float *V,
       }
       if (most <= j0) continue;
       const int nk = most - j0 < nkc ? most - j0 : nkc;
-      for (int c = 0; c < nk; c += 2 * VL) qk_tile(mr, qp, kt + c, hd, scale, S + c);
-      online_softmax(S, mr, nk, j0, seen, mx + v0, l + v0, op, hd);
+      vf top[GM];
+      for (int i = 0; i < mr; i++) top[i] = (vf){0} - INFINITY;
+      for (int c = 0; c < nk; c += 2 * VL) qk_tile(mr, qp, kt + c, hd, scale, S + c, top);
+      online_softmax(S, mr, nk, j0, seen, top, mx + v0, l + v0, op, hd);
       for (int d0 = 0; d0 < hd; d0 += 2 * VL)
         pv_tile(mr, op, S, V + (int64_t)j0 * s_pos, s_pos, nk, d0);
     }
