@@ -102,7 +102,9 @@ class HFBackend:
         slab = self._slab(1, max(prefix_len, expect))
         if prefix_kv is not None and prefix_len > 0:
             parts = [prefix_kv] if isinstance(prefix_kv, torch.Tensor) else list(prefix_kv)
-            slab.load_parts(parts)
+            # Deferred: the C stack copies each layer's prefix on another thread while the
+            # layers before it compute (46 MB for 1,000 cached tokens: ~5 ms of a hit's TTFT).
+            slab.load_parts(parts, defer=True)
             if slab.length != prefix_len:
                 raise ValueError(f"prefix KV covers {slab.length} tokens, not {prefix_len}")
         else:

@@ -68,6 +68,37 @@ class _Lin(ctypes.Structure):
     ]
 
 
+class _KVCopy(ctypes.Structure):  # kv_copy_t: a deferred prefix span (``Slab.take_pending``)
+    _fields_ = [
+        ("src", ctypes.c_void_p),
+        ("s_layer", ctypes.c_int64),
+        ("s_kv", ctypes.c_int64),
+        ("s_head", ctypes.c_int64),
+        ("s_pos", ctypes.c_int64),
+        ("n", ctypes.c_int32),
+        ("row", ctypes.c_int32),
+        ("pos", ctypes.c_int32),
+        ("pad", ctypes.c_int32),
+    ]
+
+
+def _copies(kv: torch.Tensor, pending: list[tuple[int, int, torch.Tensor]]) -> ctypes.Array:
+    """The deferred spans the C stack copies in layer by layer; one it cannot read (not fp32,
+    or its last axis strided) is copied here first."""
+    out = []
+    for row, pos, part in pending:
+        n = part.shape[-2]
+        if (
+            part.dtype != kv.dtype
+            or part.stride(-1) != 1
+            or part.shape[:3] != kv[:, :, 0].shape[:3]
+        ):
+            kv[:, :, row, :, pos : pos + n].copy_(part)
+            continue
+        out.append(_KVCopy(part.data_ptr(), *part.stride()[:4], n, row, pos, 0))
+    return (_KVCopy * len(out))(*out)
+
+
 @dataclass
 class _Plan:
     lib: ctypes.CDLL
@@ -246,7 +277,8 @@ def _run(
     x = inner.embed_tokens(ids.reshape(1, rows)).float().contiguous()
     cos, sin = _cos_sin(inner.rotary_emb, x, positions.reshape(1, rows))
     slab.reserve(max(slots) + 1)
-    kv = slab.kv
+    kv, pending = slab.take_pending()  # the C call copies them in (``pending`` keeps them alive)
+    copies = _copies(kv, pending)
     st = kv.stride()
     meta = torch.tensor([batch_rows, slots, lo], dtype=torch.int32)
     rc = p.lib.llama_layers(
@@ -273,6 +305,8 @@ def _run(
         meta[0].data_ptr(),
         meta[1].data_ptr(),
         meta[2].data_ptr(),
+        copies,
+        len(copies),
     )
     if rc != 0:
         raise MemoryError("the fast decode path could not allocate its work buffers")
@@ -321,7 +355,7 @@ def _slab_of(cache: Cache, batch: int, model: nn.Module) -> Slab | None:
     layers = cache.layers
     if layers and all(isinstance(lay, _SlabLayer) for lay in layers):
         slab = layers[0].slab
-        if any(lay.slab is not slab for lay in layers) or slab.kv.shape[2] != batch:
+        if any(lay.slab is not slab for lay in layers) or slab.batch != batch:
             return None
         if any(lay.n != layers[0].n for lay in layers):
             return None

@@ -10,8 +10,11 @@ Contract:
 - Capacity doubles (one copy) when a write would overflow.
 - ``load(prefix_kv)`` fills the first ``T`` positions of row 0 from a radix-layout tensor
   ``[layers, 2, kv_heads, T, head_dim]`` (one copy); ``load_parts(parts)`` does it from the
-  radix nodes' spans without concatenating them first. ``rows(b, begin, end)`` is a view in
-  the radix layout, ``export(b, begin, end)`` a contiguous copy of it.
+  radix nodes' spans without concatenating them first. ``load_parts(..., defer=True)`` only
+  records the spans (holding them): the first read of ``kv`` copies them, unless the C decoder
+  stack takes them first (``take_pending``) and copies each layer's on another thread while
+  the layers before it compute. ``rows(b, begin, end)`` is a view in the radix layout,
+  ``export(b, begin, end)`` a contiguous copy of it.
 - ``crop(n)`` drops the last ``n`` positions (no copy).
 - ``SlabPool``: finished sequences' slab tensors, handed to the next sequence of a fitting
   shape instead of a fresh allocation (bounded in bytes). A fresh tensor of a cache hit's size
@@ -36,7 +39,7 @@ class _SlabLayer(DynamicLayer):
     def __init__(self, slab: Slab, index: int) -> None:
         super().__init__()
         self.slab, self.index, self.n = slab, index, 0
-        self.dtype, self.device = slab.kv.dtype, slab.kv.device
+        self.dtype, self.device = slab._kv.dtype, slab._kv.device
         self.is_initialized = True
 
     @property
@@ -107,9 +110,26 @@ class Slab:
             raise ValueError(f"a reused KV tensor {tuple(kv.shape)} does not fit {shape}")
         elif kv.shape[4] < shape[4] or not kv.is_contiguous():
             raise ValueError(f"a reused KV tensor has {kv.shape[4]} positions, needs {shape[4]}")
-        self.kv = kv
+        self._kv = kv
+        # (row, first position, radix-layout span) still to copy in: see load_parts
+        self._pending: list[tuple[int, int, torch.Tensor]] = []
         self.layers = [_SlabLayer(self, i) for i in range(num_layers)]
         self.cache = Cache(layers=self.layers)
+
+    @property
+    def kv(self) -> torch.Tensor:
+        """The KV tensor, with every deferred span copied in."""
+        if self._pending:
+            pending, self._pending = self._pending, []
+            for row, pos, part in pending:
+                self._kv[:, :, row, :, pos : pos + part.shape[-2]].copy_(part)
+        return self._kv
+
+    def take_pending(self) -> tuple[torch.Tensor, list[tuple[int, int, torch.Tensor]]]:
+        """The KV tensor as it is and the deferred spans, now the caller's to copy in before
+        anything reads those positions."""
+        pending, self._pending = self._pending, []
+        return self._kv, pending
 
     @property
     def length(self) -> int:
@@ -117,7 +137,11 @@ class Slab:
 
     @property
     def capacity(self) -> int:
-        return self.kv.shape[4]
+        return self._kv.shape[4]
+
+    @property
+    def batch(self) -> int:
+        return self._kv.shape[2]
 
     def reserve(self, n: int) -> None:
         if n <= self.capacity:
@@ -126,23 +150,27 @@ class Slab:
         old = self.kv
         shape = list(old.shape)
         shape[4] = cap
-        self.kv = torch.empty(shape, dtype=old.dtype)
+        self._kv = torch.empty(shape, dtype=old.dtype)
         used = max(layer.n for layer in self.layers)
-        self.kv[:, :, :, :, :used].copy_(old[:, :, :, :, :used])
+        self._kv[:, :, :, :, :used].copy_(old[:, :, :, :, :used])
 
     def set_length(self, n: int) -> None:
         self.reserve(n)
         for layer in self.layers:
             layer.n = n
 
-    def load_parts(self, parts: list[torch.Tensor], row: int = 0) -> None:
-        """Positions ``[0, sum of spans)`` of ``row`` from radix-layout spans, in order."""
+    def load_parts(self, parts: list[torch.Tensor], row: int = 0, defer: bool = False) -> None:
+        """Positions ``[0, sum of spans)`` of ``row`` from radix-layout spans, in order;
+        ``defer``: recorded, copied on first read (see the module contract)."""
         total = sum(p.shape[-2] for p in parts)
         self.reserve(total)
         pos = 0
         for p in parts:
             t = p.shape[-2]
-            self.kv[:, :, row, :, pos : pos + t].copy_(p)
+            if defer:
+                self._pending.append((row, pos, p))
+            else:
+                self.kv[:, :, row, :, pos : pos + t].copy_(p)
             pos += t
         if row == 0:
             self.set_length(total)
@@ -197,7 +225,7 @@ class SlabPool:
 
     def give(self, slab: Slab) -> None:
         """Keep ``slab``'s tensor for reuse (the slab must not be used again)."""
-        t = slab.kv
+        t = slab._kv  # deferred spans are dropped, not copied into a tensor being given back
         size = t.numel() * t.element_size()
         if size > self.max_bytes or not t.is_contiguous():
             return

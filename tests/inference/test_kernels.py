@@ -256,6 +256,53 @@ def test_slab_writes_in_place_grows_crops_and_loads_spans() -> None:
         other.cache.layers[0].keys = torch.zeros(1, 1, 3, 4)
 
 
+def test_deferred_spans_are_copied_on_first_read_and_not_into_a_given_back_tensor() -> None:
+    full = torch.randn(2, 2, 1, 6, 4)
+    slab = Slab(num_layers=2, kv_heads=1, head_dim=4)
+    slab.load_parts([full[..., :4, :], full[..., 4:, :]], defer=True)
+    assert slab.length == 6 and not torch.equal(slab._kv[:, :, 0, :, :6], full)  # not yet
+    assert torch.equal(slab.cache.layers[1].values[0], full[1, 1])  # a read copies them in
+    assert torch.equal(slab.export(0, 0, 6), full)
+    pool = SlabPool()
+    given = Slab(num_layers=2, kv_heads=1, head_dim=4, capacity=8)
+    given._kv.zero_()
+    given.load_parts([full], defer=True)
+    pool.give(given)  # dropped, not copied: the tensor is the pool's now
+    assert pool.slab(2, 1, 4, 1, 8)._kv.abs().sum() == 0
+
+
+@needs_lib
+@pytest.mark.parametrize("new", [5, 40])  # a verify-sized block, a cache hit's prefill
+def test_fast_path_copies_a_deferred_prefix_while_it_runs(c_prefill, monkeypatch, new) -> None:
+    """A cache hit's prefix left deferred in the slab: the C stack copies it in, layer by
+    layer on its own thread, and gives the bits of the same forward on an eagerly loaded slab."""
+    from p2pnode.inference import _fastpath
+
+    handed = []
+    copies = _fastpath._copies
+    monkeypatch.setattr(
+        _fastpath, "_copies", lambda kv, pending: handed.append(len(pending)) or copies(kv, pending)
+    )
+    model = _tiny_llama(256)
+    assert _fastpath.install(model)
+    prefix = torch.randint(0, 96, (1, 70))
+    block = torch.randint(0, 96, (1, new))
+    with torch.inference_mode():
+        src = Slab(2, 2, 64, capacity=80)
+        model(input_ids=prefix, past_key_values=src.cache)
+        parts = [src.export(0, 0, 30), src.export(0, 30, 70)]  # two radix spans
+        out = []
+        for defer in (False, True):
+            slab = Slab(2, 2, 64, capacity=80 + new)
+            slab.load_parts(parts, defer=defer)
+            logits = model(input_ids=block, past_key_values=slab.cache).logits
+            assert not slab._pending  # taken by the C call, not read through ``kv`` first
+            out.append((logits, slab.export(0, 0, 70 + new)))
+    assert handed[-2:] == [0, 2]  # the deferred spans reached the C call, not a torch read
+    assert torch.equal(out[0][0], out[1][0]) and torch.equal(out[0][1], out[1][1])
+    assert torch.equal(out[1][1][..., :70, :], torch.cat(parts, dim=-2))
+
+
 def test_slab_pool_reuses_a_given_back_tensor_only_where_it_fits() -> None:
     pool = SlabPool(max_bytes=2 * 2 * 2 * 1 * 100 * 4 * 4)  # room for two 100-position slabs
     first = pool.slab(2, 1, 4, 1, 100)
