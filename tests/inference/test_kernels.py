@@ -443,32 +443,35 @@ def test_prefill_through_the_c_stack_matches_transformers(c_prefill, hidden, cac
     assert _fastpath._prefill_lins(_fastpath.plan(model)) is not None
 
 
-@needs_lib
-def test_prefill_stays_on_transformers_with_threads_or_without_panels(c_prefill, monkeypatch):
+def _prefill_took_the_c_stack(ids: torch.Tensor):
+    """A fresh tiny model prefilled with ``ids``: whether the C stack ran (its KV in a slab),
+    and the model."""
     from transformers import DynamicCache
 
-    from p2pnode.inference import _fastpath, _gemm
+    from p2pnode.inference import _fastpath
 
-    ids = torch.randint(0, 96, (1, 40))
-    torch.set_num_threads(2)  # oneDNN's GEMM and torch's attention use the threads
     model = _tiny_llama()
     assert _fastpath.install(model)
     cache = DynamicCache()
     with torch.inference_mode():
         model(input_ids=ids, past_key_values=cache)
-    assert not isinstance(cache.layers[0], _SlabLayer)
+    return isinstance(cache.layers[0], _SlabLayer), model
+
+
+@needs_lib
+def test_prefill_stays_on_transformers_with_threads_or_without_panels(c_prefill, monkeypatch):
+    from p2pnode.inference import _fastpath, _gemm
+
+    ids = torch.randint(0, 96, (1, 40))
+    torch.set_num_threads(2)  # oneDNN's GEMM and torch's attention use the threads
+    assert not _prefill_took_the_c_stack(ids)[0]
     torch.set_num_threads(1)
     monkeypatch.setenv("P2PNODE_PREFILL_GEMM", "onednn")
     _gemm.choice.cache_clear()
     if not torch.backends.mkldnn.is_available():
         pytest.skip("torch built without oneDNN: the panels are the only packed form")
-    model = _tiny_llama()
-    assert _fastpath.install(model)
-    cache = DynamicCache()
-    with torch.inference_mode():
-        model(input_ids=ids, past_key_values=cache)
-    assert not isinstance(cache.layers[0], _SlabLayer)
-    assert _fastpath._prefill_lins(_fastpath.plan(model)) is None
+    took, model = _prefill_took_the_c_stack(ids)
+    assert not took and _fastpath._prefill_lins(_fastpath.plan(model)) is None
 
 
 @needs_lib
