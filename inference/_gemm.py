@@ -112,12 +112,15 @@ def _panels(w: torch.Tensor) -> PanelWeight | None:
     return PanelWeight(w, lib, width)
 
 
-def _best_s(fn, x: torch.Tensor, reps: int = 5) -> float:
-    fn(x)  # warm: page faults, oneDNN's kernel selection
+def _round_s(calls: list[tuple[PrefillWeight, torch.Tensor]], rounds: int = 5) -> float:
+    """Best seconds of one round of ``f(x)`` over ``calls`` in turn."""
+    for f, x in calls:  # warm: page faults, oneDNN's kernel selection
+        f(x)
     best = float("inf")
-    for _ in range(reps):
+    for _ in range(rounds):
         t0 = time.perf_counter()
-        fn(x)
+        for f, x in calls:
+            f(x)
         best = min(best, time.perf_counter() - t0)
     return best
 
@@ -128,16 +131,24 @@ def choice() -> str:
         return "plain"
     pinned = os.environ.get("P2PNODE_PREFILL_GEMM", "auto")
     g = torch.Generator().manual_seed(0)
-    # A cached-prefix extend's shape (64 rows over a 1,536 x 576 MLP weight): the hit is the
-    # prefill whose latency a user waits on; longer prefills favoured the panels more here.
-    w = torch.randn(1536, 576, generator=g)
-    forms = {f.kind: f for f in (_panels(w), _onednn(w)) if f is not None}
-    if not forms:
+    # A cached-prefix extend's shape: 64 rows through the MLP's 1,536 x 576 and 576 x 1,536
+    # weights (the hit is the prefill whose latency a user waits on; longer prefills favoured
+    # the panels more here). Six distinct weights in turn, as a forward calls them: one weight
+    # timed alone stays in L2, and on an AVX-512 Xeon (2026-12-06) that made oneDNN look 4-30 %
+    # faster where, in turn over 4-8 weights, it was 6-20 % slower, and the C prefill it then
+    # ruled out took a cache hit's TTFT from 145 to 200 ms.
+    ws = [torch.randn(*shape, generator=g) for shape in [(1536, 576), (576, 1536)] * 3]
+    xs = {k: torch.randn(64, k, generator=g) for k in (576, 1536)}
+    calls = {}
+    for kind, make in (("panels", _panels), ("onednn", _onednn)):
+        forms = [make(w) for w in ws]
+        if all(f is not None for f in forms):
+            calls[kind] = [(f, xs[w.shape[1]]) for f, w in zip(forms, ws, strict=True)]
+    if not calls:
         return "plain"
-    if pinned in forms:
+    if pinned in calls:
         return pinned
-    x = torch.randn(64, 576, generator=g)
-    times = {kind: _best_s(f, x) for kind, f in forms.items()}
+    times = {kind: _round_s(c) for kind, c in calls.items()}
     pick = min(times, key=times.__getitem__)
     log.info(
         "prefill GEMM: %s (%s)", pick, ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in times.items())
