@@ -19,6 +19,9 @@ Simulated from those figures, per round trip (``simulate_*``, pure functions, te
   contradicted guess; the verifier never waits, and each step verifies every consecutive guess
   that has arrived (up to ``--max-block``) or, with none, decodes one token alone. No shared-core
   contention, no protocol cost, no first-token latency.
+two trees beside the chain: ``+leaves`` (each guess carries the draft's second choice as a leaf,
+verified as a position of its own) and a free top-2 tree (any tree of the draft's first two
+choices at every node, drafted and verified at no cost: how far hedged drafts could go at all);
 and a what-if grid at one round trip: independent agreements of a given rate, and cheaper drafts.
 
 Prints the tables and writes ``bench/results/speculation_bound.json``. Why it exists: at 100 ms
@@ -96,11 +99,18 @@ def simulate_ideal(
     horizon: int = 16,
     max_block: int = 8,
     resync_ms: float | None = None,
+    second: Sequence[int] | None = None,
 ) -> float:
     """ms for the idealised streaming pipeline (module docstring) to commit ``len(agree)``
     tokens. ``agree[i]``: the draft's guess at new position i + 1, given the true prefix, is
     the target's. ``horizon``: guesses the edge runs ahead of what it knows; ``resync_ms``: the
-    edge's cost to feed the true tokens after a contradiction (default half a draft step)."""
+    edge's cost to feed the true tokens after a contradiction (default half a draft step).
+
+    ``second`` (a tree of chain and leaves): each guess also carries the draft's second choice at
+    its position as a leaf, free to draft (it comes from the same logits) but verified as a
+    position of its own, so a step over k guesses costs ``cost(2k + 1)``. ``second[i]``: the
+    target's token at new position i + 1 is the draft's second choice. Where the chain's guess
+    is wrong and its leaf right, the step commits the leaf and the token after it."""
     n, half = len(agree), rtt_ms / 2
     resync = draft_ms / 2 if resync_ms is None else resync_ms
     c, t = 0, 0.0  # verifier: committed tokens, clock
@@ -134,8 +144,9 @@ def simulate_ideal(
         acc = 0
         while acc < k and agree[c + acc]:
             acc += 1
-        t += cost(k + 1)
-        c = min(n, c + acc + 1)
+        leaf = second is not None and acc < k and second[c + acc]
+        t += cost(k + 1 if second is None else 2 * k + 1)
+        c = min(n, c + acc + 1 + int(leaf))
         to_edge.append((t + half, c))
         guesses = [g for g in guesses if g[2] > c]
     return t
@@ -164,15 +175,17 @@ def _measure(n_prompts: int, new_tokens: int) -> dict:
     for i, (text, p) in enumerate(zip(PROMPTS, prompts, strict=False)):
         t0 = time.perf_counter()
         ref = target_generate(target, p, new_tokens, eos_token_ids=target.eos_token_ids)
-        agree, cache = [], DynamicCache()
+        rank, cache = [], DynamicCache()
         with torch.inference_mode():
             out = draft.model(input_ids=torch.tensor([p]), past_key_values=cache, use_cache=True)
             for tok in ref:
-                agree.append(int(int(out.logits[0, -1].argmax()) == tok))
+                logits = out.logits[0, -1]
+                rank.append(int((logits > logits[tok]).sum()))
                 out = draft.model(
                     input_ids=torch.tensor([[tok]]), past_key_values=cache, use_cache=True
                 )
-        seqs.append({"prompt": text, "agree": agree})
+        agree = [int(r == 0) for r in rank]
+        seqs.append({"prompt": text, "agree": agree, "rank": rank})
         rate = sum(agree) / max(len(agree), 1)
         print(
             f"  prompt {i + 1}/{len(prompts)}: {len(agree)} tokens, agreement {rate:.2f} "
@@ -210,9 +223,19 @@ def main() -> None:
         f"{st['draft']:.1f} ms, agreement {agreement:.3f}"
     )
 
-    def ideal(a, rtt, draft_ms=st["draft"]):
+    ranks = [s["rank"] for s in m["sequences"] if s["agree"]]
+    top2 = sum(r < 2 for rs in ranks for r in rs) / sum(map(len, ranks))
+    print(f"the target's token among the draft's first two choices: {top2:.3f}")
+
+    def ideal(a, rtt, draft_ms=st["draft"], second=None):
         return simulate_ideal(
-            a, rtt, cost, draft_ms, horizon=args.horizon, max_block=args.max_block
+            a,
+            rtt,
+            cost,
+            draft_ms,
+            horizon=args.horizon,
+            max_block=args.max_block,
+            second=second,
         )
 
     rows = []
@@ -224,10 +247,36 @@ def main() -> None:
         remote = _rates(seqs, lambda a: simulate_remote(len(a), cost))
         sync = _rates(seqs, lambda a, rtt=rtt: simulate_sync(a, rtt, cost, st["draft"], args.gamma))
         best = _rates(seqs, lambda a, rtt=rtt: ideal(a, rtt))
-        rows.append({"rtt_ms": rtt, "remote": remote, "sync": sync, "ideal": best})
+        # trees: the chain with its second choices as leaves, at their verify cost; and any tree
+        # of the draft's first two choices at every node, drafted and verified for free (the
+        # true path stays in it while each true token is one of its parent's two children)
+        pairs = list(zip(seqs, ranks, strict=True))
+        leaves = (
+            1000
+            * sum(map(len, seqs))
+            / sum(ideal(a, rtt, second=[int(x == 1) for x in r]) for a, r in pairs)
+        )
+        free2 = 1000 * sum(map(len, seqs)) / sum(ideal([int(x < 2) for x in r], rtt) for r in ranks)
+        rows.append(
+            {
+                "rtt_ms": rtt,
+                "remote": remote,
+                "sync": sync,
+                "ideal": best,
+                "ideal_chain_and_leaves": leaves,
+                "ideal_free_top2_tree": free2,
+            }
+        )
         print(
             f"{rtt:7.0f} {remote:8.1f} {sync:8.1f} {best:8.1f} {best / remote:13.2f} "
             f"{best / sync:11.2f}"
+        )
+    print(f"{'RTT ms':>7} {'chain':>8} {'+leaves':>8} {'free top-2 tree':>16}  (ideal / remote)")
+    for r in rows:
+        print(
+            f"{r['rtt_ms']:7.0f} {r['ideal'] / r['remote']:8.2f} "
+            f"{r['ideal_chain_and_leaves'] / r['remote']:8.2f} "
+            f"{r['ideal_free_top2_tree'] / r['remote']:16.2f}"
         )
     by = {r["rtt_ms"]: r for r in rows}
     if 0.0 in by and 200.0 in by:
@@ -257,6 +306,7 @@ def main() -> None:
             {
                 "step_ms": {str(k): v for k, v in st.items()},
                 "agreement": agreement,
+                "top2": top2,
                 "agreement_median_per_prompt": statistics.median(sum(a) / len(a) for a in seqs),
                 "sequences": m["sequences"],
                 "rtts": rows,

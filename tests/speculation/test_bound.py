@@ -52,3 +52,23 @@ def test_sync_pays_drafting_a_round_trip_and_a_verify_per_block() -> None:
 def test_linear_cost_passes_through_the_measured_points() -> None:
     cost = bound.linear_cost(30.0, 42.0)
     assert (cost(1), cost(5), cost(9)) == (30.0, 42.0, 54.0)
+
+
+def test_second_choice_leaves_are_verified_as_positions_of_their_own() -> None:
+    # The always-right draft of the first test: 11 steps, 10 of them over 4 guesses, which
+    # with a leaf each cost 2 x 4 + 1 positions instead of 4 + 1; no right leaf changes nothing.
+    right, none = [1] * 51, [0] * 51
+    per_position = lambda k: float(k)  # noqa: E731
+    plain = bound.simulate_ideal(right, 0.0, per_position, 0.01, max_block=4)
+    leaves = bound.simulate_ideal(right, 0.0, per_position, 0.01, max_block=4, second=none)
+    assert (plain, leaves) == (pytest.approx(1 + 10 * 5), pytest.approx(1 + 10 * 9))
+
+
+def test_a_right_leaf_saves_the_round_trip_of_a_wrong_guess() -> None:
+    rng = random.Random(3)
+    agree = [int(rng.random() < 0.75) for _ in range(200)]
+    second = [int(not a and rng.random() < 0.5) for a in agree]
+    for rtt in (0.0, 20.0):  # (at 10 round trips a step hardly any guess is used at all)
+        chain = bound.simulate_ideal(agree, rtt, flat, 1.0)
+        assert bound.simulate_ideal(agree, rtt, flat, 1.0, second=[0] * 200) == chain
+        assert bound.simulate_ideal(agree, rtt, flat, 1.0, second=second) < chain
