@@ -2,6 +2,7 @@
 the draft's measured agreement with the target: an upper bound to judge the pipeline against.
 
     python bench/speculation_bound.py [--rtts 0,50,100,200] [--new-tokens 96] [--prompts 8]
+        [--reuse]   (simulate again on the last run's measurements, bench/results/)
 
 Measured (one torch thread, the models as nodes load them): the target's forward over 1, 5 and
 9 new positions after a prompt, the draft's decode step, and for each prompt the draft's
@@ -33,11 +34,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -152,6 +155,119 @@ def simulate_ideal(
     return t
 
 
+def simulate_hedged(
+    agree: Sequence[int],
+    second: Sequence[int],
+    rtt_ms: float,
+    cost: StepCost,
+    draft_ms: float,
+    *,
+    depth: int = 1,
+    branch: int = 4,
+    branch_cost: float = 1.0,
+    horizon: int = 16,
+    max_block: int = 8,
+    resync_ms: float | None = None,
+) -> float:
+    """``simulate_ideal``'s pipeline where the edge hedges after each restart: past each of the
+    first ``depth`` guesses of a chain drafted from a contradiction, it also drafts a branch of
+    ``branch`` tokens rooted at that position's second choice (``second[i]``: it is the
+    target's token at new position i + 1), each token at ``branch_cost`` draft steps, sent as
+    drafted. That is when the verifier is furthest ahead of the edge (it decoded alone while
+    the contradiction travelled), so a right branch can stand in for a wrong guess without a
+    round trip. The verifier verifies one chain a step, as deployed: the first choices the
+    committed tokens allow, pooled as ``simulate_ideal`` pools them (a branch's among them once
+    its root is committed), or else a branch rooted at its first open position. The edge
+    carries on along a branch that a commit proved right. ``depth=0`` is ``simulate_ideal``."""
+    n, half = len(agree), rtt_ms / 2
+    resync = draft_ms / 2 if resync_ms is None else resync_ms
+    c, t = 0, 0.0  # verifier: committed tokens, clock
+    base = top = restart = 0  # edge: true tokens known, last guessed, where the chain restarted
+    et = 0.0
+    to_edge: list[tuple[float, int]] = []
+    chains: list[_Chain] = []
+
+    def allowed(ch: _Chain, c: int) -> bool:  # its guesses up to c are the committed tokens
+        if ch.root is None:
+            return ch.base <= c and _agrees(agree, ch.base, c)
+        before = _agrees(agree, ch.base, ch.root - 1)
+        if c == ch.root - 1:
+            return before
+        return c >= ch.root and before and bool(second[ch.root - 1]) and _agrees(agree, ch.root, c)
+
+    while c < n:
+        while et < t:
+            while to_edge and to_edge[0][0] <= et:
+                arrival, committed = to_edge.pop(0)
+                if committed <= base:
+                    continue
+                on = [ch for ch in chains if ch.root and ch.end() >= committed]
+                on = [ch for ch in on if allowed(ch, committed)]
+                if top >= committed and _agrees(agree, base, committed):
+                    base = committed
+                elif on:  # a branch proved right: draft on from its end
+                    base, top = committed, on[0].end()
+                    et = max(et, arrival) + resync
+                else:
+                    base = top = restart = committed
+                    et = max(et, arrival) + resync
+            if top - base < horizon and top < n:
+                if not chains or chains[-1].root is not None or chains[-1].base != base:
+                    chains.append(_Chain(base))
+                et += draft_ms
+                top += 1
+                chains[-1].sent[top] = et + half
+                if top - restart <= depth:
+                    hedge = _Chain(base, root=top)
+                    for q in range(top, min(n, top + branch - 1) + 1):
+                        et += draft_ms * branch_cost
+                        hedge.sent[q] = et + half
+                    chains.append(hedge)
+            elif to_edge:
+                et = max(et, to_edge[0][0])
+            else:
+                et = t
+        ok = [ch for ch in chains if allowed(ch, c)]
+        pool: dict[int, float] = {}
+        for ch in ok:
+            if ch.root is None or ch.root <= c:
+                for q, arrival in ch.sent.items():
+                    pool[q] = min(arrival, pool.get(q, math.inf))
+        sent, root = pool, None
+        if _run(pool, c + 1, t) == 0:
+            roots = [ch.sent for ch in ok if ch.root == c + 1]
+            if roots:
+                sent, root = max(roots, key=lambda r: _run(r, c + 1, t)), c + 1
+        k, acc = min(max_block, _run(sent, c + 1, t)), 0
+        while acc < k and (second if c + 1 + acc == root else agree)[c + acc]:
+            acc += 1
+        t += cost(k + 1)
+        c = min(n, c + acc + 1)
+        to_edge.append((t + half, c))
+        chains = [ch for ch in chains if ch.end() > c]
+    return t
+
+
+@dataclass
+class _Chain:
+    """Guesses drafted on ``base`` true tokens; a branch's first is ``root``'s second choice."""
+
+    base: int
+    root: int | None = None
+    sent: dict[int, float] = field(default_factory=dict)  # position -> arrival at the verifier
+
+    def end(self) -> int:
+        return max(self.sent, default=self.base)
+
+
+def _run(sent: dict[int, float], start: int, t: float) -> int:
+    """Consecutive positions from ``start`` whose guesses have arrived by ``t``."""
+    k = 0
+    while sent.get(start + k, math.inf) <= t:
+        k += 1
+    return k
+
+
 # ---------------------------------------------------------------- measurements
 
 
@@ -200,6 +316,11 @@ def _rates(seqs, fn) -> float:
     return 1000 * sum(len(a) for a in seqs) / sum(fn(a) for a in seqs)
 
 
+def _rates_pairs(pairs, fn) -> float:
+    """tokens/s over (agreement, ranks) pairs together."""
+    return 1000 * sum(len(a) for a, _ in pairs) / sum(fn(a, r) for a, r in pairs)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rtts", default="0,50,100,200")
@@ -209,11 +330,19 @@ def main() -> None:
     ap.add_argument("--horizon", type=int, default=16)
     ap.add_argument("--max-block", type=int, default=8)
     ap.add_argument("--what-if-rtt", type=float, default=100.0)
+    ap.add_argument(
+        "--reuse", action="store_true", help="simulate on the last run's measurements (no model)"
+    )
     args = ap.parse_args()
     rtts = [float(r) for r in args.rtts.split(",")]
 
-    print(f"measuring: {args.prompts} prompts x {args.new_tokens} tokens", flush=True)
-    m = _measure(min(args.prompts, len(PROMPTS)), args.new_tokens)
+    if args.reuse:
+        m = json.loads(RESULTS.read_text())
+        m["step_ms"] = {int(k) if k.isdigit() else k: v for k, v in m["step_ms"].items()}
+        print(f"reusing the measurements in {RESULTS}")
+    else:
+        print(f"measuring: {args.prompts} prompts x {args.new_tokens} tokens", flush=True)
+        m = _measure(min(args.prompts, len(PROMPTS)), args.new_tokens)
     st = m["step_ms"]
     cost = linear_cost(st[1], st[5])
     seqs = [s["agree"] for s in m["sequences"] if s["agree"]]
@@ -238,7 +367,7 @@ def main() -> None:
             second=second,
         )
 
-    rows = []
+    rows, pairs = [], list(zip(seqs, ranks, strict=True))
     print(
         f"{'RTT ms':>7} {'remote':>8} {'sync':>8} {'ideal':>8} {'ideal/remote':>13} "
         f"{'ideal/sync':>11}  (tokens/s, first-token latency left out)"
@@ -250,11 +379,8 @@ def main() -> None:
         # trees: the chain with its second choices as leaves, at their verify cost; and any tree
         # of the draft's first two choices at every node, drafted and verified for free (the
         # true path stays in it while each true token is one of its parent's two children)
-        pairs = list(zip(seqs, ranks, strict=True))
-        leaves = (
-            1000
-            * sum(map(len, seqs))
-            / sum(ideal(a, rtt, second=[int(x == 1) for x in r]) for a, r in pairs)
+        leaves = _rates_pairs(
+            pairs, lambda a, r, rtt=rtt: ideal(a, rtt, second=[int(x == 1) for x in r])
         )
         free2 = 1000 * sum(map(len, seqs)) / sum(ideal([int(x < 2) for x in r], rtt) for r in ranks)
         rows.append(
@@ -278,6 +404,31 @@ def main() -> None:
             f"{r['ideal_chain_and_leaves'] / r['remote']:8.2f} "
             f"{r['ideal_free_top2_tree'] / r['remote']:16.2f}"
         )
+    # hedged drafts (simulate_hedged): branches drafted serially on the edge's one core, at a
+    # third of a step each (as if batched beside the chain), and free
+    hedges = {"1x4 serial": (1, 4, 1.0), "3x4 at 0.3": (3, 4, 0.3), "8x8 free": (8, 8, 0.0)}
+    print(f"{'RTT ms':>7} {'chain':>8} " + " ".join(f"{h:>12}" for h in hedges) + "  (hedged)")
+    for r in rows:
+        line = []
+        for name, (depth, branch, f) in hedges.items():
+            rate = _rates_pairs(
+                pairs,
+                lambda a, rk, r=r, depth=depth, branch=branch, f=f: simulate_hedged(
+                    a,
+                    [int(x == 1) for x in rk],
+                    r["rtt_ms"],
+                    cost,
+                    st["draft"],
+                    depth=depth,
+                    branch=branch,
+                    branch_cost=f,
+                    horizon=args.horizon,
+                    max_block=args.max_block,
+                ),
+            )
+            r[f"hedged {name}"] = rate
+            line.append(f"{rate / r['remote']:12.2f}")
+        print(f"{r['rtt_ms']:7.0f} {r['ideal'] / r['remote']:8.2f} " + " ".join(line))
     by = {r["rtt_ms"]: r for r in rows}
     if 0.0 in by and 200.0 in by:
         print(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import random
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ import pytest
 _PATH = Path(__file__).resolve().parents[2] / "bench" / "speculation_bound.py"
 _SPEC = importlib.util.spec_from_file_location("speculation_bound", _PATH)
 bound = importlib.util.module_from_spec(_SPEC)
+sys.modules[_SPEC.name] = bound  # dataclasses look their module up there
 _SPEC.loader.exec_module(bound)
 
 
@@ -72,3 +74,27 @@ def test_a_right_leaf_saves_the_round_trip_of_a_wrong_guess() -> None:
         chain = bound.simulate_ideal(agree, rtt, flat, 1.0)
         assert bound.simulate_ideal(agree, rtt, flat, 1.0, second=[0] * 200) == chain
         assert bound.simulate_ideal(agree, rtt, flat, 1.0, second=second) < chain
+
+
+@pytest.mark.parametrize("rtt", [0.0, 37.0, 100.0])
+def test_hedging_at_depth_zero_is_the_plain_pipeline(rtt: float) -> None:
+    rng = random.Random(5)
+    agree = [int(rng.random() < 0.75) for _ in range(120)]
+    second = [int(not a and rng.random() < 0.5) for a in agree]
+    cost = bound.linear_cost(40.0, 42.0)
+    plain = bound.simulate_ideal(agree, rtt, cost, 10.0)
+    assert bound.simulate_hedged(agree, second, rtt, cost, 10.0, depth=0) == pytest.approx(plain)
+
+
+def test_free_branches_at_the_right_second_choices_beat_the_chain_and_costly_ones_do_not() -> None:
+    # Every wrong first choice has a right second: a free branch there spares the verifier the
+    # round trip the chain pays. Branches that cost a draft step each delay the chain instead,
+    # and with a draft a quarter of the target's step that costs more than it saves here.
+    rng = random.Random(7)
+    agree = [int(rng.random() < 0.75) for _ in range(200)]
+    second = [1 - a for a in agree]
+    cost = bound.linear_cost(40.0, 42.0)
+    chain = bound.simulate_ideal(agree, 100.0, cost, 10.0)
+    free = bound.simulate_hedged(agree, second, 100.0, cost, 10.0, depth=3, branch_cost=0.0)
+    costly = bound.simulate_hedged(agree, second, 100.0, cost, 10.0, depth=3, branch_cost=1.0)
+    assert free < chain < costly
