@@ -5,7 +5,9 @@ Contract:
 - ``Committed``: the session's committed tokens as the verifier gave them, in its commit order.
   Every verdict must agree with what was committed before it and leave no gap; a verifier that
   rewrites a token it already gave, skips one or names one outside the vocabulary raises
-  ``BadVerdict`` (never a silent fix). ``on_commit`` hears each new run of tokens.
+  ``BadVerdict`` (never a silent fix). ``on_commit`` hears each new run of tokens, up to what
+  the session may output (``limit`` tokens after the prompt, cut after the first EOS): a block
+  accepted whole can commit more, which the result drops, and a stream must drop them too.
 - ``Flight``: the blocks sent and not answered yet, in order. ``take(result)`` checks a verdict
   on the oldest one (``overlay.trust.verdict_problem``, a base that was committed, the committed
   length it states) and commits its tokens; ``take_lead(lead)`` commits a lead token at the end;
@@ -116,10 +118,19 @@ class Committed:
     Every verdict must agree with what was committed before it and leave no gap; the verifier
     cannot rewrite a token it already gave (that is a ``BadVerdict``, never a silent fix)."""
 
-    def __init__(self, prompt: list[int], vocab: int | None, on_commit) -> None:
+    def __init__(
+        self,
+        prompt: list[int],
+        vocab: int | None,
+        on_commit,
+        limit: int | None = None,
+        eos: Collection[int] = (),
+    ) -> None:
         self.tokens = list(prompt)
         self.vocab = vocab
         self.on_commit = on_commit
+        self.limit, self.eos = limit, eos
+        self.told, self.ended = 0, False  # output tokens handed to on_commit; all it may get
 
     def place(self, position: int, tokens: list[int]) -> None:
         if position > len(self.tokens):
@@ -133,7 +144,10 @@ class Committed:
             if t < 0 or (self.vocab is not None and t >= self.vocab):
                 raise BadVerdict(f"token {t} outside the vocabulary of {self.vocab}")
             self.tokens.append(t)
-            new.append(t)
+            if not self.ended:
+                new.append(t)
+                self.told += 1
+                self.ended = t in self.eos or self.told == self.limit
         if new and self.on_commit is not None:
             self.on_commit(new)
 

@@ -360,7 +360,8 @@ async def speculative_generate(
     vocab = getattr(getattr(draft.model, "config", None), "vocab_size", None)
     d = DraftRunner(draft, options, top_k=probs_top_k, seed=options.seed)
     d.tokens = list(prompt)
-    fl = Flight(Committed(prompt, vocab, on_commit), SpecStats(), vocab, lead > 0)
+    c = Committed(prompt, vocab, on_commit, max_new_tokens, eos)
+    fl = Flight(c, SpecStats(), vocab, lead > 0)
     edge = _Edge(transport, d, fl, len(prompt), max_new_tokens, eos, gamma, depth, lead)
     edge.history = history if history is not None else DraftHistory()
     try:
@@ -387,7 +388,7 @@ async def remote_generate(
     refills it. The baseline speculation is measured against, and the output it must equal."""
     options = options or GREEDY
     eos, stats, started = frozenset(eos_token_ids), SpecStats(), time.perf_counter()
-    c = Committed(prompt, None, on_commit)
+    c = Committed(prompt, None, on_commit, max_new_tokens, eos)
     try:
         granted = await transport.open(prompt, options, lead=max_new_tokens)
         budget, number = granted, 0

@@ -1,5 +1,6 @@
 """The verifier's batching step without a model (``speculation/_batching.py``), the edge's choice
-between drafting and letting the verifier decode alone (``_flight.DraftHistory``), the package face
+between drafting and letting the verifier decode alone (``_flight.DraftHistory``), what the edge
+tells a stream of its committed tokens (``_flight.Committed``), the package face
 and the error codes the verify protocol carries (``speculation/_errors.py``)."""
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from p2pnode.errors import P2PNodeError
 from p2pnode.speculation import protocol
 from p2pnode.speculation._batching import Row, Session, Waiter, accept, may_lead, plan
 from p2pnode.speculation._errors import VerifierError
-from p2pnode.speculation._flight import DraftHistory
+from p2pnode.speculation._flight import Committed, DraftHistory
 from p2pnode.speculation._lookup import NgramIndex
 
 V = 8
@@ -72,6 +73,20 @@ def test_draft_history_measures_both_behaviours_then_keeps_the_faster() -> None:
     assert [h.choose(4) for _ in range(3)] == ["draft"] * 3
     h.observe("draft", 16, 1.6)  # the round trip grew: 10 tokens/s, smoothed to 25
     assert h.rates["draft"] == 25.0 and h.choose(4) == "lead"
+
+
+def test_a_stream_hears_the_committed_tokens_up_to_the_output_limit_and_eos() -> None:
+    heard: list[list[int]] = []
+    c = Committed([1, 2], None, heard.append, limit=4)
+    c.place(2, [5, 6, 7])
+    c.place(5, [8, 9, 3])  # a whole block accepted: past the limit, which the result drops
+    c.place(2, [5, 6])  # already committed: nothing new
+    assert heard == [[5, 6, 7], [8]] and c.tokens == [1, 2, 5, 6, 7, 8, 9, 3]
+    heard.clear()
+    c = Committed([1], None, heard.append, limit=10, eos=(0,))
+    c.place(1, [4, 0, 6])  # the output ends at its first end-of-sequence token
+    c.place(4, [7])
+    assert heard == [[4, 0]]
 
 
 def test_plan_refuses_past_the_limit_and_fills_the_batch_with_lead_steps() -> None:
