@@ -1056,6 +1056,19 @@ static int run_of(const int32_t *rb, const int32_t *rlo, int m, int M) {
 #else
 #define GM 6
 #endif
+/* Tiles of 1..GM rows: EACH_TILE(F) defines F(1)..F(GM); SWITCH_TILE(CALL, mr) calls CALL(mr). */
+#if GM > 6
+#define EACH_TILE(F) F(1) F(2) F(3) F(4) F(5) F(6) F(7) F(8) F(9) F(10) F(11) F(12)
+#define SWITCH_TILE(CALL, mr) switch (mr) { \
+  case 1: CALL(1); break; case 2: CALL(2); break; case 3: CALL(3); break; case 4: CALL(4); break; \
+  case 5: CALL(5); break; case 6: CALL(6); break; case 7: CALL(7); break; case 8: CALL(8); break; \
+  case 9: CALL(9); break; case 10: CALL(10); break; case 11: CALL(11); break; default: CALL(12); }
+#else
+#define EACH_TILE(F) F(1) F(2) F(3) F(4) F(5) F(6)
+#define SWITCH_TILE(CALL, mr) switch (mr) { \
+  case 1: CALL(1); break; case 2: CALL(2); break; case 3: CALL(3); break; case 4: CALL(4); break; \
+  case 5: CALL(5); break; default: CALL(6); }
+#endif
 #define PANEL_TILE(MR)                                                                     \
   static void ptile_##MR(const float *p, const float *x, int K, float *y, int N,          \
                          const float *pf, int kp, int step) {                               \
@@ -1078,20 +1091,7 @@ static int run_of(const int32_t *rb, const int32_t *rlo, int m, int M) {
       st(y + (size_t)i * N + VL, c1[i]);                                                    \
     }                                                                                       \
   }
-PANEL_TILE(1)
-PANEL_TILE(2)
-PANEL_TILE(3)
-PANEL_TILE(4)
-PANEL_TILE(5)
-PANEL_TILE(6)
-#if GM > 6
-PANEL_TILE(7)
-PANEL_TILE(8)
-PANEL_TILE(9)
-PANEL_TILE(10)
-PANEL_TILE(11)
-PANEL_TILE(12)
-#endif
+EACH_TILE(PANEL_TILE)
 
 int panel_width(void) { return GN; }
 
@@ -1101,8 +1101,8 @@ typedef struct {
   int M, N, K, p0, p1;
 } panels_job;
 
-/* Panels [p0, p1) for all M rows; tiles balanced (50 rows: 5 x 6 + 4 x 5, not 8 x 6 + 2).
- * The panel two ahead is prefetched while this one runs, its inputs spread over the tiles
+/* Panels [p0, p1) for all M rows; tiles balanced (50 rows in tiles of 6: 5 x 6 + 4 x 5, not
+ * 8 x 6 + 2). The panel two ahead is prefetched while this one runs, its inputs spread over the tiles
  * (tile t takes inputs t, t + tiles, ...): all in the first tile, or one panel ahead, left
  * 50 rows at 86-88 GFLOP/s from DRAM against 98-101 from cache. */
 static void *panels_run(void *arg) {
@@ -1115,24 +1115,9 @@ static void *panels_run(void *arg) {
       const int mr = (j->M - m0) / (tiles - t), kp = pf ? t : K;
       const float *x = j->X + (size_t)m0 * K;
       float *y = j->Y + (size_t)m0 * N + (size_t)pn * GN;
-      switch (mr) {
-      case 1: ptile_1(p, x, K, y, N, pf, kp, tiles); break;
-      case 2: ptile_2(p, x, K, y, N, pf, kp, tiles); break;
-      case 3: ptile_3(p, x, K, y, N, pf, kp, tiles); break;
-      case 4: ptile_4(p, x, K, y, N, pf, kp, tiles); break;
-      case 5: ptile_5(p, x, K, y, N, pf, kp, tiles); break;
-#if GM > 6
-      case 6: ptile_6(p, x, K, y, N, pf, kp, tiles); break;
-      case 7: ptile_7(p, x, K, y, N, pf, kp, tiles); break;
-      case 8: ptile_8(p, x, K, y, N, pf, kp, tiles); break;
-      case 9: ptile_9(p, x, K, y, N, pf, kp, tiles); break;
-      case 10: ptile_10(p, x, K, y, N, pf, kp, tiles); break;
-      case 11: ptile_11(p, x, K, y, N, pf, kp, tiles); break;
-      default: ptile_12(p, x, K, y, N, pf, kp, tiles);
-#else
-      default: ptile_6(p, x, K, y, N, pf, kp, tiles);
-#endif
-      }
+#define PTILE(n) ptile_##n(p, x, K, y, N, pf, kp, tiles)
+      SWITCH_TILE(PTILE, mr)
+#undef PTILE
       m0 += mr;
     }
   }
@@ -1215,77 +1200,21 @@ static inline vf vmax(vf a, vf b) {
       st(op[i] + d0 + VL, o1[i]);                                                               \
     }                                                                                           \
   }
-QK_TILE(1)
-QK_TILE(2)
-QK_TILE(3)
-QK_TILE(4)
-QK_TILE(5)
-QK_TILE(6)
-#if GM > 6
-QK_TILE(7)
-QK_TILE(8)
-QK_TILE(9)
-QK_TILE(10)
-QK_TILE(11)
-QK_TILE(12)
-#endif
-PV_TILE(1)
-PV_TILE(2)
-PV_TILE(3)
-PV_TILE(4)
-PV_TILE(5)
-PV_TILE(6)
-#if GM > 6
-PV_TILE(7)
-PV_TILE(8)
-PV_TILE(9)
-PV_TILE(10)
-PV_TILE(11)
-PV_TILE(12)
-#endif
+EACH_TILE(QK_TILE)
+EACH_TILE(PV_TILE)
 
 static void qk_tile(int mr, const float *const *qp, const float *kt, int hd, float scale,
                     float *s, vf *top) {
-  switch (mr) {
-  case 1: qk_1(qp, kt, hd, scale, s, top); break;
-  case 2: qk_2(qp, kt, hd, scale, s, top); break;
-  case 3: qk_3(qp, kt, hd, scale, s, top); break;
-  case 4: qk_4(qp, kt, hd, scale, s, top); break;
-  case 5: qk_5(qp, kt, hd, scale, s, top); break;
-#if GM > 6
-      case 6: qk_6(qp, kt, hd, scale, s, top); break;
-      case 7: qk_7(qp, kt, hd, scale, s, top); break;
-      case 8: qk_8(qp, kt, hd, scale, s, top); break;
-      case 9: qk_9(qp, kt, hd, scale, s, top); break;
-      case 10: qk_10(qp, kt, hd, scale, s, top); break;
-      case 11: qk_11(qp, kt, hd, scale, s, top); break;
-      default: qk_12(qp, kt, hd, scale, s, top);
-#else
-      default: qk_6(qp, kt, hd, scale, s, top);
-#endif
-  }
+#define QK(n) qk_##n(qp, kt, hd, scale, s, top)
+  SWITCH_TILE(QK, mr)
+#undef QK
 }
 
 static void pv_tile(int mr, float *const *op, const float *p, const float *V, int64_t s_pos,
                     int nk, int d0) {
-  switch (mr) {
-  case 1: pvt_1(op, p, V, s_pos, nk, d0); break;
-  case 2: pvt_2(op, p, V, s_pos, nk, d0); break;
-  case 3: pvt_3(op, p, V, s_pos, nk, d0); break;
-  case 4: pvt_4(op, p, V, s_pos, nk, d0); break;
-  case 5: pvt_5(op, p, V, s_pos, nk, d0); break;
-#if GM > 6
-      case 6: pvt_6(op, p, V, s_pos, nk, d0); break;
-      case 7: pvt_7(op, p, V, s_pos, nk, d0); break;
-      case 8: pvt_8(op, p, V, s_pos, nk, d0); break;
-      case 9: pvt_9(op, p, V, s_pos, nk, d0); break;
-      case 10: pvt_10(op, p, V, s_pos, nk, d0); break;
-      case 11: pvt_11(op, p, V, s_pos, nk, d0); break;
-      default: pvt_12(op, p, V, s_pos, nk, d0);
-#else
-      default: pvt_6(op, p, V, s_pos, nk, d0);
-#endif
-  }
+#define PVT(n) pvt_##n(op, p, V, s_pos, nk, d0)
+  SWITCH_TILE(PVT, mr)
+#undef PVT
 }
 
 /* One tile's scores for keys [j0, j0 + nk) -> probabilities in place, the running max and sum
