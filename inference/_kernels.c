@@ -1101,10 +1101,10 @@ typedef struct {
   int M, N, K, p0, p1;
 } panels_job;
 
-/* Panels [p0, p1) for all M rows; tiles balanced (50 rows in tiles of 6: 5 x 6 + 4 x 5, not 8 x 6
- * + 2). The panel two ahead is prefetched while this one runs, its inputs spread over the tiles
- * (tile t takes inputs t, t + tiles, ...): all in the first tile, or one panel ahead, left 50 rows
- * at 86-88 GFLOP/s from DRAM against 98-101 from cache. */
+/* Panels [p0, p1) for all M rows; tiles balanced (50 rows in tiles of 6: 5 x 6 + 4 x 5, not
+ * 8 x 6 + 2). The panel two ahead is prefetched while this one runs, its inputs spread over the
+ * tiles (tile t takes inputs t, t + tiles, ...): all in the first tile, or one panel ahead, left
+ * 50 rows at 86-88 GFLOP/s from DRAM against 98-101 from cache. */
 static void *panels_run(void *arg) {
   const panels_job *j = arg;
   const int K = j->K, N = j->N, tiles = (j->M + GM - 1) / GM;
