@@ -25,6 +25,7 @@ from p2pnode.inference.blockhash import block_hashes, model_salt
 from p2pnode.inference.sampling import probs_from_logits
 from p2pnode.overlay.antientropy import AntiEntropy, AntiEntropyConfig
 from p2pnode.overlay.node import OverlayConfig, open_overlay_node
+from p2pnode.overlay.router import rtt_from_peer_table
 from p2pnode.overlay.views import PeerViews
 from p2pnode.speculation import (
     BadBlock,
@@ -839,13 +840,21 @@ async def test_edge_picks_the_verifier_holding_the_prefix_over_a_nearer_one(
             async with inprocess_transport(verifiers[0]) as transport:
                 await speculative_generate(draft, transport, prompt, 2, eos_token_ids=eos)
         hashes = block_hashes(prompt, model_salt(target.model_id))
-        for _ in range(200):  # at most 20 s for both digests to arrive
+        # The client ranks by the RTTs its liveness probes measured, and an unmeasured one sorts
+        # last; with gossip flowing a link is never idle, so its first sample can take up to
+        # RTT_REFRESH_INTERVALS ping intervals (10 s).
+        measured = rtt_from_peer_table(edge.peers)
+        for _ in range(300):  # at most 30 s for both digests and both RTT samples
             held = edge_views.cached_prefix_tokens(n1.peer_id, hashes, key)
-            if held >= len(prompt) - 16 and edge_views.get(n2.peer_id, key) is not None:
+            pinged = measured(n1.peer_id) is not None and measured(n2.peer_id) is not None
+            if held >= len(prompt) - 16 and edge_views.get(n2.peer_id, key) is not None and pinged:
                 break
             await trio.sleep(0.1)
         else:
-            raise AssertionError(f"the edge never saw both verifiers' digests (V1 holds {held})")
+            raise AssertionError(
+                f"the edge never saw both verifiers' digests and RTTs (V1 holds {held}, "
+                f"RTTs {measured(n1.peer_id)}, {measured(n2.peer_id)})"
+            )
         rtt = {n1.peer_id: 0.015, n2.peer_id: 0.010}.get
         assert rank_verifiers(
             [n2.peer_id, n1.peer_id], prompt, target.model_id, edge_views, rtt
