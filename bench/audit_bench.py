@@ -6,7 +6,7 @@ Prints the figures and writes ``bench/results/audit.json``. A few minutes on 2 c
 
 - ``alarms`` (real model, SmolLM2-135M fp32, engine batching 4): ``--answers`` honest answers
   sampled at temperature 0.8 / top-p 0.95 and greedy answers, each audited with the checks of
-  ``overlay/audit.py`` against the same model: the false-alarm rate (honest answers flagged).
+  ``overlay/trust/audit.py`` against the same model: the false-alarm rate (honest answers flagged).
   The same prompts answered by a copy of the model with noisy weights (the stand-in for another
   fine-tune) and by random tokens give the per-answer detection rate of each.
 - ``cost`` (real model): one engine serves ``--requests`` requests (48-token chat prompts, 16
@@ -95,7 +95,7 @@ async def _answers(engine: Any, prompts: list[list[int]], params: SamplingParams
 async def part_alarms(loaded: Any, n: int) -> dict[str, Any]:
     from p2pnode.inference.engine import open_engine
     from p2pnode.inference.scoring import ModelScorer
-    from p2pnode.overlay.audit import AuditConfig, check_answer
+    from p2pnode.overlay.trust.audit import AuditConfig, check_answer
 
     cfg = AuditConfig()
     scorer = ModelScorer(loaded.model)
@@ -138,8 +138,8 @@ async def _serve_with_audits(
 ) -> dict[str, Any]:
     """Serve ``prompts`` two at a time; per request audit a forwarded answer w.p. ``rate``."""
     from p2pnode.inference.scoring import ModelScorer
-    from p2pnode.overlay.audit import AuditConfig, Auditor
-    from p2pnode.overlay.trust import TrustBook
+    from p2pnode.overlay.trust.audit import AuditConfig, Auditor
+    from p2pnode.overlay.trust.book import TrustBook
 
     params = SamplingParams(max_tokens=16)
     cfg = AuditConfig(
@@ -238,7 +238,7 @@ def emulated_reference(prompt: list[int], n: int, vocab: int, eos: int) -> list[
 @contextlib.asynccontextmanager
 async def overlays(n: int) -> AsyncIterator[list[Any]]:
     from p2pnode.identity import NodeKey
-    from p2pnode.overlay.node import OverlayConfig, open_overlay_node
+    from p2pnode.overlay.net.node import OverlayConfig, open_overlay_node
 
     async with contextlib.AsyncExitStack() as stack:
         nodes: list[Any] = []
@@ -263,10 +263,10 @@ async def wait_until(predicate: Callable[[], bool], limit_s: float) -> bool:
 
 async def detect_kind(kind: str, max_requests: int) -> dict[str, Any]:
     from p2pnode.inference.models import ShapeOnlyModel
-    from p2pnode.overlay.antientropy import AntiEntropyConfig
-    from p2pnode.overlay.forward import ForwardConfig
-    from p2pnode.testnet.adversary import make_adversary
-    from p2pnode.testnet.localcluster import emulated_routed_services
+    from p2pnode.overlay.cache.antientropy import AntiEntropyConfig
+    from p2pnode.overlay.serve.forward import ForwardConfig
+    from p2pnode.testing.localcluster import emulated_routed_services
+    from p2pnode.testnet.adversary.trial import make_adversary
 
     model = ShapeOnlyModel("audit-bench-model")
     out: dict[str, Any] = {"kind": kind, "liars": []}

@@ -19,7 +19,7 @@ import random
 import time
 from pathlib import Path
 
-from p2pnode.overlay.digest import (
+from p2pnode.overlay.cache.digest import (
     DigestBuilder,
     decode_fingerprints,
     encode_fingerprints,
@@ -98,7 +98,7 @@ def bench_size(n: int, rng: random.Random) -> dict:
     builder.sync(hashes)
     try:
         from p2pnode.identity import NodeKey
-        from p2pnode.overlay.digest import seal_digest
+        from p2pnode.overlay.cache.digest import seal_digest
 
         sealed = seal_digest(NodeKey.generate(), builder.full())
         row["bytes_per_block"]["sealed_full_digest"] = len(sealed) / n

@@ -34,8 +34,9 @@ from pathlib import Path
 import torch
 import trio
 
-from p2pnode.inference import _gemm, _hugepages, _kernels
 from p2pnode.inference._backend import HFBackend
+from p2pnode.inference._cpu import _hugepages, _kernels
+from p2pnode.inference._cpu import gemm as _gemm
 from p2pnode.inference.engine import open_engine
 from p2pnode.inference.models import load_model
 from p2pnode.inference.sampling import SamplingParams
@@ -56,7 +57,7 @@ def best_s(fn, reps: int) -> float:
 
 def read_bandwidths(reps: int = 7) -> dict[str, float]:
     """A plain fp32 sum over 512 MB on 4 KB pages, and on 2 MB pages where the kernel offers
-    them (the weights' pages since ``inference/_hugepages.py``): floors use the faster."""
+    them (the weights' pages since ``inference/_cpu/hugepages.py``): floors use the faster."""
     holder = torch.nn.Module()
     holder.register_buffer("x", torch.ones(128 * 1024 * 1024))
     out = {"4k": holder.x.numel() * 4 / best_s(lambda: holder.x.sum(), reps)}
@@ -66,7 +67,7 @@ def read_bandwidths(reps: int = 7) -> dict[str, float]:
 
 
 def compute_rate(reps: int = 5) -> float:
-    """The fastest of a plain fp32 matmul and the packed prefill GEMMs (``inference/_gemm.py``:
+    """The fastest of a plain fp32 matmul and the packed prefill GEMMs (``inference/_cpu/gemm.py``:
     the C panels and oneDNN's blocked weight) at a prefill-sized shape: the floor is the best
     kernel this machine has, not the one the engine happens to call."""
     a, w = torch.randn(512, 576), torch.randn(1536, 576)

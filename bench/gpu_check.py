@@ -95,7 +95,7 @@ async def vllm_checks() -> None:
 
 async def vllm_figures() -> None:
     """Throughput of the default model on vLLM's defaults for this GPU (bf16)."""
-    from p2pnode.inference.vllm_engine import open_vllm_engine
+    from p2pnode.inference.vllm.engine import open_vllm_engine
 
     t0 = time.perf_counter()
     async with open_vllm_engine(max_batch=64, gpu_memory_utilization=0.3) as engine:

@@ -3,11 +3,11 @@
 `python bench/kernel_ab.py [--against REV] [--pages] [--reps N] [--context N]` times the
 W4A16 draft's decode step and the target's verify of 1 and 5 positions over a 200-token context
 (`--context`) in two arms:
-- by default, `inference/_kernels.c` as it is in the working tree against the same file at git
+- by default, `inference/_cpu/kernels.c` as it is in the working tree against the same file at git
   revision REV (default HEAD): both builds drive the same models' C decoder stack
   (`llama_layers`; the lm_head and prefill use the tree's build in both arms);
 - with `--pages`, the models' weights on 4 KB pages against 2 MB pages
-  (`inference/_hugepages.py`; two copies of each model, the tree's build).
+  (`inference/_cpu/hugepages.py`; two copies of each model, the tree's build).
 Steps alternate between the arms rep by rep (the order flipping every rep), with a 160 MB read
 before every step, so both arms see the same load and start each step with the weights out of
 the caches, as in a running node. On this project's shared 2-core machines run-to-run noise is
@@ -32,14 +32,15 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
-from p2pnode.inference import _fastpath, _kernels
+from p2pnode.inference._cpu import fastpath as _fastpath
+from p2pnode.inference._cpu import kernels as _kernels
 from p2pnode.inference.models import load_model
 from p2pnode.speculation.draft import load_draft
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results" / "kernel_ab.json"
 CONTEXT = 200  # default, as bench/floor.py
-SOURCE = "inference/_kernels.c"
+SOURCE = "inference/_cpu/kernels.c"
 
 
 @dataclass

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import trio
 
+from p2pnode.datasets.mmlu import fewshot_prefix, questions
 from p2pnode.inference.engine import open_engine
-from p2pnode.inference.mmlu import fewshot_prefix, questions
 from p2pnode.inference.models import load_model
 from p2pnode.inference.sampling import SamplingParams
 

@@ -1,6 +1,6 @@
 """The swarm on a namespace testbed: join time, how pairs connect, relay vs direct cost.
 
-For each size N (``--hosts 6,16``) it builds N hosts as network namespaces (testnet/netns.py:
+For each size N (``--hosts 6,16``) it builds N hosts as network namespaces (testnet/netns/namespaces.py:
 a public bootstrap, then public, NAT'd and port-randomizing-NAT'd hosts in the proportions of
 ``--layout``), starts ``p2pnode bootstrap`` and N-1 ``p2pnode join --invite ... --model
 none`` processes (default flags otherwise, one OS process per host) and measures:
@@ -28,11 +28,11 @@ from pathlib import Path
 import trio
 
 from p2pnode.identity import NodeKey
-from p2pnode.overlay.node import OverlayConfig, open_overlay_node
-from p2pnode.overlay.relay import open_relay
+from p2pnode.overlay.net.node import OverlayConfig, open_overlay_node
+from p2pnode.overlay.net.relay import open_relay
 from p2pnode.overlay.wire import read_frame, write_frame
-from p2pnode.testnet.netns import Testbed, require_netns
-from p2pnode.testnet.swarm import NetnsSwarm
+from p2pnode.testnet.netns.namespaces import Testbed, require_netns
+from p2pnode.testnet.netns.swarm import NetnsSwarm
 
 RESULTS = Path(__file__).parent / "results" / "netns_swarm.json"
 BENCH = "/p2pnode/bench/1"

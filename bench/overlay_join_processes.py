@@ -32,8 +32,8 @@ from pathlib import Path
 
 import httpx
 
-from p2pnode.testnet.formation import formation_missing
-from p2pnode.testnet.zygote import Zygote
+from p2pnode.testnet.run.formation import formation_missing
+from p2pnode.testnet.run.zygote import Zygote
 
 
 def spawn(args: list[str], home: Path, zygote: Zygote | None = None):
@@ -143,7 +143,7 @@ def main() -> None:
     parser.add_argument(
         "--no-fork",
         action="store_true",
-        help="start each node as a fresh interpreter instead of forking it (testnet/zygote.py)",
+        help="start each node as a fresh interpreter instead of forking it (testnet/run/zygote.py)",
     )
     args = parser.parse_args()
     engine = (

@@ -18,7 +18,7 @@ prints a cProfile of that propagation worker after 90 s.
   all the others' views hold it (6 trials, origins rotating).
 - mmlu: 4 real overlay nodes on loopback, emulated compute (the engines sleep what the cost model
   of SmolLM2-135M on 2 CPU threads predicts: 1/430 s per prefill token, 1/16 s per decode token,
-  with the real radix caches and LRU eviction); MMLU 5-shot prompts from ``inference/mmlu.py``
+  with the real radix caches and LRU eviction); MMLU 5-shot prompts from ``datasets/mmlu.py``
   tokenized with the real tokenizer; subjects drawn from a Zipf law, Poisson arrivals at random
   origins, one generated token. Per policy: token hit rate, mean/p50/p95 latency, busiest node's
   share of the served requests (also per window of 40 requests, to see specialization cycles)
@@ -49,13 +49,13 @@ from prometheus_client import CollectorRegistry
 from p2pnode.identity import NodeKey
 from p2pnode.inference.blockhash import BlockRemoved, BlockStored, block_hashes, model_salt
 from p2pnode.inference.models import ShapeOnlyModel
-from p2pnode.overlay.antientropy import AntiEntropyConfig
-from p2pnode.overlay.digest import Digest, DigestBuilder, LoadInfo, fingerprint, seal_digest
-from p2pnode.overlay.node import OverlayConfig, open_overlay_node
-from p2pnode.overlay.router import LocalState, Router, RouterConfig
-from p2pnode.overlay.service import RoutedService
-from p2pnode.overlay.views import PeerViews
-from p2pnode.testnet.localcluster import emulated_routed_services
+from p2pnode.overlay.cache.antientropy import AntiEntropyConfig
+from p2pnode.overlay.cache.digest import Digest, DigestBuilder, LoadInfo, fingerprint, seal_digest
+from p2pnode.overlay.cache.views import PeerViews
+from p2pnode.overlay.net.node import OverlayConfig, open_overlay_node
+from p2pnode.overlay.routing.router import LocalState, Router, RouterConfig
+from p2pnode.overlay.serve.service import RoutedService
+from p2pnode.testing.localcluster import emulated_routed_services
 
 RESULTS = Path(__file__).resolve().parent / "results" / "routing.json"
 MODEL = "bench-model"
@@ -125,7 +125,7 @@ def bench_decision(peers: int, blocks: int, prompt_tokens: int, iterations: int)
         out[label] = {"wall": ms_stats(wall), "thread_cpu": ms_stats(cpu)}
 
     run("decide")
-    router_log = logging.getLogger("p2pnode.overlay.router")
+    router_log = logging.getLogger("p2pnode.overlay.routing.router")
     router_log.setLevel(logging.INFO)
     router_log.addHandler(logging.NullHandler())  # the JSON line is built, then dropped
     router_log.propagate = False
@@ -512,7 +512,7 @@ class Request:
 def mmlu_workload(
     loaded: Any, n_requests: int, rate: float, n_nodes: int, n_subjects: int, zipf_s: float
 ) -> tuple[list[Request], dict[str, Any]]:
-    from p2pnode.inference.mmlu import build_prompt, load_split, subjects
+    from p2pnode.datasets.mmlu import build_prompt, load_split, subjects
 
     rng = random.Random(2024)
     names = [s for s in subjects() if len(load_split(s, "test")) >= 20]

@@ -1,9 +1,9 @@
-"""The simulator against a real trial of the same spec (``testnet/simspec.py``).
+"""The simulator against a real trial of the same spec (``testnet/sim/simspec.py``).
 
     python bench/simcheck.py --trial /tmp/simcheck            # a run_trial output folder
     python bench/simcheck.py --trial /tmp/simcheck --write-reference
 
-The trial is run first, as any trial (``python -m p2pnode.testnet.run_trial paper-lan-zipf
+The trial is run first, as any trial (``python -m p2pnode.testnet.run.trial paper-lan-zipf
 --out /tmp/simcheck``, ~3 min); this script simulates the same spec, prints both sets of
 figures with the differences, says which are within ``simspec.TOLERANCE``, and writes
 ``bench/results/simcheck.json``. ``--write-reference`` also adds the trial's figures to
@@ -30,7 +30,7 @@ import json
 import sys
 from pathlib import Path
 
-from p2pnode.testnet.simspec import compare, shipped_calibration, simulate_spec, trial_figures
+from p2pnode.testnet.sim.simspec import compare, shipped_calibration, simulate_spec, trial_figures
 from p2pnode.testnet.spec import builtin_spec_path, load_spec
 
 REPO = Path(__file__).resolve().parent.parent

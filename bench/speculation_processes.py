@@ -1,6 +1,6 @@
 """Speculative decoding as deployed: the edge and the verifier in SEPARATE OS processes, each
 pinned to its own core with one torch thread, talking over the real ``/p2pnode/verify/1``
-libp2p protocol, the WAN round trip injected by ``testnet/wan.py`` (every TCP write of libp2p
+libp2p protocol, the WAN round trip injected by ``testnet/netns/wan.py`` (every TCP write of libp2p
 is held for the one-way delay in userspace, in both processes, so a round trip costs the RTT).
 
     python bench/speculation_processes.py [--rtts 0,50,100,200] [--new-tokens 32] [--gamma 4]
@@ -110,7 +110,7 @@ def forward_ms(model, prompt: list[int], width: int, reps: int = 7) -> float:
 
 
 def _timeouts(spec: Path, region: str) -> dict:
-    from p2pnode.testnet import wan
+    from p2pnode.testnet.netns import wan
 
     # Generous floors: on a machine loaded by others a 1-3 s ping/connect limit marks the peer
     # down and libp2p drops the connection mid-session (seen at load ~20).
@@ -170,11 +170,11 @@ def serve(spec: Path, n_prompts: int, new_tokens: int, texts: list[str], lookup:
     _one_thread()
     from p2pnode.identity import NodeKey
     from p2pnode.inference.models import load_model
-    from p2pnode.overlay.node import OverlayConfig, open_overlay_node
+    from p2pnode.overlay.net.node import OverlayConfig, open_overlay_node
     from p2pnode.speculation.client import target_generate
     from p2pnode.speculation.protocol import serve_verifier
     from p2pnode.speculation.verify import BatchedVerifier
-    from p2pnode.testnet import wan
+    from p2pnode.testnet.netns import wan
 
     wan.install(str(spec), "cloud")
     trace = os.environ.get("SPEC_TRACE")
@@ -278,13 +278,13 @@ async def edge_runs(
     spec: Path, info: dict, rtts: list[int], modes, new_tokens: int, delay_in: str, warm: bool
 ) -> list[dict]:
     from p2pnode.identity import NodeKey
-    from p2pnode.overlay.node import OverlayConfig, open_overlay_node
+    from p2pnode.overlay.net.node import OverlayConfig, open_overlay_node
     from p2pnode.speculation._flight import DraftHistory
     from p2pnode.speculation.client import remote_generate, speculative_generate
     from p2pnode.speculation.draft import load_draft
     from p2pnode.speculation.protocol import P2PVerifierTransport, open_spare
     from p2pnode.speculation.verify import VerifierError
-    from p2pnode.testnet import wan
+    from p2pnode.testnet.netns import wan
 
     draft = load_draft()
     trace = os.environ.get("SPEC_TRACE")
@@ -548,7 +548,7 @@ def main() -> None:
         "--delay-in",
         choices=["wan", "transport"],
         default="wan",
-        help="wan: testnet/wan.py delays every libp2p TCP write in both processes; transport: "
+        help="wan: testnet/netns/wan.py delays every libp2p TCP write in both processes; transport: "
         "the edge delays blocks and results above an undelayed libp2p stream",
     )
     ap.add_argument(

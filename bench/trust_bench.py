@@ -47,11 +47,11 @@ import trio
 from p2pnode.identity import NodeKey
 from p2pnode.inference.blockhash import block_hashes
 from p2pnode.inference.models import ShapeOnlyModel
-from p2pnode.overlay.antientropy import AntiEntropyConfig
-from p2pnode.overlay.forward import ForwardConfig
-from p2pnode.overlay.node import OverlayConfig, open_overlay_node
-from p2pnode.overlay.service import RoutedService
-from p2pnode.testnet.localcluster import emulated_routed_services, forge_liar
+from p2pnode.overlay.cache.antientropy import AntiEntropyConfig
+from p2pnode.overlay.net.node import OverlayConfig, open_overlay_node
+from p2pnode.overlay.serve.forward import ForwardConfig
+from p2pnode.overlay.serve.service import RoutedService
+from p2pnode.testing.localcluster import emulated_routed_services, forge_liar
 
 RESULTS = Path(__file__).resolve().parent / "results" / "trust.json"
 PREFILL_S = 1 / 430

@@ -47,8 +47,8 @@ def vllm_cases(context: list[int], drafts: list[int], queue: mp.Queue) -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from p2pnode.inference._vllm_compat import detect, engine_args
     from p2pnode.inference.models import default_model_path
+    from p2pnode.inference.vllm.compat import detect, engine_args
 
     build = detect()
     folder = str(default_model_path())

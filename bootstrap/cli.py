@@ -105,8 +105,8 @@ def main() -> None:
 def show_id(home: Path | None, config_file: Path | None) -> None:
     """Print this node's peer id and the multiaddrs others can dial."""
     from p2pnode.identity import NodeKey
-    from p2pnode.overlay.addrs import AddressBook, classify
-    from p2pnode.overlay.host import parse_multiaddr
+    from p2pnode.overlay.net.addrs import AddressBook, classify
+    from p2pnode.overlay.net.host import parse_multiaddr
 
     settings = _load_settings(config_file, home=home)
     key = NodeKey.load_or_create(settings.home)
@@ -140,7 +140,7 @@ def show_id(home: Path | None, config_file: Path | None) -> None:
 def invite(home: Path | None) -> None:
     """Print an invite of the running node's network (`p2pnode join --invite STRING`)."""
     from p2pnode.bootstrap.invite import InviteError, make_invite
-    from p2pnode.overlay.node import VERSION
+    from p2pnode.overlay.net.node import VERSION
 
     settings = _load_settings(None, home=home)
     running = read_runtime(settings.home)
@@ -172,7 +172,7 @@ _connect_timeout_option = _setting(
     "--connect-timeout", type=float, help="Seconds before a dial fails (default {default})."
 )
 
-# Addresses, network membership and NAT traversal (overlay/addrs.py, hello.py, relay.py)
+# Addresses, network membership and NAT traversal (overlay/net/addrs.py, hello.py, relay.py)
 _relay_options = [
     click.option(
         "--relay",
@@ -428,7 +428,7 @@ def testnet(args: tuple[str, ...]) -> None:
     also -zipf; paper-lan-zipf-real; chat-lan, chat-wan, chat-lan-real; mixed-6; scale-64,
     scale-128; smoke; adversarial-liar); `p2pnode testnet --help` lists every option.
     """
-    from p2pnode.testnet.run_trial import main as run_trial_main
+    from p2pnode.testnet.run.trial import main as run_trial_main
 
     sys.exit(run_trial_main(list(args)))
 

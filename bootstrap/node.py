@@ -30,16 +30,16 @@ from p2pnode.errors import P2PNodeError
 from p2pnode.identity import IdentityError, NodeKey
 
 if TYPE_CHECKING:
-    from p2pnode.overlay.audit import AuditConfig, Auditor
-    from p2pnode.overlay.probation import ProbationChallenges
-    from p2pnode.overlay.service import RoutedService
-    from p2pnode.overlay.trust import TrustBook
-    from p2pnode.overlay.views import PeerViews
+    from p2pnode.overlay.cache.views import PeerViews
+    from p2pnode.overlay.serve.probation import ProbationChallenges
+    from p2pnode.overlay.serve.service import RoutedService
+    from p2pnode.overlay.trust.audit import AuditConfig, Auditor
+    from p2pnode.overlay.trust.book import TrustBook
 
 log = logging.getLogger("p2pnode.node")
 
 # Called as ``hook(service, nursery)`` once a node's RoutedService runs. The product registers
-# none; trial nodes (testnet/node.py) make an adversary misbehave through it, on the real path.
+# none; trial nodes (testnet/run/node.py) make an adversary misbehave through it, on the real path.
 # The service itself, not a Protocol: an adversary replaces parts of it wherever it must.
 SERVICE_HOOKS: list[Callable[[RoutedService, trio.Nursery], None]] = []
 
@@ -96,9 +96,9 @@ async def _load_engine(settings: NodeSettings, stack: AsyncExitStack):
 
 
 async def _open_vllm(settings: NodeSettings, path: str | None, stack: AsyncExitStack):
-    from p2pnode.inference._vllm_compat import VllmBuildError
     from p2pnode.inference.models import ModelLoadError
-    from p2pnode.inference.vllm_engine import open_vllm_engine
+    from p2pnode.inference.vllm.compat import VllmBuildError
+    from p2pnode.inference.vllm.engine import open_vllm_engine
 
     log.info("starting vLLM on model %s", settings.model)
     try:
@@ -159,7 +159,7 @@ def _routing_status(service: RoutedService | None) -> dict[str, Any]:
 
 def _probation_status(service: _AuditedService) -> dict[str, Any] | None:
     """Which peers still have their answers held for audit, and the known-answer challenges
-    sent to get them out (overlay/challenge.py)."""
+    sent to get them out (overlay/trust/challenge.py)."""
     auditor, probation = service.auditor, service.probation
     if auditor is None:
         return None
@@ -227,7 +227,7 @@ def _port_free(host: str, port: int) -> bool:
 
 def _check_ports(settings: NodeSettings) -> None:
     """Fail before the model loads when a port is taken, naming the flag that moves it."""
-    from p2pnode.overlay.addrs import ip_port
+    from p2pnode.overlay.net.addrs import ip_port
 
     for addr in settings.listen:
         endpoint = ip_port(addr)
@@ -262,9 +262,9 @@ def _trust_and_audit(
     settings: NodeSettings, registry: CollectorRegistry
 ) -> tuple[TrustBook, AuditConfig]:
     """The trust book, restored from the node's home, and the audit settings."""
-    from p2pnode.overlay.audit import AuditConfig
-    from p2pnode.overlay.trust import TrustBook
-    from p2pnode.overlay.trust_store import TRUST_FILE, load_trust
+    from p2pnode.overlay.trust.audit import AuditConfig
+    from p2pnode.overlay.trust.book import TrustBook
+    from p2pnode.overlay.trust.store import TRUST_FILE, load_trust
 
     trust = TrustBook(registry=registry)
     restored = load_trust(trust, settings.home / TRUST_FILE)
@@ -301,9 +301,9 @@ async def run_node(settings: NodeSettings, *, task_status=trio.TASK_STATUS_IGNOR
 
 
 async def _run_locked(settings: NodeSettings, timeouts: dict[str, float], task_status) -> None:
-    from p2pnode.overlay.hello import NetworkMismatch
-    from p2pnode.overlay.node import OverlayConfig, open_overlay_node
-    from p2pnode.overlay.reachability import ReachabilityService
+    from p2pnode.overlay.net.hello import NetworkMismatch
+    from p2pnode.overlay.net.node import OverlayConfig, open_overlay_node
+    from p2pnode.overlay.net.reachability import ReachabilityService
 
     _check_ports(settings)
     try:
@@ -343,7 +343,7 @@ async def _run_locked(settings: NodeSettings, timeouts: dict[str, float], task_s
             raise NodeStartError(str(exc)) from None
         # NAT traversal: every node can dial peers behind NAT through a relay; a node that
         # dial-backs show unreachable finds relays itself, a reachable one relays for members
-        from p2pnode.overlay.relay import open_relay
+        from p2pnode.overlay.net.relay import open_relay
 
         hop = {"auto": "auto", "on": True, "off": False}[settings.relay_hop]
         relay = await stack.enter_async_context(
@@ -355,10 +355,10 @@ async def _run_locked(settings: NodeSettings, timeouts: dict[str, float], task_s
         registry = CollectorRegistry()
         service = None
         if engine is not None:
-            from p2pnode.overlay.antientropy import AntiEntropyConfig
-            from p2pnode.overlay.challenge import ChallengeConfig
-            from p2pnode.overlay.router import RouterConfig
-            from p2pnode.overlay.service import RoutedService
+            from p2pnode.overlay.cache.antientropy import AntiEntropyConfig
+            from p2pnode.overlay.routing.router import RouterConfig
+            from p2pnode.overlay.serve.service import RoutedService
+            from p2pnode.overlay.trust.challenge import ChallengeConfig
 
             trust, audit_config = _trust_and_audit(settings, registry)
             service = RoutedService(
@@ -418,7 +418,7 @@ async def _run_locked(settings: NodeSettings, timeouts: dict[str, float], task_s
                 await nursery.start(service.run)
                 for hook in SERVICE_HOOKS:
                     hook(service, nursery)
-                from p2pnode.overlay.trust_store import TRUST_FILE, keep_trust_saved
+                from p2pnode.overlay.trust.store import TRUST_FILE, keep_trust_saved
 
                 nursery.start_soon(keep_trust_saved, service.trust, settings.home / TRUST_FILE)
             app = build_app(

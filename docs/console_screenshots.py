@@ -20,8 +20,8 @@ from PIL import Image
 
 from p2pnode.inference.blockhash import BLOCK_SIZE, block_hashes
 from p2pnode.inference.models import load_model
-from p2pnode.testnet.apicluster import api_cluster
-from p2pnode.testnet.browser import chromium, console_errors, missing_browser
+from p2pnode.testing.apicluster import api_cluster
+from p2pnode.testing.browser import chromium, console_errors, missing_browser
 
 DOCS = Path(__file__).resolve().parent
 SYSTEM = [{"role": "system", "content": "You are a terse assistant who answers in one line. " * 40}]

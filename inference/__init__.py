@@ -8,13 +8,13 @@ Public face:
   ``InvalidParams`` (all ``ValueError``), ``EngineClosed``
 - ``load_model`` / ``LoadedModel`` (models.py); block hashing lives in ``blockhash``.
 - ``ServingEngine`` (serving.py): what the routing layer needs of an engine, the seam that the
-  torch engine, the vLLM engine (vllm_engine.py, vllm_events.py) and the emulated one
+  torch engine, the vLLM engine (``vllm/``) and the emulated one
   (emulated.py) all fill; ``OutputLengths`` (lengths.py): how long an answer is expected to be.
 
-Map of the rest: the compute backends behind ``Engine`` (_backend.py, _backend_protocol.py,
-_fastpath.py and _kernels.c: the C decode stack, _kvslab.py: KV slabs, _attention.py), sampling
-and scoring (sampling.py, scoring.py), the tokenizer without transformers (tokenizer.py), the
-data sets the trials read (mmlu.py, chatdata.py).
+Map of the rest: the compute backends behind ``Engine`` (_backend.py, _backend_protocol.py;
+the CPU kernel stack in ``_cpu/``: C decode and prefill kernels, KV slabs, attention), sampling
+and scoring (sampling.py, scoring.py), the tokenizer without transformers (tokenizer.py). The
+data sets live in ``p2pnode.datasets``.
 
 Import submodules directly (``from p2pnode.inference.engine import open_engine``) or use these
 lazy re-exports; importing this package alone does not import torch.

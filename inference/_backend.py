@@ -21,9 +21,10 @@ from collections.abc import Sequence
 
 import torch
 
-from p2pnode.inference import _fastpath, _kernels
 from p2pnode.inference._backend_protocol import Backend
-from p2pnode.inference._kvslab import Slab, SlabPool
+from p2pnode.inference._cpu import fastpath as _fastpath
+from p2pnode.inference._cpu import kernels as _kernels
+from p2pnode.inference._cpu.kvslab import Slab, SlabPool
 from p2pnode.inference.emulated import EmulatedBackend, EmulatedLogits
 
 __all__ = ["Backend", "EmulatedBackend", "HFBackend", "emulated_logits"]

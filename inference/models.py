@@ -265,8 +265,10 @@ def load_model(
         raise ModelLoadError(f"cannot load a model from {folder}: {exc}") from exc
     model.eval()
     if accelerate:
-        from p2pnode.inference import _attention, _fastpath, _hugepages
-        from p2pnode.inference._kernels import accelerate as swap_linears
+        from p2pnode.inference._cpu import attention as _attention
+        from p2pnode.inference._cpu import fastpath as _fastpath
+        from p2pnode.inference._cpu import hugepages as _hugepages
+        from p2pnode.inference._cpu.kernels import accelerate as swap_linears
 
         _hugepages.move_to_huge_pages(model)  # before any plan keeps a weight's address
         swap_linears(model)

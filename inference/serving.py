@@ -1,7 +1,7 @@
 """What a node's routing layer needs from an engine: the seam between inference and overlay.
 
-Both engines (``inference/engine.py``, the CPU scheduler; ``inference/vllm_engine.py``) satisfy
-``ServingEngine``; ``overlay/service.py`` and ``overlay/forward.py`` use nothing else of them.
+Both engines (``inference/engine.py``, the CPU scheduler; ``inference/vllm/engine.py``) satisfy
+``ServingEngine``; ``overlay/serve/service.py`` and ``overlay/serve/forward.py`` use nothing else of them.
 A third engine is one class with these members.
 """
 

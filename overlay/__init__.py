@@ -1,41 +1,36 @@
-"""p2pnode.overlay: the libp2p overlay (host, DHT, peer table, node) and the wire format.
+"""p2pnode.overlay: the libp2p overlay, cache digests, routing, trust and serving.
 
-Public face (details in each module's docstring):
-- `open_overlay_node(OverlayConfig(key=...))` -> `OverlayNode` (node.py: the assembly; its
-  collaborators, one job each: admission.py, dialing.py, discovery.py, liveness.py (with
-  starvation.py), trimming.py; the knobs: config.py)
-- `PeerTable`, `PeerState`, `PeerEntry` (peers.py)
-- `OverlayDHT`, `NodeRecordValidator`, `record_key`, `model_key` (dht.py)
-- `make_host`, `parse_multiaddr`, `quiet_libp2p_logs` (host.py)
-- what a node advertises and dials: `AddressBook`, `dial_order`, `classify` (addrs.py);
-  network and version check on every connection: `Hello`, `NetworkMismatch` (hello.py);
-  dial-backs and the public/private verdict: `ReachabilityService` (reachability.py);
-  circuit relay v2, relays found in the overlay, members only: `open_relay` (relay.py)
-- errors: `OverlayError`, `BadMultiaddr`, `BootstrapFailed`, `PeerUnreachable`,
-  `InvalidNodeRecord`; framing errors live in `p2pnode.overlay.wire`.
+Rooms (imports run one way, checked by import-linter: serve -> routing -> trust | cache | net,
+all on the base below):
+- ``net/``: membership and transport. ``open_overlay_node(OverlayConfig(key=...))`` ->
+  ``OverlayNode`` (net/node.py, the assembly; the knobs: net/config.py); the DHT (net/dht.py),
+  the host (net/host.py), the hello on every connection (net/hello.py), reachability, relays;
+  ``net/patches/``: what we change in py-libp2p.
+- ``cache/``: what a digest holds and how it travels (digest.py, antientropy.py, views.py).
+- ``trust/``: trust earned from observations (book.py), audits, challenges.
+- ``routing/``: the cost function that picks a peer, and placement of misses:
+  ``Router.decide`` (routing/router.py, contract at the top); learned network cost.
+- ``serve/``: ``RoutedService`` (serve/service.py), the one composition root of a served model:
+  the router's choice, the forward (serve/forward.py), fallback, audit, probation and trust.
+- the base: the one wire format (wire.py), what the rooms need of a node (seams.py), per-peer
+  budgets (limits.py), the peer table (peers.py), errors (_errors.py).
 
-Map of the routing half (import from the modules; they pull in more than a node needs):
-- `RoutedService` (service.py): the one composition root of a served model: the router's
-  choice, the forward, fallback, audit and trust. What it needs of the node: `OverlayHost`
-  (seams.py); of an engine: `p2pnode.inference.serving.ServingEngine`.
-- the cost function that picks a peer, and placement of misses: `Router.decide` (router.py,
-  contract at the top); learned network cost: netcost.py; scoped views: scope.py.
-- what a digest holds and how it travels: digest.py (format, `DigestBuilder`), antientropy.py
-  (gossipsub deltas, full digests, pulls on a version gap), views.py (`PeerViews`).
-- the forward protocol, its server and client call: forward.py; the one wire format: wire.py.
-- checking peers: trust.py, audit.py, probation.py and challenge.py; per-peer budgets: limits.py.
+Public face: `open_overlay_node`, `OverlayConfig`, `OverlayNode`, `PeerTable`, `PeerState`,
+`PeerEntry`, `OverlayDHT`, `NodeRecordValidator`, `record_key`, `model_key`, `make_host`,
+`parse_multiaddr`, `quiet_libp2p_logs`; errors: `OverlayError`, `BadMultiaddr`,
+`BootstrapFailed`, `PeerUnreachable`, `InvalidNodeRecord`; framing errors live in wire.py.
 """
 
 from p2pnode.overlay._errors import BadMultiaddr, BootstrapFailed, OverlayError, PeerUnreachable
-from p2pnode.overlay.dht import (
+from p2pnode.overlay.net.dht import (
     InvalidNodeRecord,
     NodeRecordValidator,
     OverlayDHT,
     model_key,
     record_key,
 )
-from p2pnode.overlay.host import make_host, parse_multiaddr, quiet_libp2p_logs
-from p2pnode.overlay.node import (
+from p2pnode.overlay.net.host import make_host, parse_multiaddr, quiet_libp2p_logs
+from p2pnode.overlay.net.node import (
     PING_PROTOCOL,
     VERSION,
     OverlayConfig,

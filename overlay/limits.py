@@ -42,7 +42,9 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from p2pnode.overlay._errors import OverlayError
-from p2pnode.overlay.digest import MAX_DIGEST_BYTES
+
+# Below the 256 KiB frame limit of /p2pnode/digest/1 so a pulled digest always fits in a reply.
+MAX_DIGEST_BYTES = 240 * 1024
 
 if TYPE_CHECKING:
     from libp2p.abc import INetStream
@@ -116,9 +118,9 @@ class LimitsConfig:
     # 2 streams, 5 opens/s and 100 echoes/s sit above that; a 32-byte echo costs next to nothing.
     ping: Budget = Budget(rate_per_s=5.0, burst=10.0, max_concurrent=2, max_concurrent_total=2048)
     ping_echo: Budget = Budget(rate_per_s=100.0, burst=200.0)
-    # A dial-back (overlay/reachability.py) costs a few sockets; nodes ask every few minutes.
+    # A dial-back (overlay/net/reachability.py) costs a few sockets; nodes ask every few minutes.
     dialback: Budget = Budget(rate_per_s=0.5, burst=3.0, max_concurrent=1, max_concurrent_total=16)
-    # Relaying (overlay/relay.py): a reservation is renewed every ~10 min; circuits are
+    # Relaying (overlay/net/relay.py): a reservation is renewed every ~10 min; circuits are
     # connections of overlay members to a NAT'd member, a few per minute per peer.
     relay_reserve: Budget = Budget(rate_per_s=0.2, burst=5.0)
     relay_circuit: Budget = Budget(

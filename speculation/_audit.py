@@ -48,7 +48,7 @@ import random
 from dataclasses import dataclass, field
 
 from p2pnode.inference.scoring import Scorer
-from p2pnode.overlay.audit import AuditVerdict, check_sampled
+from p2pnode.overlay.trust.audit import AuditVerdict, check_sampled
 from p2pnode.speculation._blocks import Block, Lead, SamplingOptions
 from p2pnode.speculation._errors import BadRequest, BadVerdict, NoVerifier
 from p2pnode.speculation.protocol import P2PVerifierTransport

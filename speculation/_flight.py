@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from p2pnode.overlay.trust import verdict_problem
+from p2pnode.overlay.trust.book import verdict_problem
 from p2pnode.speculation._blocks import Block, BlockResult, Lead
 from p2pnode.speculation._errors import BadVerdict
 

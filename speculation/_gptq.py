@@ -2,7 +2,7 @@
 
 Contract:
 - ``calibration_ids(tokenizer, n_seqs, seq_len)`` -> ``[n_seqs, seq_len]`` token ids of real text:
-  MMLU 5-shot prefixes (``p2pnode.inference.mmlu``) interleaved with chat-template conversations
+  MMLU 5-shot prefixes (``p2pnode.datasets.mmlu``) interleaved with chat-template conversations
   built from MMLU questions, so both plain text and the chat format the edge serves are seen.
 - ``gptq_linear(w, h, group_size)`` quantizes one ``[out, in]`` weight given ``h = X^T X`` of its
   inputs: columns are rounded left to right (symmetric int4, one scale per ``group_size`` inputs,
@@ -37,7 +37,7 @@ _SHRINK = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75)
 
 def calibration_ids(tokenizer, n_seqs: int = 12, seq_len: int = 256) -> torch.Tensor:
     """Real-text calibration batch: MMLU few-shot text and chat-formatted MMLU questions."""
-    from p2pnode.inference import mmlu
+    from p2pnode.datasets import mmlu
 
     rows: list[list[int]] = []
     for i, subject in enumerate(mmlu.subjects()):

@@ -22,9 +22,9 @@ import math
 from collections.abc import Callable, Sequence
 
 from p2pnode.inference.blockhash import block_hashes, model_salt
-from p2pnode.overlay.digest import DigestBuilder, LoadInfo
-from p2pnode.overlay.privacy import AdvertiseGate
-from p2pnode.overlay.views import PeerViews, prefix_tokens
+from p2pnode.overlay.cache.digest import DigestBuilder, LoadInfo
+from p2pnode.overlay.cache.privacy import AdvertiseGate
+from p2pnode.overlay.cache.views import PeerViews, prefix_tokens
 from p2pnode.speculation.verify import BatchedVerifier
 
 VERIFY_SUFFIX = "#verify"

@@ -52,7 +52,7 @@ import torch
 import trio
 from transformers import DynamicCache
 
-from p2pnode.inference import _fastpath
+from p2pnode.inference._cpu import fastpath as _fastpath
 from p2pnode.inference.models import LoadedModel
 from p2pnode.inference.sampling import make_generator, probs_from_logits
 from p2pnode.speculation._accept import truncate_probs

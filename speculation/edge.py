@@ -51,10 +51,10 @@ from dataclasses import dataclass, field
 import trio
 
 from p2pnode.inference.scoring import Scorer
-from p2pnode.overlay.antientropy import AntiEntropy
-from p2pnode.overlay.router import rtt_from_peer_table
-from p2pnode.overlay.trust import TrustBook
-from p2pnode.overlay.views import PeerViews
+from p2pnode.overlay.cache.antientropy import AntiEntropy
+from p2pnode.overlay.cache.views import PeerViews
+from p2pnode.overlay.routing.router import rtt_from_peer_table
+from p2pnode.overlay.trust.book import TrustBook
 from p2pnode.speculation._audit import audit_result, audit_sampled
 from p2pnode.speculation._blocks import SamplingOptions
 from p2pnode.speculation._errors import BadBlock, BadRequest, BadVerdict, NoVerifier, SessionLimit
@@ -136,7 +136,7 @@ class EdgeClient:
         # Verifiers' digests (speculation/advert.py), when this edge follows them: the choice
         # weighs what each verifier has cached and its queue against its RTT.
         self.views = views
-        # Trust hook (overlay/trust.py): impossible verdicts count against a verifier; demoted
+        # Trust hook (overlay/trust/book.py): impossible verdicts count against a verifier; demoted
         # verifiers are left out of find_verifiers until their trust recovers.
         self.trust = trust if trust is not None else TrustBook()
         self.draft = draft
@@ -423,7 +423,7 @@ async def open_edge(
             draft = await trio.to_thread.run_sync(load_draft)
         if node is None:
             from p2pnode.identity import NodeKey
-            from p2pnode.overlay.node import OverlayConfig, open_overlay_node
+            from p2pnode.overlay.net.node import OverlayConfig, open_overlay_node
 
             if not bootstrap:
                 raise BadRequest(

@@ -31,7 +31,7 @@ _EXPORTS = {
     "SpecError": "spec",
     "load_spec": "spec",
     "builtin_specs": "spec",
-    "run_trial": "run_trial",
+    "run_trial": "run.trial",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -69,12 +69,12 @@ Contract:
     kind = "wrong-output"       # "wrong-output" | "random-text" | "other-model" | "fake-cache"
     rate = 0.2                  # wrong-output only (default 0.05): share of tokens replaced
     forge_digest = true         # answer liars: also forge a tempting digest (as fake-cache)
-- Adversaries (``testnet/adversary.py`` says what each kind does; trial nodes wire it in
-  through ``testnet/node.py``): one entry per node, an initial node, at least one node left
+- Adversaries (``testnet/adversary/trial.py`` says what each kind does; trial nodes wire it in
+  through ``testnet/run/node.py``): one entry per node, an initial node, at least one node left
   honest; ``rate`` is refused for the kinds it means nothing to (they lie on every answer,
   or, fake-cache, on every digest). The trial report counts ``wrong_answers`` and
-  ``liars_demoted`` (``testnet/liars.py``).
-- Churn (testnet/churn.py runs it): events apply in time order; a leave/kill needs a running
+  ``liars_demoted`` (``testnet/adversary/liars.py``).
+- Churn (testnet/workload/churn.py runs it): events apply in time order; a leave/kill needs a running
   node and must leave at least one running; a join restarts a departed node (same home, same
   peer id) or starts a new one, numbered ``count``, ``count + 1``, ... in join order.
 - With ``distribution`` nodes are placed deterministically (largest remainder, then region
@@ -161,7 +161,7 @@ class NodeSettingsSpec:
 @dataclass(frozen=True)
 class Workload:
     # "mmlu": one-shot 5-shot MMLU prompts; "chat": sessions of growing histories that share a
-    # few system prompts (testnet/chat.py).
+    # few system prompts (testnet/workload/chat.py).
     kind: str = "mmlu"
     subjects: tuple[str, ...] | int = 8
     per_subject: int = 20

@@ -27,7 +27,7 @@ import pytest
 
 from p2pnode.identity import NodeKey
 from p2pnode.inference.models import LoadedModel, load_model
-from p2pnode.overlay.node import OverlayConfig, OverlayNode, open_overlay_node
+from p2pnode.overlay.net.node import OverlayConfig, OverlayNode, open_overlay_node
 
 
 @pytest.fixture(scope="session")

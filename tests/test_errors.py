@@ -107,7 +107,7 @@ def test_every_reason_the_api_answers_names_a_class() -> None:
 
 def test_the_wire_refusal_words_are_unchanged() -> None:
     """Peers of older versions read these: ``fwd-error`` code, ``digest-unavailable`` prefix."""
-    from p2pnode.overlay.digest import DROP_REASONS
+    from p2pnode.overlay.cache.digest import DROP_REASONS
     from p2pnode.overlay.limits import LimitExceeded
 
     assert LimitExceeded.reason == "limited"

@@ -28,7 +28,7 @@ from p2pnode.identity import (
     sign_node_record,
     verify_node_record,
 )
-from p2pnode.overlay.antientropy import (
+from p2pnode.overlay.cache.antientropy import (
     DIGEST_PROTOCOL,
     AntiEntropy,
     DigestPull,
@@ -36,7 +36,7 @@ from p2pnode.overlay.antientropy import (
     DigestUnavailable,
     PullFailed,
 )
-from p2pnode.overlay.digest import (
+from p2pnode.overlay.cache.digest import (
     DIGEST_KIND,
     DROP_REASONS,
     Digest,
@@ -48,7 +48,9 @@ from p2pnode.overlay.digest import (
     encode_fingerprints,
     open_digest,
 )
-from p2pnode.overlay.forward import (
+from p2pnode.overlay.cache.views import ApplyResult, PeerViews
+from p2pnode.overlay.limits import Budget, LimitsConfig, PeerLimiter
+from p2pnode.overlay.serve.forward import (
     FORWARD_PROTOCOL,
     ForwardAccepted,
     ForwardDone,
@@ -59,8 +61,6 @@ from p2pnode.overlay.forward import (
     ForwardTokens,
     forward_request,
 )
-from p2pnode.overlay.limits import Budget, LimitsConfig, PeerLimiter
-from p2pnode.overlay.views import ApplyResult, PeerViews
 from p2pnode.overlay.wire import (
     WireError,
     bounded,

@@ -97,11 +97,11 @@ def test_no_import_cycles_between_modules_at_load_time():
 def test_the_checker_sees_the_imports_it_judges():
     modules = _modules()
     assert len(modules) > 60
-    node_imports = {t for t, _ in _imports(modules["p2pnode.overlay.node"])}
-    assert "p2pnode.overlay.addrs.AddressBook" in node_imports
+    node_imports = {t for t, _ in _imports(modules["p2pnode.overlay.net.node"])}
+    assert "p2pnode.overlay.net.addrs.AddressBook" in node_imports
     lazy = dict(_imports(modules["p2pnode.bootstrap.node"]))
     # inside a function: lazy
-    assert lazy.get("p2pnode.overlay.reachability.ReachabilityService") is False
+    assert lazy.get("p2pnode.overlay.net.reachability.ReachabilityService") is False
 
 
 def _lint_tool():

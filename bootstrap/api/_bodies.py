@@ -26,7 +26,7 @@ from p2pnode.bootstrap.api._params import Job
 from p2pnode.inference.sampling import TokenLogprob
 
 if TYPE_CHECKING:
-    from p2pnode.overlay.service import RoutedResult
+    from p2pnode.overlay.serve.service import RoutedResult
 
 
 @dataclass

@@ -75,7 +75,7 @@ class _Answer:
 
 
 # Keyed by ``reason``: the engine's (``p2pnode.inference``) and the router's
-# (``p2pnode.overlay.forward``) refusals; ``engine_error`` answers every other ``EngineError``.
+# (``p2pnode.overlay.serve.forward``) refusals; ``engine_error`` answers every other ``EngineError``.
 _ANSWERS: dict[str, _Answer] = {
     "prompt_too_long": _Answer(400, "context_length_exceeded", about_prompt=True),
     "empty_prompt": _Answer(400, "invalid_prompt", about_prompt=True),

@@ -16,7 +16,7 @@ Contract:
   ``DEFAULT_CHAT_MAX_TOKENS`` and the context.
 - ``"p2pnode": {"private": true}`` (OpenAI clients: ``extra_body``) keeps the request on this
   node; a chat's earlier assistant answers are its ``turn`` (the router's look-ahead for
-  sessions, ``overlay/sessions.py``).
+  sessions, ``overlay/routing/sessions.py``).
 """
 
 from __future__ import annotations

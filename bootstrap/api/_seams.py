@@ -1,7 +1,7 @@
 """What the API needs from the engine and the routed service it is given.
 
-Both engines (``inference/engine.py`` and ``inference/vllm_engine.py``, through
-``inference/_front.py``) satisfy ``ApiEngine``, and ``overlay/service.py``'s ``RoutedService``
+Both engines (``inference/engine.py`` and ``inference/vllm/engine.py``, through
+``inference/_front.py``) satisfy ``ApiEngine``, and ``overlay/serve/service.py``'s ``RoutedService``
 satisfies ``ApiService``. The routing layer's own needs of an engine are a different seam,
 ``inference/serving.py``'s ``ServingEngine``: the API adds text (encoding prompts and chats,
 decoding answers) and reads nothing of the routing.
@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 from p2pnode.inference.sampling import SamplingParams, TokenLogprob
 
 if TYPE_CHECKING:
-    from p2pnode.overlay.service import RoutedResult
+    from p2pnode.overlay.serve.service import RoutedResult
 
 
 class Tokenizer(Protocol):

@@ -39,11 +39,11 @@ if TYPE_CHECKING:
     from libp2p.abc import INetConn
 
     from p2pnode.bootstrap.metrics import NodeMetrics
-    from p2pnode.overlay.forward import ForwardServer
-    from p2pnode.overlay.router import CandidateEstimate, RoutingDecision
-    from p2pnode.overlay.service import Attempt, RoutedResult
-    from p2pnode.overlay.trust import TrustBook
-    from p2pnode.overlay.views import PeerViews
+    from p2pnode.overlay.cache.views import PeerViews
+    from p2pnode.overlay.routing.router import CandidateEstimate, RoutingDecision
+    from p2pnode.overlay.serve.forward import ForwardServer
+    from p2pnode.overlay.serve.service import Attempt, RoutedResult
+    from p2pnode.overlay.trust.book import TrustBook
     from p2pnode.speculation.edge import EdgeResult
 
 SUBSCRIBER_BUFFER = 64  # decisions a slow event-stream reader may lag; older ones are dropped

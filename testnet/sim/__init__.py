@@ -3,19 +3,19 @@ network (simpy).
 
 What is real (imported and driven, not re-implemented): each node's exact radix prefix cache
 (``inference/radix.py``, token structure, LRU eviction, block events), its ``DigestBuilder``
-(``overlay/digest.py``) turning those events into versioned digests, digests sealed with a real
+(``overlay/cache/digest.py``) turning those events into versioned digests, digests sealed with a real
 node key and opened with ``open_digest`` (signature check, size limits: the bytes counted are
-real), ``PeerViews.apply`` (``overlay/views.py``: full/delta/gap semantics; a GAP is repaired
+real), ``PeerViews.apply`` (``overlay/cache/views.py``: full/delta/gap semantics; a GAP is repaired
 by a pull of a full digest, as anti-entropy does), ``PushBack`` and ``Router.decide``
-(``overlay/router.py``) with the router's in-flight and confidence feedback, ``ScopePolicy`` /
-``ScopedViews`` / ``prefix_key`` (``overlay/scope.py``). The workload is MMLU 5-shot prompts
-(``inference/mmlu.py``), tokenized by the model's tokenizer, Zipf popularity, Poisson arrivals
+(``overlay/routing/router.py``) with the router's in-flight and confidence feedback, ``ScopePolicy`` /
+``ScopedViews`` / ``prefix_key`` (``overlay/cache/scope.py``). The workload is MMLU 5-shot prompts
+(``datasets/mmlu.py``), tokenized by the model's tokenizer, Zipf popularity, Poisson arrivals
 at uniformly random nodes.
 
 What is simulated (stated so figures are read right):
 - Network: nodes placed around 4 region centres; one-way delay = great-circle distance at fiber
   speed (200,000 km/s) + an access delay per end + exponential jitter per message. A forward
-  costs what the entry router's network-cost model says (``overlay/netcost.py``: its prior
+  costs what the entry router's network-cost model says (``overlay/routing/netcost.py``: its prior
   of 3 RTTs plus the request's bytes at 10 Mbit/s, as nothing is measured in the simulation).
 - Compute: one request at a time per node (no batching), taking the cost model's time (the
   first token comes with the prefill, as in the engine; later ones take a decode step each);
@@ -32,7 +32,7 @@ What is simulated (stated so figures are read right):
   holders found are pulled (their digest as of now) and admitted for the decision, and the
   request moves to the best of them if the router expects it to finish before what is left of
   the first path (``redirects``; the work done there is lost).
-- Hot-prefix summary (``overlay/hotprefix.py``, scoped views, ``SimConfig.hot``): each node
+- Hot-prefix summary (``testnet/sim/hotprefix.py``, scoped views, ``SimConfig.hot``): each node
   counts the requests it served under each key; once per gossip interval every up node's table
   is merged (as an aggregation tree over the DHT would merge it) and the result reaches every
   node after ``2 * ceil(log2 n)`` one-way delays. A request with no in-scope holder of its key

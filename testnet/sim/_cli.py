@@ -11,7 +11,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict
 
-from p2pnode.overlay.scope import ScopePolicy
+from p2pnode.overlay.cache.scope import ScopePolicy
 from p2pnode.testnet.sim._config import SimConfig
 from p2pnode.testnet.sim._report import markdown_table, plot, run_grid
 from p2pnode.testnet.sim._workload import mmlu_prompts
@@ -46,12 +46,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--spec",
         default=None,
         help="simulate this trial spec instead (its nodes, delays and planned requests), "
-        "both arms, and print the figures a trial reports (testnet/simspec.py)",
+        "both arms, and print the figures a trial reports (testnet/sim/simspec.py)",
     )
     parser.add_argument("--out", default="bench/results/simulate", help="folder for JSON + plot")
     args = parser.parse_args(argv)
     if args.spec is not None:
-        from p2pnode.testnet.simspec import simulate_spec
+        from p2pnode.testnet.sim.simspec import simulate_spec
         from p2pnode.testnet.spec import SpecError, builtin_spec_path, load_spec
 
         try:

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from p2pnode.overlay.hotprefix import HotPolicy
-from p2pnode.overlay.scope import ScopePolicy
+from p2pnode.overlay.cache.scope import ScopePolicy
+from p2pnode.testnet.sim.hotprefix import HotPolicy
 
 MODEL_ID = "sim-model@0000000000000000"
 
@@ -40,7 +40,7 @@ class SimConfig:
     placement: bool = True  # the router's placement on misses (RouterConfig.placement)
     lookup: str = "overlap"  # "overlap": beside the first path; "before": on the critical path
     lookup_levels: str = "region"  # "region": the region's DHT, then the world's; "world"
-    # Scoped views: the hot-prefix summary (overlay/hotprefix.py) names holders of the most
+    # Scoped views: the hot-prefix summary (testnet/sim/hotprefix.py) names holders of the most
     # served prefixes, pulled at once instead of looked up; None: DHT lookups only.
     hot: HotPolicy | None = field(default_factory=HotPolicy)
     hot_pull: int = 2  # holders of a summary entry pulled, nearest first

@@ -18,11 +18,11 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from p2pnode.overlay.digest import seal_digest
-from p2pnode.overlay.hotprefix import HotPrefixes
-from p2pnode.overlay.router import Router, RoutingDecision
-from p2pnode.overlay.scope import ScopedViews, prefix_key
+from p2pnode.overlay.cache.digest import seal_digest
+from p2pnode.overlay.cache.scope import ScopedViews, prefix_key
+from p2pnode.overlay.routing.router import Router, RoutingDecision
 from p2pnode.testnet.sim._node import SimNode, fields
+from p2pnode.testnet.sim.hotprefix import HotPrefixes
 
 
 class Lookups:
@@ -50,7 +50,7 @@ class Lookups:
 
     def hot_loop(self):
         """Once per gossip interval, every node's table merged up the aggregation tree
-        (``overlay/hotprefix.py``); the result reaches every node after the trip up and down
+        (``testnet/sim/hotprefix.py``); the result reaches every node after the trip up and down
         the tree (``ceil(log2 n)`` levels at the mean one-way delay each way)."""
         cfg = self.cfg
         if cfg.views != "scoped" or cfg.hot is None:

@@ -14,9 +14,9 @@ import statistics
 import sys
 from typing import TYPE_CHECKING
 
-from p2pnode.overlay.hotprefix import HotPrefixes
-from p2pnode.overlay.views import PeerViews
+from p2pnode.overlay.cache.views import PeerViews
 from p2pnode.testnet.sim._config import SimResult
+from p2pnode.testnet.sim.hotprefix import HotPrefixes
 
 if TYPE_CHECKING:
     from p2pnode.testnet.sim._run import Simulation

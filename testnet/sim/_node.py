@@ -18,11 +18,11 @@ from typing import TYPE_CHECKING, Any
 import simpy
 
 from p2pnode.inference.radix import RadixCache
-from p2pnode.overlay.digest import DigestBuilder, LoadInfo, open_digest, seal_digest
-from p2pnode.overlay.hotprefix import HotPrefixes
-from p2pnode.overlay.router import LocalState, PushBack
-from p2pnode.overlay.views import ApplyResult
+from p2pnode.overlay.cache.digest import DigestBuilder, LoadInfo, open_digest, seal_digest
+from p2pnode.overlay.cache.views import ApplyResult
+from p2pnode.overlay.routing.router import LocalState, PushBack
 from p2pnode.testnet.sim._config import MODEL_ID
+from p2pnode.testnet.sim.hotprefix import HotPrefixes
 
 if TYPE_CHECKING:
     from p2pnode.testnet.sim._run import Simulation

@@ -25,15 +25,15 @@ import simpy
 
 from p2pnode.identity import NodeKey
 from p2pnode.inference.blockhash import block_hashes, model_salt
-from p2pnode.overlay.router import (
+from p2pnode.overlay.cache.scope import ScopedViews
+from p2pnode.overlay.cache.views import PeerViews
+from p2pnode.overlay.routing.router import (
     LOCAL,
     Router,
     RouterConfig,
     RoutingDecision,
     request_bytes,
 )
-from p2pnode.overlay.scope import ScopedViews
-from p2pnode.overlay.views import PeerViews
 from p2pnode.testnet.sim._config import MODEL_ID, SimConfig, SimResult
 from p2pnode.testnet.sim._lookup import Lookups, redirect
 from p2pnode.testnet.sim._metrics import result_of
@@ -43,7 +43,7 @@ from p2pnode.testnet.sim._world import Network
 
 
 class Simulation(Lookups):
-    """One run. ``net`` replaces the generated positions (``testnet/simspec.py`` gives a trial
+    """One run. ``net`` replaces the generated positions (``testnet/sim/simspec.py`` gives a trial
     spec's regions and delays); ``plan``, a list of ``(at_s, prompt index, entry node)``,
     replaces the generated arrivals."""
 
@@ -305,7 +305,7 @@ def _target(decision: RoutingDecision, entry: int) -> tuple[int, int, float]:
 def simulate(cfg: SimConfig, prompts: list[list[int]]) -> SimResult:
     """One run. The hit-rate ceiling needs the request order, so the arrival sequence is
     drawn first (seeded, the same for every views mode and for the baseline)."""
-    from p2pnode.testnet.driver import oracle_cached
+    from p2pnode.testnet.workload.driver import oracle_cached
 
     sim = Simulation(cfg, prompts)
     result = sim.run()

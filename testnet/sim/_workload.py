@@ -17,7 +17,7 @@ from p2pnode.testnet.sim._config import SimConfig
 
 def mmlu_prompts(subjects: int, per_subject: int) -> list[list[int]]:
     """Token ids of the MMLU prompts, subject by subject (``per_subject`` each)."""
-    from p2pnode.inference import mmlu
+    from p2pnode.datasets import mmlu
     from p2pnode.inference.models import default_model_path, load_light_model
 
     default_model_path()  # on a fresh machine, converts the packaged model once (as trials do)

@@ -5,7 +5,7 @@ weighted by ``REGION_SHARE``) and gives each an access delay. ``base_rtt`` is th
 RTT (great-circle distance at fiber speed plus both ends' access delays), ``rtt`` adds
 exponential jitter, ``nearest`` is a node's scope by measured RTT and ``cells`` each node's
 cell. It draws from the run's ``rng`` in a fixed order, so a seed fixes the world.
-``testnet/simspec.py`` subclasses it with a trial spec's regions and link delays.
+``testnet/sim/simspec.py`` subclasses it with a trial spec's regions and link delays.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import math
 import random
 from collections.abc import Iterable
 
-from p2pnode.overlay.scope import ScopePolicy, cell_of
+from p2pnode.overlay.cache.scope import ScopePolicy, cell_of
 from p2pnode.testnet.sim._config import SimConfig
 
 FIBER_KM_PER_S = 200_000.0
@@ -78,7 +78,7 @@ class Network:
         return {int(p) for p in policy.select(pairs, cell=(str(j) for j in cell if j != a))}
 
     def cells(self, policy: ScopePolicy) -> list[str]:
-        """Each node's cell (``overlay/scope.py``); region sizes are known exactly here."""
+        """Each node's cell (``overlay/cache/scope.py``); region sizes are known exactly here."""
         size: dict[str, int] = {}
         for r in self.region:
             size[r] = size.get(r, 0) + 1

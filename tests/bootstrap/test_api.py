@@ -25,10 +25,10 @@ from p2pnode.identity import NodeKey
 from p2pnode.inference.blockhash import BLOCK_SIZE, block_hashes
 from p2pnode.inference.engine import Engine, open_engine
 from p2pnode.inference.sampling import SamplingParams
-from p2pnode.overlay.antientropy import AntiEntropyConfig
-from p2pnode.overlay.audit import AuditConfig
-from p2pnode.overlay.node import OverlayConfig, OverlayNode, open_overlay_node
-from p2pnode.overlay.service import RoutedService
+from p2pnode.overlay.cache.antientropy import AntiEntropyConfig
+from p2pnode.overlay.net.node import OverlayConfig, OverlayNode, open_overlay_node
+from p2pnode.overlay.serve.service import RoutedService
+from p2pnode.overlay.trust.audit import AuditConfig
 
 from testkit import wait_until
 
@@ -183,7 +183,7 @@ async def test_completion_and_chat_equal_the_engine_output(loaded) -> None:
         # The second request reused the prompt that the reference run cached.
         assert chat.model_extra["p2pnode"]["cached_tokens"] >= BLOCK_SIZE
 
-        # Chat turns are counted for the router's session look-ahead (overlay/sessions.py):
+        # Chat turns are counted for the router's session look-ahead (overlay/routing/sessions.py):
         # the first turn above, then its second; completions are not chat turns.
         follow_up = [*CHAT, {"role": "assistant", "content": chat_expected},
                      {"role": "user", "content": "And one more?"}]  # fmt: skip

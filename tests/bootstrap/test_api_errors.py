@@ -16,7 +16,7 @@ from p2pnode.inference._errors import (
     InvalidToken,
     PromptTooLong,
 )
-from p2pnode.overlay.forward import NoRouteError
+from p2pnode.overlay.serve.forward import NoRouteError
 
 
 @pytest.mark.parametrize(

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from p2pnode.inference.sampling import SamplingParams, TokenLogprob, token_logprob
-from p2pnode.testnet.apicluster import api_cluster
+from p2pnode.testing.apicluster import api_cluster
 
 N = 6
 PROMPT = "The capital of France is"

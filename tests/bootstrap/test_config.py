@@ -14,10 +14,10 @@ from p2pnode.bootstrap import cli
 from p2pnode.bootstrap.config import ConfigError, NodeSettings, settings_from
 from p2pnode.inference.engine import Engine, open_engine
 from p2pnode.overlay import OverlayConfig
-from p2pnode.overlay.antientropy import AntiEntropyConfig
-from p2pnode.overlay.audit import AuditConfig
-from p2pnode.overlay.challenge import ChallengeConfig
-from p2pnode.overlay.service import RoutedService
+from p2pnode.overlay.cache.antientropy import AntiEntropyConfig
+from p2pnode.overlay.serve.service import RoutedService
+from p2pnode.overlay.trust.audit import AuditConfig
+from p2pnode.overlay.trust.challenge import ChallengeConfig
 from p2pnode.testnet.spec import NodeSettingsSpec, parse_spec
 
 SETTINGS = {f.name for f in dataclasses.fields(NodeSettings)}

@@ -20,8 +20,8 @@ import torch
 import trio
 
 from p2pnode.inference.sampling import SamplingParams
-from p2pnode.testnet.apicluster import api_cluster
-from p2pnode.testnet.browser import chromium, console_errors, missing_browser
+from p2pnode.testing.apicluster import api_cluster
+from p2pnode.testing.browser import chromium, console_errors, missing_browser
 
 CHAT_TOKENS = 12
 
@@ -200,7 +200,7 @@ async def test_console_in_chromium_shows_peers_and_streams_a_chat(loaded, tmp_pa
 
 
 def estimate(peer: str, total: float, *, cached: int = 0, skipped: str | None = None) -> Any:
-    from p2pnode.overlay.router import CandidateEstimate
+    from p2pnode.overlay.routing.router import CandidateEstimate
 
     local = peer == "local"
     return CandidateEstimate(
@@ -220,7 +220,7 @@ def estimate(peer: str, total: float, *, cached: int = 0, skipped: str | None = 
 
 
 def decision(chosen: str, reason: str, *candidates: Any) -> Any:
-    from p2pnode.overlay.router import RoutingDecision
+    from p2pnode.overlay.routing.router import RoutingDecision
 
     return RoutingDecision(
         request_id="r1",
@@ -238,7 +238,7 @@ def decision(chosen: str, reason: str, *candidates: Any) -> Any:
 
 def test_why_sentence_names_the_numbers_behind_each_reason() -> None:
     from p2pnode.bootstrap.console.feed import candidate_record, explain
-    from p2pnode.overlay.service import Attempt
+    from p2pnode.overlay.serve.service import Attempt
 
     peer = "12D3KooWPeerAAAAAAAAAAAAAAAAAAAAAAAAAAAA11111111"
     ok = [Attempt(peer, "ok", 8, 0.4)]
@@ -316,8 +316,8 @@ async def test_connection_kind_tells_a_relayed_link_from_a_direct_one() -> None:
 
     from p2pnode.bootstrap.console.feed import _connection_kind, link_kind
     from p2pnode.identity import NodeKey
-    from p2pnode.overlay.node import OverlayConfig, open_overlay_node
-    from p2pnode.overlay.relay import open_relay
+    from p2pnode.overlay.net.node import OverlayConfig, open_overlay_node
+    from p2pnode.overlay.net.relay import open_relay
 
     keys = [NodeKey.generate() for _ in range(3)]
     async with (

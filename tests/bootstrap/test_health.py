@@ -15,7 +15,7 @@ from p2pnode.bootstrap.config import NodeSettings
 from p2pnode.bootstrap.health import health_state
 from p2pnode.bootstrap.node import run_node
 from p2pnode.identity import NodeKey
-from p2pnode.overlay.node import OverlayConfig, open_overlay_node
+from p2pnode.overlay.net.node import OverlayConfig, open_overlay_node
 
 
 def free_port() -> int:

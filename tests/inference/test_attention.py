@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from transformers.masking_utils import sdpa_mask
 
-from p2pnode.inference import _attention
+from p2pnode.inference._cpu import attention as _attention
 
 
 class _Layer(torch.nn.Module):

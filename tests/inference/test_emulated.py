@@ -163,7 +163,7 @@ def test_closed_form_emulated_logits_match_the_dense_tensor_path(
     import torch
 
     from p2pnode.inference.sampling import probs_from_logits, token_logprob
-    from p2pnode.overlay.audit import check_greedy, check_sampled
+    from p2pnode.overlay.trust.audit import check_greedy, check_sampled
 
     vocab = 4096  # small enough that the nucleus boundary falls inside the vocabulary
     row = EmulatedLogits.after(37, 1234, vocab, eos_token_id=2)

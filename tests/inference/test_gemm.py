@@ -1,4 +1,4 @@
-"""Prefill-sized matmuls on packed weights (``inference/_gemm.py``): the C panel GEMM and
+"""Prefill-sized matmuls on packed weights (``inference/_cpu/gemm.py``): the C panel GEMM and
 oneDNN's, the per-process choice between them, and ``StreamLinear`` on them."""
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from p2pnode.inference import _gemm, _kernels
+from p2pnode.inference._cpu import gemm as _gemm
+from p2pnode.inference._cpu import kernels as _kernels
 
 from testkit.kernels import check_panels
 

@@ -1,4 +1,4 @@
-"""inference/_hugepages.py: a model's tensors moved into one region advised for 2 MB pages."""
+"""inference/_cpu/hugepages.py: a model's tensors moved into one region advised for 2 MB pages."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from p2pnode.inference import _hugepages
+from p2pnode.inference._cpu import hugepages as _hugepages
 
 needs_thp = pytest.mark.skipif(
     not _hugepages.available(), reason="no transparent huge pages on this kernel"

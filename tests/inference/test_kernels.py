@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from p2pnode.inference import _kernels
-from p2pnode.inference._kvslab import Slab, SlabPool, _SlabLayer
+from p2pnode.inference._cpu import kernels as _kernels
+from p2pnode.inference._cpu.kvslab import Slab, SlabPool, _SlabLayer
 
 from testkit.kernels import check_panels
 
@@ -100,7 +100,8 @@ def test_narrower_builds_give_the_same_numbers_in_their_own_width(march, lanes, 
 def _fast_path_in_build(lib) -> None:
     """The C decoder stack of build ``lib`` (its attention's own vector width) against
     transformers, and a verify block's rows against one-token steps."""
-    from p2pnode.inference import _fastpath, _gemm
+    from p2pnode.inference._cpu import fastpath as _fastpath
+    from p2pnode.inference._cpu import gemm as _gemm
 
     model = _tiny_llama(256)  # 64-wide heads
     assert _fastpath.install(model)
@@ -276,7 +277,7 @@ def test_deferred_spans_are_copied_on_first_read_and_not_into_a_given_back_tenso
 def test_fast_path_copies_a_deferred_prefix_while_it_runs(c_prefill, monkeypatch, new) -> None:
     """A cache hit's prefix left deferred in the slab: the C stack copies it in, layer by
     layer on its own thread, and gives the bits of the same forward on an eagerly loaded slab."""
-    from p2pnode.inference import _fastpath
+    from p2pnode.inference._cpu import fastpath as _fastpath
 
     handed = []
     copies = _fastpath._copies
@@ -367,7 +368,7 @@ def _torch_and_fast(model, prompt: torch.Tensor, block: torch.Tensor):
     [(64, 40), (256, 125)],
 )
 def test_fast_path_matches_transformers_and_rows_are_independent(hidden, cached) -> None:
-    from p2pnode.inference import _fastpath
+    from p2pnode.inference._cpu import fastpath as _fastpath
 
     model = _tiny_llama(hidden)
     assert _fastpath.install(model)
@@ -392,7 +393,7 @@ def test_fast_path_matches_transformers_and_rows_are_independent(hidden, cached)
 def c_prefill(monkeypatch):
     """The conditions of the C stack's prefill: the panel GEMM (pinned, whatever this machine
     would choose) and one torch thread; restored after."""
-    from p2pnode.inference import _gemm
+    from p2pnode.inference._cpu import gemm as _gemm
 
     monkeypatch.setenv("P2PNODE_PREFILL_GEMM", "panels")
     _gemm.choice.cache_clear()
@@ -433,7 +434,7 @@ def _prefill_against_transformers(model, ids: torch.Tensor, cached: int) -> None
     [(64, 0, 83), (256, 0, 150), (256, 70, 41), (256, 130, 17)],
 )
 def test_prefill_through_the_c_stack_matches_transformers(c_prefill, hidden, cached, new) -> None:
-    from p2pnode.inference import _fastpath
+    from p2pnode.inference._cpu import fastpath as _fastpath
 
     model = _tiny_llama(hidden)
     assert _fastpath.install(model)
@@ -448,7 +449,7 @@ def _prefill_took_the_c_stack(ids: torch.Tensor):
     and the model."""
     from transformers import DynamicCache
 
-    from p2pnode.inference import _fastpath
+    from p2pnode.inference._cpu import fastpath as _fastpath
 
     model = _tiny_llama()
     assert _fastpath.install(model)
@@ -460,7 +461,8 @@ def _prefill_took_the_c_stack(ids: torch.Tensor):
 
 @needs_lib
 def test_prefill_stays_on_transformers_with_threads_or_without_panels(c_prefill, monkeypatch):
-    from p2pnode.inference import _fastpath, _gemm
+    from p2pnode.inference._cpu import fastpath as _fastpath
+    from p2pnode.inference._cpu import gemm as _gemm
 
     ids = torch.randint(0, 96, (1, 40))
     torch.set_num_threads(2)  # oneDNN's GEMM and torch's attention use the threads
@@ -476,7 +478,7 @@ def test_prefill_stays_on_transformers_with_threads_or_without_panels(c_prefill,
 
 @needs_lib
 def test_fast_path_plan_follows_a_replaced_weight() -> None:
-    from p2pnode.inference import _fastpath
+    from p2pnode.inference._cpu import fastpath as _fastpath
 
     model = _tiny_llama()
     assert _fastpath.install(model)
@@ -494,7 +496,7 @@ def test_fast_path_plan_follows_a_replaced_weight() -> None:
 
 
 def test_rope_table_rows_equal_the_rotary_module() -> None:
-    from p2pnode.inference import _fastpath
+    from p2pnode.inference._cpu import fastpath as _fastpath
 
     rot = _tiny_llama().model.rotary_emb
     x = torch.zeros(1, 3, 64)
@@ -508,8 +510,8 @@ def test_rope_table_rows_equal_the_rotary_module() -> None:
 
 @needs_lib
 def test_batched_decode_with_left_pads_equals_each_row_alone() -> None:
-    from p2pnode.inference import _fastpath
     from p2pnode.inference._backend import HFBackend
+    from p2pnode.inference._cpu import fastpath as _fastpath
 
     model = _tiny_llama()
     assert _fastpath.install(model)
@@ -540,4 +542,4 @@ def test_build_compiles_another_version_beside_the_current_one(caplog) -> None:
     assert again is not None and again.q4a8_native() in (0, 1, 2)
     with caplog.at_level("WARNING", logger=_kernels.__name__):
         assert _kernels.build(b"this is not C\n") is None
-    assert "building _kernels.c failed" in caplog.text
+    assert "building kernels.c failed" in caplog.text

@@ -10,14 +10,14 @@ import importlib.util
 import pytest
 
 from p2pnode.bootstrap.config import ConfigError, settings_from
-from p2pnode.inference._vllm_compat import (
+from p2pnode.inference.blockhash import BLOCK_SIZE
+from p2pnode.inference.vllm.compat import (
     CPU_DEFAULT_KV_TOKENS,
     VllmBuild,
     VllmBuildError,
     detect,
     engine_args,
 )
-from p2pnode.inference.blockhash import BLOCK_SIZE
 
 CPU = VllmBuild("0.32.0", "cpu")
 GPU = VllmBuild("0.33.0", "cuda")

@@ -116,7 +116,7 @@ async def check_greedy_and_load_views(engine: Any, prompts: list, refs: list) ->
 async def check_digest_follows_kv_events(engine: Any, digest: Any, prompt: list[int]) -> None:
     """The digest fed by vLLM's KV events says what vLLM holds, block for block."""
     from p2pnode.inference.blockhash import cached_prefix_tokens, model_salt
-    from p2pnode.overlay.digest import fingerprint
+    from p2pnode.overlay.cache.digest import fingerprint
 
     salt, block = model_salt(engine.model_id), engine.block_size
 
@@ -148,7 +148,7 @@ async def check_digest_follows_kv_events(engine: Any, digest: Any, prompt: list[
 
 async def test_vllm_engine_serves_like_the_cpu_engine(loaded: Any) -> None:
     from p2pnode.inference.serving import ServingEngine
-    from p2pnode.inference.vllm_engine import open_vllm_engine
+    from p2pnode.inference.vllm.engine import open_vllm_engine
 
     # fp32 as our CPU engine (the CPU build's default; a GPU would run bf16 otherwise).
     async with open_vllm_engine(
@@ -191,8 +191,8 @@ async def test_vllm_engine_serves_like_the_cpu_engine(loaded: Any) -> None:
 
 async def test_kv_events_feed_the_digest_and_evictions_remove_blocks() -> None:
     from p2pnode.inference.blockhash import cached_prefix_tokens, model_salt
-    from p2pnode.inference.vllm_engine import open_vllm_engine
-    from p2pnode.overlay.digest import DigestBuilder, fingerprint
+    from p2pnode.inference.vllm.engine import open_vllm_engine
+    from p2pnode.overlay.cache.digest import DigestBuilder, fingerprint
 
     capacity = 1024  # 32 vLLM blocks of 32 tokens: three 400-token prompts overflow it
     async with open_vllm_engine(
@@ -290,13 +290,13 @@ async def test_join_engine_vllm_serves_openai_and_a_cpu_node_routes_to_it(
     from prometheus_client import CollectorRegistry
 
     from p2pnode.identity import NodeKey
-    from p2pnode.inference._vllm_compat import detect
     from p2pnode.inference.engine import open_engine
-    from p2pnode.overlay.antientropy import AntiEntropyConfig
-    from p2pnode.overlay.audit import AuditConfig
-    from p2pnode.overlay.node import OverlayConfig, open_overlay_node
-    from p2pnode.overlay.router import LOCAL, RouterConfig
-    from p2pnode.overlay.service import RoutedService
+    from p2pnode.inference.vllm.compat import detect
+    from p2pnode.overlay.cache.antientropy import AntiEntropyConfig
+    from p2pnode.overlay.net.node import OverlayConfig, open_overlay_node
+    from p2pnode.overlay.routing.router import LOCAL, RouterConfig
+    from p2pnode.overlay.serve.service import RoutedService
+    from p2pnode.overlay.trust.audit import AuditConfig
 
     async with contextlib.AsyncExitStack() as stack:
         key = NodeKey.generate()

@@ -35,7 +35,7 @@ from p2pnode.inference.blockhash import (
     cached_prefix_tokens,
     model_salt,
 )
-from p2pnode.inference.vllm_events import (
+from p2pnode.inference.vllm.events import (
     MalformedBatch,
     OversizedBatch,
     UnknownParent,
@@ -44,7 +44,7 @@ from p2pnode.inference.vllm_events import (
     VllmEventTranslator,
     decode_batch,
 )
-from p2pnode.overlay.digest import DigestBuilder, fingerprint
+from p2pnode.overlay.cache.digest import DigestBuilder, fingerprint
 
 MODEL_ID = "SmolLM2-135M-Instruct@0123456789abcdef"
 REPO = Path(__file__).resolve().parents[2]
@@ -602,7 +602,7 @@ class _VllmLikePublisher:
 
 def test_zmq_subscriber_catches_up_through_replay() -> None:
     zmq = pytest.importorskip("zmq")
-    from p2pnode.inference.vllm_events import ZmqEventSubscriber
+    from p2pnode.inference.vllm.events import ZmqEventSubscriber
 
     evs = sequence_events(TOKENS, 16)  # 4 single-store batches
     pub = _VllmLikePublisher(zmq)

@@ -1,4 +1,4 @@
-"""What a node advertises and dials (overlay/addrs.py), invites, and the network check."""
+"""What a node advertises and dials (overlay/net/addrs.py), invites, and the network check."""
 
 from __future__ import annotations
 
@@ -10,15 +10,15 @@ from multiaddr import Multiaddr
 
 from p2pnode.bootstrap.invite import InviteError, make_invite, parse_invite
 from p2pnode.identity import NodeKey
-from p2pnode.overlay.addrs import AddressBook, classify, dial_order, interface_ips
-from p2pnode.overlay.hello import (
+from p2pnode.overlay.net.addrs import AddressBook, classify, dial_order, interface_ips
+from p2pnode.overlay.net.hello import (
     MAX_REFERRALS,
     Hello,
     NetworkMismatch,
     check_network_id,
     mismatch,
 )
-from p2pnode.overlay.node import VERSION, OverlayConfig, open_overlay_node
+from p2pnode.overlay.net.node import VERSION, OverlayConfig, open_overlay_node
 from p2pnode.overlay.wire import SchemaError, to_wire
 
 LAN = [

@@ -1,4 +1,4 @@
-"""Anti-entropy (overlay/antientropy.py) on real overlay nodes on 127.0.0.1: views converge
+"""Anti-entropy (overlay/cache/antientropy.py) on real overlay nodes on 127.0.0.1: views converge
 through deltas and pulls despite lost gossip, and a cache change is published before the next
 round."""
 
@@ -11,9 +11,9 @@ import trio
 
 from p2pnode.identity import NodeKey
 from p2pnode.inference.blockhash import BlockRemoved, BlockStored
-from p2pnode.overlay.antientropy import AntiEntropy, AntiEntropyConfig
-from p2pnode.overlay.digest import DigestBuilder, seal_digest
-from p2pnode.overlay.views import PeerViews
+from p2pnode.overlay.cache.antientropy import AntiEntropy, AntiEntropyConfig
+from p2pnode.overlay.cache.digest import DigestBuilder, seal_digest
+from p2pnode.overlay.cache.views import PeerViews
 
 from testkit import wait_until
 from testkit.cluster import overlay_nodes

@@ -1,5 +1,5 @@
-"""Audited forwards (overlay/audit.py): the verdict math, the probation policy, trust that survives
-a restart (overlay/trust_store.py), an honest peer on another numeric path that is never flagged,
+"""Audited forwards (overlay/trust/audit.py): the verdict math, the probation policy, trust that survives
+a restart (overlay/trust/store.py), an honest peer on another numeric path that is never flagged,
 and liars of three kinds on a real 5-node loopback cluster with the real model.
 
 The cluster's engines share one loaded model (the engine never writes weights); their cost
@@ -27,14 +27,14 @@ from prometheus_client import CollectorRegistry, generate_latest
 from p2pnode.inference.engine import open_engine
 from p2pnode.inference.sampling import SamplingParams
 from p2pnode.inference.scoring import ModelScorer
-from p2pnode.overlay.antientropy import AntiEntropyConfig
-from p2pnode.overlay.audit import AuditConfig, Auditor, check_greedy, check_sampled
-from p2pnode.overlay.challenge import ChallengeConfig
-from p2pnode.overlay.forward import ForwardConfig
-from p2pnode.overlay.service import RoutedService
-from p2pnode.overlay.trust import TrustBook
-from p2pnode.overlay.trust_store import load_trust, save_trust
-from p2pnode.testnet.adversary import make_adversary
+from p2pnode.overlay.cache.antientropy import AntiEntropyConfig
+from p2pnode.overlay.serve.forward import ForwardConfig
+from p2pnode.overlay.serve.service import RoutedService
+from p2pnode.overlay.trust.audit import AuditConfig, Auditor, check_greedy, check_sampled
+from p2pnode.overlay.trust.book import TrustBook
+from p2pnode.overlay.trust.challenge import ChallengeConfig
+from p2pnode.overlay.trust.store import load_trust, save_trust
+from p2pnode.testnet.adversary.trial import make_adversary
 
 from testkit import wait_until
 

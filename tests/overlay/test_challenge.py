@@ -1,4 +1,4 @@
-"""Probation by known answers (overlay/challenge.py) and the probation hold in the router.
+"""Probation by known answers (overlay/trust/challenge.py) and the probation hold in the router.
 
 Unit tests drive ``KnownAnswers`` and ``Challenger`` with an in-memory ``send`` (the forward
 itself is tested in tests/system/test_routing_cluster.py); the cluster test runs real libp2p hosts on
@@ -22,23 +22,23 @@ from p2pnode.inference.blockhash import block_hashes, model_salt
 from p2pnode.inference.engine import open_engine
 from p2pnode.inference.models import ShapeOnlyModel
 from p2pnode.inference.scoring import emulated_answer
-from p2pnode.inference.vllm_events import BlockStored
-from p2pnode.overlay.antientropy import AntiEntropyConfig
-from p2pnode.overlay.audit import AuditConfig, Auditor
-from p2pnode.overlay.challenge import (
+from p2pnode.inference.vllm.events import BlockStored
+from p2pnode.overlay.cache.antientropy import AntiEntropyConfig
+from p2pnode.overlay.cache.digest import DigestBuilder, LoadInfo
+from p2pnode.overlay.cache.views import PeerViews
+from p2pnode.overlay.routing.router import LOCAL, LocalState, Router, RouterConfig
+from p2pnode.overlay.serve.forward import ForwardConfig
+from p2pnode.overlay.serve.probation import ProbationChallenges
+from p2pnode.overlay.serve.service import RoutedService
+from p2pnode.overlay.trust.audit import AuditConfig, Auditor
+from p2pnode.overlay.trust.book import TrustBook
+from p2pnode.overlay.trust.challenge import (
     ChallengeConfig,
     Challenger,
     ChallengeUnanswered,
     KnownAnswers,
 )
-from p2pnode.overlay.digest import DigestBuilder, LoadInfo
-from p2pnode.overlay.forward import ForwardConfig
-from p2pnode.overlay.probation import ProbationChallenges
-from p2pnode.overlay.router import LOCAL, LocalState, Router, RouterConfig
-from p2pnode.overlay.service import RoutedService
-from p2pnode.overlay.trust import TrustBook
-from p2pnode.overlay.views import PeerViews
-from p2pnode.testnet.adversary import make_adversary
+from p2pnode.testnet.adversary.trial import make_adversary
 
 from testkit import wait_until
 

@@ -1,4 +1,4 @@
-"""The connection manager's choices (overlay/connmgr.py): what a trim keeps and what
+"""The connection manager's choices (overlay/net/connmgr.py): what a trim keeps and what
 discovery may dial, on a fake clock (the policy is pure; the node wiring is tested with real
 nodes in tests/overlay/test_node.py)."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import trio
 
-from p2pnode.overlay.connmgr import (
+from p2pnode.overlay.net.connmgr import (
     EXPLORE_EVERY_S,
     Candidate,
     ConnLimits,
@@ -157,7 +157,7 @@ async def test_a_natd_node_dials_public_peers_at_once_and_they_wait_for_it(overl
     So discovery's tie-break gives way across a NAT (the NAT test's "NAT'd-public: direct")."""
     from multiaddr import Multiaddr
 
-    from p2pnode.overlay.discovery import PRIVATE_PEER_WAIT_S, TIE_BREAK_WAIT_S
+    from p2pnode.overlay.net.discovery import PRIVATE_PEER_WAIT_S, TIE_BREAK_WAIT_S
 
     async with overlay_network(1) as (node,):
         direct = [Multiaddr("/ip4/10.77.0.3/tcp/4101")]

@@ -1,4 +1,4 @@
-"""overlay/containment.py on real nodes: a stream handler that raises costs that stream only.
+"""overlay/net/patches/containment.py on real nodes: a stream handler that raises costs that stream only.
 The node's own handlers guard themselves (``OverlayNode.set_stream_handler``); libp2p's
 (identify, Kademlia, gossipsub, relay) are registered on the host directly, as here."""
 
@@ -12,7 +12,7 @@ from libp2p.host.exceptions import StreamFailure
 from libp2p.network.stream.exceptions import StreamEOF, StreamReset
 from libp2p.peer.id import ID
 
-from p2pnode.overlay.hello import HELLO_PROTOCOL
+from p2pnode.overlay.net.hello import HELLO_PROTOCOL
 
 from testkit import wait_until
 from testkit.cluster import overlay_nodes

@@ -1,4 +1,4 @@
-"""Cache digests (overlay/digest.py): fingerprint sets, sealed digests and what is refused, and
+"""Cache digests (overlay/cache/digest.py): fingerprint sets, sealed digests and what is refused, and
 the builder's versions, deltas and refcounts."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 
 from p2pnode.identity import seal
 from p2pnode.inference.blockhash import AllBlocksCleared, BlockRemoved, BlockStored
-from p2pnode.overlay.digest import (
+from p2pnode.overlay.cache.digest import (
     MAX_DIGEST_BYTES,
     DigestBuilder,
     DigestError,

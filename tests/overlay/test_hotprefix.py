@@ -6,7 +6,7 @@ from __future__ import annotations
 import cbor2
 import pytest
 
-from p2pnode.overlay.hotprefix import KEY_BYTES, HotPolicy, HotPrefixError, HotPrefixes
+from p2pnode.testnet.sim.hotprefix import KEY_BYTES, HotPolicy, HotPrefixError, HotPrefixes
 
 
 def _key(i: int) -> bytes:

@@ -22,17 +22,17 @@ from prometheus_client import CollectorRegistry
 
 from p2pnode.identity import NodeKey
 from p2pnode.inference.engine import open_engine
-from p2pnode.overlay.antientropy import AntiEntropy, AntiEntropyConfig, PullFailed
-from p2pnode.overlay.digest import Digest, DigestError, LoadInfo, open_digest, seal_digest
-from p2pnode.overlay.forward import ForwardFailed, ForwardRequest, forward_request
+from p2pnode.overlay.cache.antientropy import AntiEntropy, AntiEntropyConfig, PullFailed
+from p2pnode.overlay.cache.digest import Digest, DigestError, LoadInfo, open_digest, seal_digest
+from p2pnode.overlay.cache.views import PeerViews
 from p2pnode.overlay.limits import (
     Budget,
     LimitExceeded,
     LimitsConfig,
     PeerLimiter,
 )
-from p2pnode.overlay.service import RoutedService
-from p2pnode.overlay.views import PeerViews
+from p2pnode.overlay.serve.forward import ForwardFailed, ForwardRequest, forward_request
+from p2pnode.overlay.serve.service import RoutedService
 from p2pnode.speculation import BatchedVerifier, Block, PeerLimited, SamplingOptions
 from p2pnode.speculation.protocol import P2PVerifierTransport, serve_verifier
 
@@ -355,7 +355,7 @@ async def test_ping_streams_and_echoes_are_limited_per_peer(overlay_network: Any
     # node's own liveness stream may hold a slot too). 400 pings written at once on a stream
     # that answered: the echoes stop near the burst and the stream is reset.
     from p2pnode.overlay._errors import PeerUnreachable
-    from p2pnode.overlay.node import PING_LENGTH, PING_PROTOCOL
+    from p2pnode.overlay.net.node import PING_LENGTH, PING_PROTOCOL
 
     async def echoes(stream: Any, n: int) -> int:
         got = b""

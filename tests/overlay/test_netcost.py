@@ -1,4 +1,4 @@
-"""The learned cost of a forward over the network (overlay/netcost.py)."""
+"""The learned cost of a forward over the network (overlay/routing/netcost.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from p2pnode.overlay.netcost import ForwardCost, NetCostConfig
+from p2pnode.overlay.routing.netcost import ForwardCost, NetCostConfig
 
 
 def test_forward_cost_is_learned_from_observed_forwards() -> None:

@@ -428,7 +428,7 @@ async def test_record_gossip_checks_each_record_once_and_keeps_the_topic_within_
 ) -> None:
     """Each node receives every gossiped record: the topic's rate must not grow with the swarm,
     and an unchanged record republished must not cost a signature check again."""
-    from p2pnode.overlay import discovery as disc
+    from p2pnode.overlay.net import discovery as disc
 
     async with overlay_network(1) as (node,):
         d = node.discovery

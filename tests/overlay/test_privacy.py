@@ -1,4 +1,4 @@
-"""Privacy, stated and kept: what digests may show (overlay/privacy.py), private requests that
+"""Privacy, stated and kept: what digests may show (overlay/cache/privacy.py), private requests that
 never leave the node (two real nodes, real model, real HTTP API), and the API's bearer token and
 bind rule (bootstrap/auth.py)."""
 
@@ -23,12 +23,12 @@ from p2pnode.bootstrap.config import ConfigError, settings_from
 from p2pnode.identity import NodeKey
 from p2pnode.inference.blockhash import BLOCK_SIZE, BlockRemoved, BlockStored, block_hashes
 from p2pnode.inference.engine import open_engine
-from p2pnode.overlay.antientropy import AntiEntropyConfig
-from p2pnode.overlay.audit import AuditConfig
-from p2pnode.overlay.digest import DigestBuilder, fingerprint
-from p2pnode.overlay.node import OverlayConfig, open_overlay_node
-from p2pnode.overlay.privacy import AdvertiseGate
-from p2pnode.overlay.service import RoutedService
+from p2pnode.overlay.cache.antientropy import AntiEntropyConfig
+from p2pnode.overlay.cache.digest import DigestBuilder, fingerprint
+from p2pnode.overlay.cache.privacy import AdvertiseGate
+from p2pnode.overlay.net.node import OverlayConfig, open_overlay_node
+from p2pnode.overlay.serve.service import RoutedService
+from p2pnode.overlay.trust.audit import AuditConfig
 
 from testkit import wait_until
 

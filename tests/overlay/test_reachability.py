@@ -1,4 +1,4 @@
-"""Dial-backs (overlay/reachability.py) and who a relay serves (overlay/relay.py), on loopback.
+"""Dial-backs (overlay/net/reachability.py) and who a relay serves (overlay/net/relay.py), on loopback.
 
 The NAT'd side (a dial-back that fails, relays found without a flag) runs across real NAT
 routers in tests/system/test_swarm_netns.py; here: the server's rules and a verdict of "public".
@@ -12,9 +12,9 @@ from functools import partial
 import trio
 
 from p2pnode.identity import NodeKey
-from p2pnode.overlay.node import OverlayConfig, open_overlay_node
-from p2pnode.overlay.reachability import ReachabilityService, _dial_targets, probe_listener
-from p2pnode.overlay.relay import open_relay
+from p2pnode.overlay.net.node import OverlayConfig, open_overlay_node
+from p2pnode.overlay.net.reachability import ReachabilityService, _dial_targets, probe_listener
+from p2pnode.overlay.net.relay import open_relay
 
 
 def _closed_port() -> int:

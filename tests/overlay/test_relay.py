@@ -30,9 +30,9 @@ import trio
 
 from p2pnode.identity import NodeKey
 from p2pnode.overlay._errors import BadMultiaddr, OverlayError
-from p2pnode.overlay.forward import ForwardRequest, forward_request
-from p2pnode.overlay.node import PING_LENGTH, PING_PROTOCOL, OverlayConfig, open_overlay_node
-from p2pnode.overlay.relay import circuit_addr, is_circuit_addr, open_relay
+from p2pnode.overlay.net.node import PING_LENGTH, PING_PROTOCOL, OverlayConfig, open_overlay_node
+from p2pnode.overlay.net.relay import circuit_addr, is_circuit_addr, open_relay
+from p2pnode.overlay.serve.forward import ForwardRequest, forward_request
 from p2pnode.speculation.client import target_generate
 
 PROMPT = [1, 504, 3458, 282, 2821]

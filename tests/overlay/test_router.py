@@ -1,4 +1,4 @@
-"""Router decisions (overlay/router.py): forward or serve locally by cached prefix, RTT, queue and
+"""Router decisions (overlay/routing/router.py): forward or serve locally by cached prefix, RTT, queue and
 push-back; rendezvous placement of misses; what this node forwarded; push-back hysteresis."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from prometheus_client import CollectorRegistry
 from p2pnode.identity import NodeKey
 from p2pnode.inference.blockhash import BlockStored
 from p2pnode.inference.lengths import OutputLengths
-from p2pnode.overlay.digest import DigestBuilder
-from p2pnode.overlay.router import LOCAL, LocalState, PushBack, Router, RouterConfig
-from p2pnode.overlay.views import PeerViews
+from p2pnode.overlay.cache.digest import DigestBuilder
+from p2pnode.overlay.cache.views import PeerViews
+from p2pnode.overlay.routing.router import LOCAL, LocalState, PushBack, Router, RouterConfig
 
 from testkit.routing import DECODE, KEY_B, MODEL, PREFILL, hashes_of, load, prompt
 
@@ -69,7 +69,7 @@ def test_lan_forwards_to_cache_holder() -> None:
 
 
 def test_200ms_forwards_only_when_saving_exceeds_round_trip() -> None:
-    # Before any forward was measured, one costs 3 round trips (overlay/netcost.py's prior):
+    # Before any forward was measured, one costs 3 round trips (overlay/routing/netcost.py's prior):
     # 0.6 s at 200 ms RTT.
     big_shared = prompt(512, seed=13)  # saves 511 * 2.4 ms = 1.23 s > 0.6 s + margin
     router, _ = router_with_peer(0.2, big_shared)

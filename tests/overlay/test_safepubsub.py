@@ -1,4 +1,4 @@
-"""overlay/safepubsub.py on real nodes: a malformed pubsub RPC costs its stream, not the node;
+"""overlay/net/patches/safepubsub.py on real nodes: a malformed pubsub RPC costs its stream, not the node;
 RPCs written at once to one stream never interleave, and a write cut short resets the stream."""
 
 from __future__ import annotations

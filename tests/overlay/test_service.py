@@ -1,4 +1,4 @@
-"""The routed service (overlay/service.py) on real overlay nodes on 127.0.0.1 with engines: a
+"""The routed service (overlay/serve/service.py) on real overlay nodes on 127.0.0.1 with engines: a
 prompt goes to the node holding its prefix or to its rendezvous home, a peer dying mid-stream
 falls back without duplicates, and a forward of the real model matches local generation."""
 
@@ -12,10 +12,10 @@ import trio
 from prometheus_client import CollectorRegistry
 
 from p2pnode.inference.blockhash import BLOCK_SIZE, block_hashes
-from p2pnode.overlay.antientropy import AntiEntropyConfig
-from p2pnode.overlay.audit import AuditConfig
-from p2pnode.overlay.forward import ForwardConfig
-from p2pnode.overlay.service import RoutedService
+from p2pnode.overlay.cache.antientropy import AntiEntropyConfig
+from p2pnode.overlay.serve.forward import ForwardConfig
+from p2pnode.overlay.serve.service import RoutedService
+from p2pnode.overlay.trust.audit import AuditConfig
 
 from testkit import wait_until
 from testkit.cluster import overlay_nodes

@@ -1,15 +1,15 @@
-"""The router's look-ahead for chat sessions (overlay/sessions.py, overlay/router.py)."""
+"""The router's look-ahead for chat sessions (overlay/routing/sessions.py, overlay/routing/router.py)."""
 
 from __future__ import annotations
 
 import pytest
 
 from p2pnode.inference.blockhash import block_hashes, model_salt
-from p2pnode.inference.vllm_events import BlockStored
-from p2pnode.overlay.digest import DigestBuilder, LoadInfo
-from p2pnode.overlay.router import LOCAL, LocalState, Router
-from p2pnode.overlay.sessions import SessionTurns
-from p2pnode.overlay.views import PeerViews
+from p2pnode.inference.vllm.events import BlockStored
+from p2pnode.overlay.cache.digest import DigestBuilder, LoadInfo
+from p2pnode.overlay.cache.views import PeerViews
+from p2pnode.overlay.routing.router import LOCAL, LocalState, Router
+from p2pnode.overlay.routing.sessions import SessionTurns
 
 
 def test_future_turns_are_learned_from_the_turn_counts_seen() -> None:

@@ -1,4 +1,4 @@
-"""Node-wide starvation figures (overlay/starvation.py) and the close rule liveness builds on
+"""Node-wide starvation figures (overlay/net/starvation.py) and the close rule liveness builds on
 them, with a fake clock: no sleeps, no hosts."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import pytest
 
 from p2pnode.identity import NodeKey
 from p2pnode.overlay import OverlayConfig, PeerTable
-from p2pnode.overlay.liveness import Liveness, _Probe
-from p2pnode.overlay.starvation import (
+from p2pnode.overlay.net.liveness import Liveness, _Probe
+from p2pnode.overlay.net.starvation import (
     FLOOR_FACTOR,
     MAX_FLOOR_FACTOR,
     MIN_CROWD,

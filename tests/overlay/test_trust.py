@@ -1,4 +1,4 @@
-"""Trust in peers (overlay/trust.py): the TrustBook's arithmetic, the router and forwarding hooks
+"""Trust in peers (overlay/trust/book.py): the TrustBook's arithmetic, the router and forwarding hooks
 on a real 4-node loopback cluster with a lying peer, and a verifier that answers impossibly.
 
 The cluster test is about routing, so its engines are the emulated backend (real radix trees and
@@ -27,15 +27,15 @@ from prometheus_client import CollectorRegistry
 from p2pnode.identity import NodeKey
 from p2pnode.inference.blockhash import BLOCK_SIZE, block_hashes, model_salt
 from p2pnode.inference.models import ShapeOnlyModel
-from p2pnode.overlay.antientropy import AntiEntropyConfig
-from p2pnode.overlay.audit import AuditConfig
-from p2pnode.overlay.digest import Digest, LoadInfo, fingerprint
-from p2pnode.overlay.forward import ForwardConfig
-from p2pnode.overlay.router import LOCAL, LocalState, Router
-from p2pnode.overlay.service import RoutedService
-from p2pnode.overlay.trust import TrustBook, TrustConfig, Verdict, verdict_problem
-from p2pnode.overlay.views import PeerViews
-from p2pnode.testnet.localcluster import emulated_routed_services, forge_liar
+from p2pnode.overlay.cache.antientropy import AntiEntropyConfig
+from p2pnode.overlay.cache.digest import Digest, LoadInfo, fingerprint
+from p2pnode.overlay.cache.views import PeerViews
+from p2pnode.overlay.routing.router import LOCAL, LocalState, Router
+from p2pnode.overlay.serve.forward import ForwardConfig
+from p2pnode.overlay.serve.service import RoutedService
+from p2pnode.overlay.trust.audit import AuditConfig
+from p2pnode.overlay.trust.book import TrustBook, TrustConfig, Verdict, verdict_problem
+from p2pnode.testing.localcluster import emulated_routed_services, forge_liar
 
 from testkit import FakeClock, wait_until
 
@@ -302,7 +302,7 @@ def target(loaded: Any) -> Any:
 
 
 async def _verifier_node(model_id: str, verifier: Any, stop: trio.Event, *, task_status) -> None:
-    from p2pnode.overlay.node import OverlayConfig, open_overlay_node
+    from p2pnode.overlay.net.node import OverlayConfig, open_overlay_node
     from p2pnode.speculation.protocol import serve_verifier
 
     cfg = OverlayConfig(key=NodeKey.generate(), models=[model_id], roles={"verifier"})
@@ -315,7 +315,7 @@ async def _verifier_node(model_id: str, verifier: Any, stop: trio.Event, *, task
 
 
 async def test_verifier_with_impossible_verdicts_is_failed_over_then_skipped(target) -> None:
-    from p2pnode.overlay.node import OverlayConfig, open_overlay_node
+    from p2pnode.overlay.net.node import OverlayConfig, open_overlay_node
     from p2pnode.speculation import BatchedVerifier, BlockResult
     from p2pnode.speculation.client import target_generate
     from p2pnode.speculation.draft import DraftModel
@@ -418,7 +418,7 @@ async def test_audit_catches_a_plausible_liar_and_clears_an_honest_result(target
     # The liar commits its runner-up token wherever a block starts: every verdict is possible
     # (it passes verdict_problem), only the tokens are wrong. An audit on two honest verifiers
     # finds the first wrong token; the third opinion confirms it and the liar is blamed.
-    from p2pnode.overlay.node import OverlayConfig, open_overlay_node
+    from p2pnode.overlay.net.node import OverlayConfig, open_overlay_node
     from p2pnode.speculation.client import target_generate
     from p2pnode.speculation.draft import DraftModel
     from p2pnode.speculation.edge import EdgeClient

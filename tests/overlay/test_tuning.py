@@ -1,4 +1,4 @@
-"""The per-RPC cuts of overlay/tuning.py keep libp2p's checks: only a record already accepted
+"""The per-RPC cuts of overlay/net/patches/tuning.py keep libp2p's checks: only a record already accepted
 from that peer skips its signature check, a bad one is still refused every time."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from libp2p.pubsub.pb import rpc_pb2
 from multiaddr import Multiaddr
 
 from p2pnode.identity import NodeKey
-from p2pnode.overlay import tuning
+from p2pnode.overlay.net.patches import tuning
 
 from testkit import wait_until
 

@@ -1,4 +1,4 @@
-"""Peer views (overlay/views.py): full digests, deltas, gaps, replays, epochs and expiry, on a
+"""Peer views (overlay/cache/views.py): full digests, deltas, gaps, replays, epochs and expiry, on a
 fake clock."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import dataclasses
 
 from p2pnode.inference.blockhash import BLOCK_SIZE, BlockRemoved, BlockStored
-from p2pnode.overlay.digest import DigestBuilder, open_digest, seal_digest
-from p2pnode.overlay.views import ApplyResult, PeerViews
+from p2pnode.overlay.cache.digest import DigestBuilder, open_digest, seal_digest
+from p2pnode.overlay.cache.views import ApplyResult, PeerViews
 
 from testkit import FakeClock
 from testkit.routing import KEY_A, MODEL, builder_for, hashes_of, load, prompt, rand_hashes

@@ -16,7 +16,7 @@ import trio
 
 from p2pnode.inference.sampling import probs_from_logits
 from p2pnode.inference.scoring import ModelScorer
-from p2pnode.overlay.trust import TrustBook
+from p2pnode.overlay.trust.book import TrustBook
 from p2pnode.speculation import (
     BadRequest,
     BatchedVerifier,

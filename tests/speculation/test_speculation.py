@@ -20,13 +20,13 @@ from transformers import DynamicCache
 
 from p2pnode.bootstrap.metrics import NodeMetrics
 from p2pnode.identity import NodeKey
-from p2pnode.inference import _kernels
+from p2pnode.inference._cpu import kernels as _kernels
 from p2pnode.inference.blockhash import block_hashes, model_salt
 from p2pnode.inference.sampling import probs_from_logits
-from p2pnode.overlay.antientropy import AntiEntropy, AntiEntropyConfig
-from p2pnode.overlay.node import OverlayConfig, open_overlay_node
-from p2pnode.overlay.router import rtt_from_peer_table
-from p2pnode.overlay.views import PeerViews
+from p2pnode.overlay.cache.antientropy import AntiEntropy, AntiEntropyConfig
+from p2pnode.overlay.cache.views import PeerViews
+from p2pnode.overlay.net.node import OverlayConfig, open_overlay_node
+from p2pnode.overlay.routing.router import rtt_from_peer_table
 from p2pnode.speculation import (
     BadBlock,
     BadRequest,

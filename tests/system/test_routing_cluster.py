@@ -25,12 +25,12 @@ from p2pnode.bootstrap.api import DEFAULT_CHAT_MAX_TOKENS
 from p2pnode.identity import NodeKey, plaincbor
 from p2pnode.inference.blockhash import BLOCK_SIZE, block_hashes
 from p2pnode.inference.engine import open_engine
-from p2pnode.overlay.antientropy import AntiEntropyConfig, digest_topic
-from p2pnode.overlay.audit import AuditConfig
-from p2pnode.overlay.digest import Digest, fingerprint, seal_digest
-from p2pnode.overlay.forward import ForwardConfig
-from p2pnode.overlay.router import LOCAL
-from p2pnode.overlay.service import RoutedService
+from p2pnode.overlay.cache.antientropy import AntiEntropyConfig, digest_topic
+from p2pnode.overlay.cache.digest import Digest, fingerprint, seal_digest
+from p2pnode.overlay.routing.router import LOCAL
+from p2pnode.overlay.serve.forward import ForwardConfig
+from p2pnode.overlay.serve.service import RoutedService
+from p2pnode.overlay.trust.audit import AuditConfig
 
 from testkit import wait_until
 
@@ -103,7 +103,7 @@ class EmulatedLinks:
     In one process on 2 busy cores a ping's RTT mostly measures event-loop lag (0.02-0.3 s seen
     here), not a network, so the router is given the emulated RTT, as the engines are given
     pinned speeds. Opening a stream to a peer with an extra delay really waits that long (the
-    round trip of stream setup on such a link). Our own emulation, not ``testnet/wan.py``.
+    round trip of stream setup on such a link). Our own emulation, not ``testnet/netns/wan.py``.
     """
 
     def __init__(self, node: Any) -> None:
@@ -189,7 +189,7 @@ async def cluster(
             nursery.cancel_scope.cancel()
         # Let digests already in flight land before the nodes stop: a node whose pubsub has
         # closed while its host still reads gossip raises "Nursery is closed to new arrivals"
-        # from inside libp2p (a teardown-order issue of overlay/node.py, reported).
+        # from inside libp2p (a teardown-order issue of overlay/net/node.py, reported).
         await trio.sleep(1.0)
 
 
@@ -452,6 +452,6 @@ async def test_forged_digests_are_ignored(loaded: Any, overlay_network: Any) -> 
 
 def packed_set(digest: Digest) -> list[Any]:
     """The packed fingerprint set of ``digest.added``, as in a digest payload."""
-    from p2pnode.overlay.digest import encode_fingerprints
+    from p2pnode.overlay.cache.digest import encode_fingerprints
 
     return list(encode_fingerprints(digest.added, digest.fp_bits))

@@ -1,6 +1,6 @@
 """The swarm across hosts and NATs, started as users start it (needs root: namespaces).
 
-Six hosts, each a network namespace of its own (testnet/netns.py): a public bootstrap, two
+Six hosts, each a network namespace of its own (testnet/netns/namespaces.py): a public bootstrap, two
 public volunteers, two volunteers behind one NAT router each (both on 192.168.1.2, as home
 routers hand out), one behind a port-randomizing NAT. The bootstrap runs ``p2pnode
 bootstrap``, every other host ``p2pnode join --invite <invite>``, nothing else set by hand
@@ -21,9 +21,9 @@ import trio
 from p2pnode.inference.blockhash import block_hashes, model_salt
 from p2pnode.inference.engine import SamplingParams, open_engine
 from p2pnode.inference.models import load_model
-from p2pnode.overlay.router import RouterConfig, placement_key, rendezvous_rank
-from p2pnode.testnet.netns import Testbed, require_netns
-from p2pnode.testnet.swarm import NetnsSwarm
+from p2pnode.overlay.routing.router import RouterConfig, placement_key, rendezvous_rank
+from p2pnode.testnet.netns.namespaces import Testbed, require_netns
+from p2pnode.testnet.netns.swarm import NetnsSwarm
 
 HOSTS = {
     "boot": "public",
@@ -40,7 +40,7 @@ MESSAGES = [*SYSTEM, {"role": "user", "content": "Name one prime number."}]
 # A second system prompt, cached only on the holder once the entry trusts it. Long, so that
 # serving it from the holder's cache wins by seconds over the relayed link, whatever the load
 # does to the learned network cost. Its first words pick, among a few variants, one whose
-# placement home (where a miss of it is sent: overlay/router.py) is the holder, so priming it
+# placement home (where a miss of it is sent: overlay/routing/router.py) is the holder, so priming it
 # there keeps it there.
 SYSTEM2_BODY = "You answer in one word. " * 150
 SYSTEM2_VARIANTS = 16
@@ -181,7 +181,7 @@ def test_default_flags_across_nats_form_one_swarm_and_route_to_the_prefix(testbe
     if headers["x-p2pnode-served-by"] != ids[holder]:
         # The holder is a new identity to the entry node: its answer would wait for an audit
         # as long as serving here takes, so the entry served it and now challenges the holder
-        # on the answer it knows (overlay/challenge.py) until the holder passed probation.
+        # on the answer it knows (overlay/trust/challenge.py) until the holder passed probation.
         def holder_trusted() -> bool:
             probation = swarm.status(entry)["routing"]["probation"]
             return ids[holder] not in probation["on_probation"]

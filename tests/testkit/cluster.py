@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 import trio
 
 from p2pnode.identity import NodeKey
-from p2pnode.overlay.node import OverlayConfig, OverlayNode, open_overlay_node
+from p2pnode.overlay.net.node import OverlayConfig, OverlayNode, open_overlay_node
 
 
 @contextlib.asynccontextmanager

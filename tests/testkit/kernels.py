@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from p2pnode.inference import _gemm
+from p2pnode.inference._cpu import gemm as _gemm
 
 
 def check_panels(build) -> None:

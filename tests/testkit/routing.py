@@ -11,7 +11,7 @@ import random
 
 from p2pnode.identity import NodeKey
 from p2pnode.inference.blockhash import block_hashes, model_salt
-from p2pnode.overlay.digest import DigestBuilder, LoadInfo
+from p2pnode.overlay.cache.digest import DigestBuilder, LoadInfo
 
 MODEL = "smollm2-test-model"
 PREFILL = 0.0024

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from p2pnode.testnet.capacity import EMULATED_NODE_MB, OVERHEAD_MB, check_cpu, check_memory
+from p2pnode.testnet.run.capacity import EMULATED_NODE_MB, OVERHEAD_MB, check_cpu, check_memory
 from p2pnode.testnet.spec import builtin_spec_path, load_spec
 
 

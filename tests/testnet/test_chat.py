@@ -6,8 +6,9 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
-from p2pnode.testnet import chat, results_page
+from p2pnode.testnet.report import page as results_page
 from p2pnode.testnet.spec import Workload
+from p2pnode.testnet.workload import chat
 
 WORKLOAD = replace(Workload(), kind="chat", sessions=12, turns=3, system_prompts=3)
 

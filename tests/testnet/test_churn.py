@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from p2pnode.testnet import churn, driver
 from p2pnode.testnet.spec import SpecError, builtin_spec_path, load_spec, parse_spec
+from p2pnode.testnet.workload import churn, driver
 
 BASE = {"network": {"regions": ["eu", "us"], "links": [{"between": ["eu", "us"], "delay_ms": 5}]}}
 
@@ -175,7 +175,7 @@ node = 2
 @pytest.mark.slow
 def test_churn_trial_answers_every_request_exactly_once(tmp_path, monkeypatch):
     """3 node processes + bootstrap; node1 is SIGKILLed, node2 stops cleanly, node3 joins."""
-    from p2pnode.testnet.run_trial import run_trial
+    from p2pnode.testnet.run.trial import run_trial
 
     # the survivors mark a killed peer down within ~2 ping rounds; views take 30 s to expire,
     # longer than this test may wait, so the watch is cut short here (the 12-node spec waits)

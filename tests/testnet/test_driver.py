@@ -1,4 +1,4 @@
-"""The workload driver (testnet/driver.py): its client against a real HTTP server on loopback that
+"""The workload driver (testnet/workload/driver.py): its client against a real HTTP server on loopback that
 drops connections (a broken connection before any answer is sent once more, and only once), and
 the latency floor its summaries carry (a pure function)."""
 
@@ -11,7 +11,7 @@ import httpx
 import pytest
 import trio
 
-from p2pnode.testnet import driver
+from p2pnode.testnet.workload import driver
 
 ANSWER = json.dumps({"choices": [{"text": " B"}]}).encode()
 

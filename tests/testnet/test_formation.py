@@ -1,4 +1,4 @@
-"""The trial's rule for a formed overlay (testnet/formation.py), on made-up statuses."""
+"""The trial's rule for a formed overlay (testnet/run/formation.py), on made-up statuses."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import tomllib
 
 import pytest
 
-from p2pnode.testnet import launch
-from p2pnode.testnet.formation import formation_missing, formation_state
+from p2pnode.testnet.run import launch
+from p2pnode.testnet.run.formation import formation_missing, formation_state
 from p2pnode.testnet.spec import parse_spec
 
 

@@ -1,4 +1,4 @@
-"""``testnet/simspec.py``: a figure divided by a baseline of 0 is a clear error or an empty
+"""``testnet/sim/simspec.py``: a figure divided by a baseline of 0 is a clear error or an empty
 result, never a ZeroDivisionError (a calibration file with near-zero figures once crashed
 ``p2pnode simulate --spec paper-lan-zipf`` that way)."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from p2pnode.inference.costmodel import Calibration
-from p2pnode.testnet.simspec import _ratio, compare, simulate_spec
+from p2pnode.testnet.sim.simspec import _ratio, compare, simulate_spec
 from p2pnode.testnet.spec import builtin_spec_path, load_spec
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from p2pnode.overlay.scope import ScopedViews, ScopePolicy, cell_of, prefix_key
+from p2pnode.overlay.cache.scope import ScopedViews, ScopePolicy, cell_of, prefix_key
 from p2pnode.testnet.sim import SimConfig, mmlu_prompts, simulate
 
 
@@ -79,8 +79,8 @@ def test_scope_policy_keeps_the_nearest_within_budget() -> None:
 
 
 def test_scoped_views_drop_digests_out_of_scope() -> None:
-    from p2pnode.overlay.digest import DigestBuilder
-    from p2pnode.overlay.views import ApplyResult
+    from p2pnode.overlay.cache.digest import DigestBuilder
+    from p2pnode.overlay.cache.views import ApplyResult
 
     now = [0.0]
     views = ScopedViews(lambda: {"near"}, clock=lambda: now[0], wall_clock=lambda: now[0])
@@ -122,9 +122,9 @@ def test_placement_ranks_homes_over_the_pool_only() -> None:
 
     from p2pnode.identity import NodeKey
     from p2pnode.inference.blockhash import block_hashes, model_salt
-    from p2pnode.overlay.digest import DigestBuilder, LoadInfo
-    from p2pnode.overlay.router import LOCAL, LocalState, Router
-    from p2pnode.overlay.views import PeerViews
+    from p2pnode.overlay.cache.digest import DigestBuilder, LoadInfo
+    from p2pnode.overlay.cache.views import PeerViews
+    from p2pnode.overlay.routing.router import LOCAL, LocalState, Router
 
     model = "m@0"
     keys = [NodeKey.from_seed(bytes([k + 70] * 32)).peer_id for k in range(6)]
@@ -189,7 +189,7 @@ def test_the_simulator_agrees_with_a_real_trial_of_the_same_spec() -> None:
     import json
     from pathlib import Path
 
-    from p2pnode.testnet.simspec import compare, shipped_calibration, simulate_spec
+    from p2pnode.testnet.sim.simspec import compare, shipped_calibration, simulate_spec
     from p2pnode.testnet.spec import builtin_spec_path, load_spec
 
     ref = json.loads(

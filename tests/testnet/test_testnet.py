@@ -17,11 +17,11 @@ import pytest
 import trio
 
 from p2pnode.identity import NodeKey
-from p2pnode.overlay.node import PING_LENGTH, PING_PROTOCOL, OverlayConfig, open_overlay_node
+from p2pnode.overlay.net.node import PING_LENGTH, PING_PROTOCOL, OverlayConfig, open_overlay_node
 from p2pnode.overlay.wire import read_frame, write_frame
-from p2pnode.testnet import driver, wan
-from p2pnode.testnet.node import listen_ip as node_listen_ip
-from p2pnode.testnet.report import check_consistency
+from p2pnode.testnet.netns import wan
+from p2pnode.testnet.report.tables import check_consistency
+from p2pnode.testnet.run.node import listen_ip as node_listen_ip
 from p2pnode.testnet.spec import (
     SpecError,
     builtin_spec_path,
@@ -29,6 +29,7 @@ from p2pnode.testnet.spec import (
     load_spec,
     parse_spec,
 )
+from p2pnode.testnet.workload import driver
 
 BASE = {"network": {"regions": ["eu"]}, "nodes": {"count": 2}}
 
@@ -147,8 +148,8 @@ def test_spec_errors_name_the_key(data, expected):
 
 
 def test_adversaries_reach_the_node_command_line(tmp_path):
-    from p2pnode.testnet.launch import plan_nodes
-    from p2pnode.testnet.node import split_adversary_args
+    from p2pnode.testnet.run.launch import plan_nodes
+    from p2pnode.testnet.run.node import split_adversary_args
 
     spec = load_spec(builtin_spec_path("adversarial-liar"))
     kinds = {a.node: (a.kind, a.rate, a.forge_digest) for a in spec.adversaries}
@@ -169,7 +170,7 @@ def test_adversaries_reach_the_node_command_line(tmp_path):
 
 
 def test_a_spec_with_a_bootstrap_per_region_plans_them_apart(tmp_path):
-    from p2pnode.testnet.launch import plan_nodes
+    from p2pnode.testnet.run.launch import plan_nodes
 
     spec = load_spec(builtin_spec_path("scale-64"))
     assert spec.bootstraps == 4 and spec.bootstrap_regions() == ["eu", "us", "ap", "sa"]
@@ -291,7 +292,7 @@ def test_adversary_summary_counts_wrong_answers_detection_and_demotions(tmp_path
     """Liar 2 is caught by origin 0 (held audit failed, re-served), then a wrong answer of it
     kept by origin 0 afterwards counts as after detection; origin 1 kept one before it could
     know. Liar 3 (fake-cache) served right answers and was demoted by its claims."""
-    from p2pnode.testnet.liars import adversary_summary
+    from p2pnode.testnet.adversary.liars import adversary_summary
 
     spec = parse_spec(
         spec_of(
@@ -473,7 +474,7 @@ async def test_without_spec_no_delay(tmp_path):
 @pytest.mark.slow
 def test_smoke_trial_end_to_end(tmp_path):
     """3 emulated-compute node processes per arm, both arms, 10 requests: full pipeline."""
-    from p2pnode.testnet.run_trial import run_trial
+    from p2pnode.testnet.run.trial import run_trial
 
     spec = load_spec(builtin_spec_path("smoke"))
     t0 = time.monotonic()
@@ -571,8 +572,8 @@ def test_adversarial_trial_catches_every_liar_and_no_wrong_answer_is_kept_after(
 def test_smoke_trial_on_namespace_hosts(tmp_path):
     """The same trial with every node in a network namespace of its own (default listen
     address, its region's own address): real addresses, discovery across hosts, WAN delays."""
-    from p2pnode.testnet.netns import require_netns
-    from p2pnode.testnet.run_trial import run_trial
+    from p2pnode.testnet.netns.namespaces import require_netns
+    from p2pnode.testnet.run.trial import run_trial
 
     reason = require_netns(nat=False)
     if reason is not None:
@@ -603,7 +604,7 @@ def test_a_trial_stopped_by_sigterm_stops_every_node_it_started(tmp_path):
 
     out = tmp_path / "out"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "p2pnode.testnet.run_trial", "smoke", "--out", str(out)],
+        [sys.executable, "-m", "p2pnode.testnet.run.trial", "smoke", "--out", str(out)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )

@@ -1,0 +1,136 @@
+"""Which connected peers a node keeps talking to: the hello exchange on each new connection.
+
+Why a module: ``hello.py`` is the exchange itself (one frame each way); this is what a node
+does with its verdict, and the dialer (``dialing.py``) and discovery (``discovery.py``) read
+the refusals it keeps.
+
+Contract:
+- ``Admission(host, peers, hello, spawn)``; ``spawn(fn, *args) -> bool`` starts a background
+  task in the node's connection nursery (False while the node is not running).
+- ``admit(conn) -> bool`` on every new connection: False for a peer refused before (its
+  connection is closed); on a connection we dialed, starts the dialer side of the hello.
+  ``serve_hello`` is the listener side (the node serves it on ``HELLO_PROTOCOL``).
+- A mismatch (another network id or version) logs once, marks the peer down and closes its
+  connection; ``refused`` (peer id -> why) keeps it out for the rest of the run.
+- Referrals (``hello.py``): ``use_referrals(give, take)``: our hello answers name
+  ``give(asker_pid)`` as peers to dial; the peers named in an answer we got go to
+  ``take(addrs)``.
+- ``wait_hellos(peer_ids)`` waits for the hello of those peers still under way (the
+  bootstrap's check that it joined the right overlay).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from contextlib import suppress
+
+import trio
+from libp2p.abc import IHost, INetConn, INetStream
+from libp2p.custom_types import TProtocol
+from libp2p.peer.id import ID
+
+from p2pnode.overlay.net.hello import HELLO_PROTOCOL, Hello, answer_hello, mismatch, say_hello
+from p2pnode.overlay.peers import PeerTable
+
+__all__ = ["Admission", "Spawn"]
+
+logger = logging.getLogger(__name__)
+
+# Starts `fn(*args)` in the background; False when there is no nursery to start it in.
+Spawn = Callable[..., bool]
+
+
+class Admission:
+    """The hello verdicts of one node (see the module contract)."""
+
+    def __init__(self, host: IHost, peers: PeerTable, hello: Hello, spawn: Spawn) -> None:
+        self._host = host
+        self._peers = peers
+        self.hello = hello
+        self._spawn = spawn
+        self.refused: dict[str, str] = {}  # peer id -> why (another network or version)
+        self._hello_done: dict[str, trio.Event] = {}
+        self._give: Callable[[str], tuple[str, ...]] = lambda _asker: ()
+        self._take: Callable[[tuple[str, ...]], None] = lambda _addrs: None
+
+    def use_referrals(
+        self,
+        give: Callable[[str], tuple[str, ...]],
+        take: Callable[[tuple[str, ...]], None],
+    ) -> None:
+        """Name peers in our hello answers, and pass on those named in answers we get."""
+        self._give = give
+        self._take = take
+
+    def admit(self, conn: INetConn) -> bool:
+        """False for a refused peer (closed again); starts our hello on a connection we dialed."""
+        peer = conn.muxed_conn.peer_id
+        pid = peer.to_base58()
+        if pid in self.refused:
+            self._spawn(self._drop, peer)
+            return False
+        if _is_initiator(conn) and self._spawn(self._check_network, peer):
+            self._hello_done[pid] = trio.Event()
+        return True
+
+    async def wait_hellos(self, peer_ids: Iterable[str]) -> None:
+        """Wait for the hellos still under way with these peers (no limit: the caller sets one)."""
+        for pid in peer_ids:
+            event = self._hello_done.get(pid)
+            if event is not None:
+                await event.wait()
+
+    async def serve_hello(self, stream: INetStream) -> None:
+        """Listener side of the hello: answer, then refuse the peer on a mismatch."""
+        peer = stream.muxed_conn.peer_id
+        pid = peer.to_base58()
+        theirs = await answer_hello(stream, self.hello, lambda: self._give(pid))
+        reason = mismatch(self.hello, theirs)
+        if reason is not None:
+            self._refuse(peer, reason)
+
+    async def _drop(self, peer: ID) -> None:
+        with trio.move_on_after(2):
+            with suppress(Exception):
+                await self._host.disconnect(peer)
+
+    def _refuse(self, peer: ID, reason: str) -> None:
+        pid = peer.to_base58()
+        if pid not in self.refused:
+            logger.warning("refusing peer %s: %s", pid, reason)
+        self.refused[pid] = reason
+        self._peers.mark_down(pid, f"refused: {reason}")
+        self._spawn(self._drop, peer)
+
+    async def _check_network(self, peer: ID) -> None:
+        """Dialer side of the hello exchange (overlay/net/hello.py) on a new connection."""
+        pid = peer.to_base58()
+        done = self._hello_done.get(pid)
+        if done is None:
+            done = self._hello_done[pid] = trio.Event()
+        try:
+            theirs = await say_hello(
+                lambda: self._host.new_stream(peer, [TProtocol(HELLO_PROTOCOL)]), self.hello
+            )
+        except (Exception, trio.TooSlowError) as exc:
+            # An old or busy peer: the other checks (records, limits) still apply.
+            logger.debug("no hello from %s: %r", pid, exc)
+        else:
+            reason = mismatch(self.hello, theirs)
+            if reason is not None:
+                self._refuse(peer, reason)
+            elif theirs.peers:
+                self._take(theirs.peers)
+        finally:
+            done.set()
+            self._hello_done.pop(pid, None)
+
+
+def _is_initiator(conn: INetConn) -> bool:
+    """Did we dial this connection? (yamux keeps it; the secured session too)."""
+    muxed = conn.muxed_conn
+    value: object = getattr(muxed, "is_initiator_value", None)
+    if value is None:
+        value = getattr(getattr(muxed, "secured_conn", None), "is_initiator", False)
+    return bool(value)

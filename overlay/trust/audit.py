@@ -1,0 +1,477 @@
+"""Audits of forwarded answers: the origin re-scores what a peer sent against the target model.
+
+Rule: a share of the answers a peer serves for us is checked by ONE teacher-forced forward pass
+of our own model over ``prompt + answer`` (``inference/scoring.py``), about the cost of a
+prefill of that length, far less than generating it.
+
+- Greedy (temperature 0): every answer token must be the target's argmax or within
+  ``greedy_margin`` logits of it (``check_greedy``). Honest peers on other hardware, dtypes or
+  batch shapes pick a token whose logit ties the argmax within float error; the margin is 0.5
+  because the worst gap measured for a bf16 peer batching four requests against our fp32
+  model was 0.17 logits over 200 answers (tests/overlay/test_audit.py), while a substituted token is
+  typically 5+ logits below (10-19 seen).
+- Sampled: the answer's likelihood under the target's sampling distribution (temperature and
+  top-p, with the nucleus widened by ``nucleus_slack`` so a boundary token of another numeric
+  path is not impossible) must be plausible (``check_sampled``). A token outside the widened
+  nucleus fails at once; otherwise the summed surprisal ``S = sum(-log p_i(t_i))`` is compared
+  with its mean and variance under honest sampling (``sum H_i``, ``sum Var_i``, both computed
+  from the same logits): ``z = (S - sum H) / sqrt(sum Var)`` fails above ``sampled_z`` (4.0).
+  By Cantelli's inequality the false-alarm rate is below 1 / (1 + z^2) = 5.9 % whatever the
+  distribution; on honest samples of the real model (temperature 0.8, top-p 0.95, 16 tokens)
+  ``bench/audit_bench.py`` measured 0 of 80 flagged, largest z 1.8 (a normal tail would give
+  3e-5).
+- Audit rate follows trust (``AuditPolicy.plan``): a peer with fewer than
+  ``probation_answers`` passed audits (a new identity, or one readmitted after a demotion) is
+  on probation: every answer is audited, and it is *held* (not released to the client) until
+  its audit passes, so a lie is re-served elsewhere before anyone sees it. Trusted peers are
+  audited at ``trusted_rate`` after the answer is released. Holding is bounded: tokens are
+  held at most ``max_hold_s`` from the first one, audit included (``HeldAnswer``); an answer
+  that takes longer is released then and audited after it, in the background.
+- Budget: audits take at most ``budget_share`` of this node's time over ``budget_window_s``;
+  past it an answer goes out unaudited (counted ``skipped``; a probation peer earns nothing
+  from it). The delay an honest answer can suffer from an audit is bounded by ``max_hold_s``
+  (default 10 s). Background audits (trusted peers) wait while the local engine
+  has work, up to ``defer_max_s``: they run at low priority.
+- A failed audit demotes the peer at once (``TrustBook.observe_audit``: the router skips it
+  like any untrusted peer); a passed one repays debt and counts towards probation.
+- Metrics (registry given): ``p2pnode_audits_total{mode,verdict}`` (mode held/background,
+  verdict passed/failed/skipped), ``p2pnode_audit_reserved_total`` (answers re-served after a
+  held audit failed), ``p2pnode_audit_seconds_total``.
+
+Limits: only the origin audits, and only when it runs the model itself (a routing-only node
+cannot). The sampled test sees lies that make an answer unlikely (substituted, random or
+other-model tokens); a liar that samples plausible tokens from a slightly different
+distribution is only caught in proportion to how much less likely its answers are.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import trio
+from prometheus_client import CollectorRegistry, Counter
+
+from p2pnode.inference.emulated import EmulatedRows
+from p2pnode.inference.sampling import SamplingParams, TokenLogprob
+from p2pnode.inference.scoring import Scorer
+from p2pnode.overlay.trust.book import TrustBook
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger("p2pnode.overlay.trust.audit")
+
+
+@dataclass
+class AuditConfig:
+    probation_answers: int = 8  # passed audits before a peer leaves probation
+    trusted_rate: float = 0.05  # share of a trusted peer's answers audited
+    greedy_margin: float = 0.5  # logits (see the module contract for the measurement)
+    sampled_z: float = 4.0
+    nucleus_slack: float = 0.02
+    budget_share: float = 0.25
+    budget_window_s: float = 60.0
+    max_hold_s: float = 10.0
+    defer_max_s: float = 30.0
+    queue: int = 64  # background audits waiting; more are skipped
+
+    def __post_init__(self) -> None:
+        if self.probation_answers < 0 or not 0 <= self.trusted_rate <= 1:
+            raise ValueError("need probation_answers >= 0 and 0 <= trusted_rate <= 1")
+        if self.greedy_margin < 0 or self.sampled_z <= 0 or not 0 <= self.nucleus_slack < 1:
+            raise ValueError("need greedy_margin >= 0, sampled_z > 0, 0 <= nucleus_slack < 1")
+        if not 0 < self.budget_share <= 1 or self.budget_window_s <= 0 or self.max_hold_s <= 0:
+            raise ValueError("need 0 < budget_share <= 1, budget_window_s > 0, max_hold_s > 0")
+
+
+# --------------------------------------------------------------------------- verdict math
+
+
+@dataclass(frozen=True)
+class AuditVerdict:
+    passed: bool
+    checked: int  # answer tokens scored
+    first_bad: int | None = None  # index of the first token that failed (greedy / impossible)
+    statistic: float = 0.0  # greedy: worst logit gap; sampled: z
+    detail: str = ""
+
+
+def _shape_check(logits: torch.Tensor | EmulatedRows, tokens: Sequence[int]) -> AuditVerdict | None:
+    """Raise on a row count that is not one per token; a failed verdict for a token outside the
+    vocabulary (a lying peer can send one); None when the answer can be checked."""
+    n = len(tokens)
+    if logits.shape[0] != n:
+        raise ValueError(f"{logits.shape[0]} rows of logits for {n} tokens")
+    if n and (min(tokens) < 0 or max(tokens) >= logits.shape[1]):
+        return AuditVerdict(False, n, 0, math.inf, "token outside the vocabulary")
+    return None
+
+
+def _greedy_verdict(gaps: Sequence[float], margin: float) -> AuditVerdict:
+    n = len(gaps)
+    worst = max(gaps) if n else 0.0
+    for i, gap in enumerate(gaps):
+        if gap > margin:
+            return AuditVerdict(False, n, i, worst, f"token {i} is {gap:.2f} below argmax")
+    return AuditVerdict(True, n, None, worst)
+
+
+def _sampled_verdict(
+    chosen: Sequence[float], entropy: float, var: float, z_max: float
+) -> AuditVerdict:
+    n = len(chosen)
+    for i, lp in enumerate(chosen):
+        if math.isinf(lp):
+            return AuditVerdict(False, n, i, math.inf, f"token {i} is outside the nucleus")
+    z = (-sum(chosen) - entropy) / math.sqrt(max(0.0, var) + 1e-6)
+    if z > z_max:
+        return AuditVerdict(False, n, None, z, f"answer too unlikely (z = {z:.1f})")
+    return AuditVerdict(True, n, None, z)
+
+
+def check_greedy(
+    logits: torch.Tensor | EmulatedRows, tokens: Sequence[int], margin: float
+) -> AuditVerdict:
+    """Every ``tokens[i]`` within ``margin`` logits of the argmax of ``logits[i]``."""
+    n = len(tokens)
+    refused = _shape_check(logits, tokens)
+    if refused is not None:
+        return refused
+    if isinstance(logits, EmulatedRows):  # closed form: no tensors on an emulated node
+        rows = zip(logits, tokens, strict=True)
+        return _greedy_verdict([r.logit(r.argmax()) - r.logit(t) for r, t in rows], margin)
+    import torch
+
+    ids = torch.tensor(list(tokens), dtype=torch.long)
+    gaps = logits.max(dim=-1).values - logits[torch.arange(n), ids]
+    bad = (gaps > margin).nonzero()
+    worst = float(gaps.max()) if n else 0.0
+    if len(bad):
+        i = int(bad[0, 0])
+        return AuditVerdict(False, n, i, worst, f"token {i} is {float(gaps[i]):.2f} below argmax")
+    return AuditVerdict(True, n, None, worst)
+
+
+def _nucleus_log_probs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """Row-wise log-probabilities of the temperature + top-p distribution (-inf outside)."""
+    import torch
+
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    if top_p >= 1.0:
+        return logp
+    sorted_lp, order = logp.sort(dim=-1, descending=True)
+    mass_before = sorted_lp.exp().cumsum(dim=-1) - sorted_lp.exp()
+    keep = torch.zeros_like(mass_before, dtype=torch.bool).scatter(-1, order, mass_before < top_p)
+    kept = torch.where(keep, logp, torch.full_like(logp, -math.inf))
+    return kept - torch.logsumexp(kept, dim=-1, keepdim=True)
+
+
+def check_sampled(
+    logits: torch.Tensor | EmulatedRows,
+    tokens: Sequence[int],
+    *,
+    temperature: float,
+    top_p: float,
+    z_max: float,
+    nucleus_slack: float = 0.02,
+) -> AuditVerdict:
+    """The likelihood test of the module contract."""
+    n = len(tokens)
+    refused = _shape_check(logits, tokens)
+    if refused is not None:
+        return refused
+    if isinstance(logits, EmulatedRows):  # the same test in closed form (inference/emulated.py)
+        top = min(1.0, top_p + nucleus_slack)
+        chosen = [r.log_prob(t, temperature, top) for r, t in zip(logits, tokens, strict=True)]
+        moments = [r.entropy_and_variance(temperature, top) for r in logits]
+        return _sampled_verdict(
+            chosen, sum(h for h, _ in moments), sum(v for _, v in moments), z_max
+        )
+    import torch
+
+    ids = torch.tensor(list(tokens), dtype=torch.long)
+    logp = _nucleus_log_probs(logits, temperature, min(1.0, top_p + nucleus_slack))
+    chosen = logp[torch.arange(n), ids]
+    impossible = torch.isinf(chosen).nonzero()
+    if len(impossible):
+        i = int(impossible[0, 0])
+        return AuditVerdict(False, n, i, math.inf, f"token {i} is outside the nucleus")
+    p = logp.exp()
+    finite = torch.where(torch.isinf(logp), torch.zeros_like(logp), logp)
+    entropy = -(p * finite).sum(dim=-1)
+    var = (p * finite.square()).sum(dim=-1) - entropy.square()
+    surprisal = -chosen
+    z = float((surprisal.sum() - entropy.sum()) / torch.sqrt(var.clamp(min=0).sum() + 1e-6))
+    if z > z_max:
+        return AuditVerdict(False, n, None, z, f"answer too unlikely (z = {z:.1f})")
+    return AuditVerdict(True, n, None, z)
+
+
+def check_answer(
+    logits: torch.Tensor | EmulatedRows,
+    tokens: Sequence[int],
+    params: SamplingParams,
+    config: AuditConfig,
+) -> AuditVerdict:
+    if params.temperature == 0.0:
+        return check_greedy(logits, tokens, config.greedy_margin)
+    return check_sampled(
+        logits,
+        tokens,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        z_max=config.sampled_z,
+        nucleus_slack=config.nucleus_slack,
+    )
+
+
+# --------------------------------------------------------------------------- policy
+
+
+@dataclass(frozen=True)
+class AuditPlan:
+    audit: bool
+    hold: bool  # keep the answer from the client until the audit passed
+    probation: bool
+
+
+class HeldAnswer:
+    """Token sink of one forward from a peer on probation: tokens are held back from ``emit``
+    until ``release()``, or until ``max_hold_s`` after the first arrived (then everything held
+    goes out and later tokens stream straight through: ``released`` turns True). Bounds the
+    delay holding adds to an honest answer."""
+
+    def __init__(
+        self,
+        emit: Callable[[int], None],
+        max_hold_s: float,
+        *,
+        emit_logprob: Callable[[TokenLogprob], None] | None = None,
+    ) -> None:
+        self.emit = emit
+        self.emit_logprob = emit_logprob
+        self.max_hold_s = max_hold_s
+        self.tokens: list[int] = []
+        # Log-probabilities travel with their tokens: held, released and dropped together.
+        self.logprobs: list[TokenLogprob] = []
+        self.released = False
+        self._first: float | None = None
+
+    def logprob(self, value: TokenLogprob) -> None:
+        self.logprobs.append(value)
+        if self.released and self.emit_logprob is not None:
+            self.emit_logprob(value)
+
+    def __call__(self, token: int) -> None:
+        self.tokens.append(token)
+        if self.released:
+            self.emit(token)
+            return
+        now = time.monotonic()
+        self._first = now if self._first is None else self._first
+        if now - self._first > self.max_hold_s:
+            self.release()
+
+    def remaining_s(self) -> float:
+        if self._first is None:
+            return self.max_hold_s
+        return max(0.0, self.max_hold_s - (time.monotonic() - self._first))
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            for i, t in enumerate(self.tokens):
+                if self.emit_logprob is not None and i < len(self.logprobs):
+                    self.emit_logprob(self.logprobs[i])
+                self.emit(t)
+
+
+class _Budget:
+    """Seconds spent auditing over a sliding window, against ``share`` of that window."""
+
+    def __init__(self, share: float, window_s: float, clock: Callable[[], float]) -> None:
+        self.share, self.window_s, self._clock = share, window_s, clock
+        self._spent: deque[tuple[float, float]] = deque()
+
+    def _used(self) -> float:
+        now = self._clock()
+        while self._spent and self._spent[0][0] < now - self.window_s:
+            self._spent.popleft()
+        return sum(s for _, s in self._spent)
+
+    def allows(self, cost_s: float) -> bool:
+        used = self._used()
+        return used == 0 or used + cost_s <= self.share * self.window_s
+
+    def spend(self, seconds: float) -> None:
+        self._spent.append((self._clock(), seconds))
+
+
+class _Metrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.audits = Counter(
+            "p2pnode_audits", "Audits of forwarded answers", ["mode", "verdict"], registry=registry
+        )
+        self.reserved = Counter(
+            "p2pnode_audit_reserved",
+            "Answers re-served elsewhere after their held audit failed",
+            registry=registry,
+        )
+        self.seconds = Counter(
+            "p2pnode_audit_seconds", "Compute seconds spent on audits", registry=registry
+        )
+
+
+class Auditor:
+    """Plans and runs audits for one ``RoutedService`` (see the module contract).
+
+    ``plan(peer, params)`` before a forward; after it, ``await check(...)`` for a held answer
+    (returns the verdict, or None when it was released unaudited or past ``max_hold_s``) or
+    ``later(...)`` for a released one (queued for the background task ``run``).
+    ``busy()`` says whether the local engine has work (background audits wait for it to drain).
+    """
+
+    def __init__(
+        self,
+        scorer: Scorer,
+        trust: TrustBook,
+        config: AuditConfig | None = None,
+        *,
+        busy: Callable[[], bool] = lambda: False,
+        registry: CollectorRegistry | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.scorer = scorer
+        self.trust = trust
+        self.config = config or AuditConfig()
+        self.busy = busy
+        self._rng = rng or random.Random()
+        self._budget = _Budget(self.config.budget_share, self.config.budget_window_s, clock)
+        self._lock = trio.Lock()  # one audit at a time: they share the CPU with the engine
+        self._metrics = _Metrics(registry) if registry is not None else None
+        self._send, self._recv = trio.open_memory_channel[tuple[Any, ...]](self.config.queue)
+        self._nursery: trio.Nursery | None = None
+        self.counts: dict[str, int] = {"passed": 0, "failed": 0, "skipped": 0}
+        self.reserved = 0
+        self.seconds = 0.0
+        self._queued_s = 0.0  # expected seconds of the audits queued or running
+
+    def plan(self, peer: str, params: SamplingParams) -> AuditPlan:
+        if self.on_probation(peer):
+            return AuditPlan(audit=True, hold=True, probation=True)
+        return AuditPlan(self._rng.random() < self.config.trusted_rate, False, False)
+
+    def on_probation(self, peer: str) -> bool:
+        return self.trust.audited_ok(peer) < self.config.probation_answers
+
+    def hold_s(self, peer: str, tokens: int) -> float:
+        """Seconds an answer of ``tokens`` (prompt + answer) from ``peer`` waits for its held
+        audit before the client sees it: for a peer on probation the audits already queued plus
+        its own scoring pass (bounded by ``max_hold_s``), 0 for a trusted one. The router adds
+        it to the peer's estimate."""
+        if not self.on_probation(peer):
+            return 0.0
+        # Audits run one at a time: a new one waits for those already queued.
+        return min(self.config.max_hold_s, self._queued_s + self.scorer.cost_s(tokens))
+
+    async def check(
+        self,
+        peer: str,
+        prompt: list[int],
+        answer: list[int],
+        params: SamplingParams,
+        *,
+        wait_s: float | None = None,
+    ) -> AuditVerdict | None:
+        """Audit a held answer now; None when it must be released unaudited (budget) or the
+        audit outlasted ``wait_s`` (default ``max_hold_s``; it then finishes in the
+        background)."""
+        if not answer:
+            return None
+        cost = self.scorer.cost_s(len(prompt) + len(answer))
+        if not self._budget.allows(cost):
+            self._count("held", "skipped")
+            return None
+        done = trio.Event()
+        box: list[AuditVerdict | None] = [None]
+
+        async def run() -> None:
+            box[0] = await self._audit(peer, prompt, answer, params, "held")
+            done.set()
+
+        assert self._nursery is not None, "start Auditor.run first"
+        self._nursery.start_soon(run)
+        with trio.move_on_after(self.config.max_hold_s if wait_s is None else wait_s):
+            await done.wait()
+        return box[0]
+
+    def later(
+        self, peer: str, prompt: list[int], answer: list[int], params: SamplingParams
+    ) -> None:
+        """Queue a released answer for a background audit (skipped when the queue is full)."""
+        if not answer:
+            return
+        try:
+            self._send.send_nowait((peer, list(prompt), list(answer), params, time.monotonic()))
+        except trio.WouldBlock:
+            self._count("background", "skipped")
+
+    def note_reserved(self) -> None:
+        self.reserved += 1
+        if self._metrics is not None:
+            self._metrics.reserved.inc()
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            task_status.started()
+            async for peer, prompt, answer, params, queued in self._recv:
+                # Low priority: let the engine drain first (polled: it has no event to wait on).
+                deadline = queued + self.config.defer_max_s
+                while self.busy() and time.monotonic() < deadline:  # noqa: ASYNC110
+                    await trio.sleep(0.05)
+                if not self._budget.allows(self.scorer.cost_s(len(prompt) + len(answer))):
+                    self._count("background", "skipped")
+                    continue
+                await self._audit(peer, prompt, answer, params, "background")
+
+    async def _audit(
+        self, peer: str, prompt: list[int], answer: list[int], params: SamplingParams, mode: str
+    ) -> AuditVerdict:
+        expected = self.scorer.cost_s(len(prompt) + len(answer))
+        self._queued_s += expected
+        try:
+            return await self._audit_locked(peer, prompt, answer, params, mode)
+        finally:
+            self._queued_s = max(0.0, self._queued_s - expected)
+
+    async def _audit_locked(
+        self, peer: str, prompt: list[int], answer: list[int], params: SamplingParams, mode: str
+    ) -> AuditVerdict:
+        async with self._lock:
+            t0 = time.perf_counter()
+            logits = await trio.to_thread.run_sync(self.scorer.logits, prompt, answer)
+            verdict = check_answer(logits, answer, params, self.config)
+            spent = time.perf_counter() - t0
+        self._budget.spend(spent)
+        self.seconds += spent
+        if self._metrics is not None:
+            self._metrics.seconds.inc(spent)
+        self.trust.observe_audit(peer, verdict.passed)
+        self._count(mode, "passed" if verdict.passed else "failed")
+        if not verdict.passed:
+            log.warning("audit of %s failed (%s): demoted", peer, verdict.detail)
+        return verdict
+
+    def _count(self, mode: str, verdict: str) -> None:
+        self.counts[verdict] += 1
+        if self._metrics is not None:
+            self._metrics.audits.labels(mode, verdict).inc()

@@ -1,0 +1,1 @@
+"""Peers that lie: ``liars.py`` (how each kind lies) and ``trial.py`` (what they got away with)."""

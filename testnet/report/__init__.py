@@ -1,0 +1,1 @@
+"""Reporting trials: ``tables.py`` (tables, plots) and ``page.py`` (docs/results.md)."""
