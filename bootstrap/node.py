@@ -56,6 +56,9 @@ class _AuditedService(Protocol):
     @property
     def views(self) -> PeerViews: ...
 
+    @property
+    def trust(self) -> TrustBook: ...
+
 
 class NodeStartError(P2PNodeError, RuntimeError):
     """The node could not start; the message says what to change."""
@@ -163,12 +166,23 @@ def _probation_status(service: _AuditedService) -> dict[str, Any] | None:
     auditor, probation = service.auditor, service.probation
     if auditor is None:
         return None
-    peers = sorted({v.peer_id for v in service.views.views()})
+    peers = sorted({v.peer_id for v in service.views.views()} | auditor.by_peer.keys())
+    none = {"passed": 0, "failed": 0, "skipped": 0}
     return {
         "answers_needed": auditor.config.probation_answers,
         "on_probation": [p for p in peers if auditor.on_probation(p)],
         "challenges": dict(probation.counts) if probation is not None else None,
         "audits": dict(auditor.counts),
+        # Per peer: member / probation (with passed audits so far) / trusted / demoted, and
+        # this node's audits of its answers.
+        "peers": {
+            p: {
+                "state": auditor.state(p),
+                "passed_for_probation": service.trust.audited_ok(p),
+                "audits": dict(auditor.by_peer.get(p, none)),
+            }
+            for p in peers
+        },
     }
 
 

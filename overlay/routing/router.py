@@ -27,7 +27,9 @@ Contract:
   would wait here for its audit before release (``hold_s``; a peer on probation,
   ``overlay/trust/audit.py``: the origin's scoring pass over prompt and answer); it is what makes a
   forward to a fresh identity a loss on a fast link, and it ends once the peer has passed its
-  probation (``overlay/trust/challenge.py`` gets it there without client traffic). ``lookahead`` is
+  probation (``overlay/trust/challenge.py`` gets it there without client traffic). A peer whose
+  answer could not be audited in time (``hold_s`` infinite) is skipped as "no_audit": a
+  probation answer is never released unchecked. ``lookahead`` is
   ``future_turns * network`` for a chat turn: the session's history stays where this turn
   runs, so its later turns (``overlay/routing/sessions.py`` predicts how many) pay that forward's
   network cost again; serving here pays it never.
@@ -602,6 +604,9 @@ class Router:
         hold = 0.0
         if self.hold_s is not None:
             hold = self.hold_s(peer, prompt_tokens + math.ceil(expected_tokens))
+        unaudited = math.isinf(hold)
+        if unaudited:  # its answer could not be checked in time: never a candidate
+            hold = 0.0
         lookahead = future_turns * network
         total = network + wait + local.overhead_s + prefill + decode + hold + lookahead
         skipped = None
@@ -611,6 +616,8 @@ class Router:
             skipped = "down"
         elif self.trust is not None and not self.trust.usable(peer):
             skipped = "untrusted"
+        elif unaudited:
+            skipped = "no_audit"
         return CandidateEstimate(
             peer_id=peer,
             is_local=False,

@@ -20,6 +20,7 @@ Every gap in the token stream (``start`` not equal to the tokens received) fails
 from __future__ import annotations
 
 import logging
+import math
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
@@ -161,6 +162,7 @@ class RoutedService:
         audit_config: AuditConfig | None = None,
         challenge_config: ChallengeConfig | None = None,
         advertise_min_uses: int = 1,
+        is_member: Callable[[str], bool] | None = None,
     ) -> None:
         if engine is None and model_id is None:
             raise ValueError("a routing-only service needs model_id")
@@ -169,6 +171,7 @@ class RoutedService:
         self.engine = engine
         self.model_id = model_id or engine.model_id
         self.salt = model_salt(self.model_id)
+        self.is_member = is_member  # a valid membership of this closed network (None: open)
         self.views = views or PeerViews()
         self.pushback = PushBack(pushback_high, pushback_low)
         # Trust hook (overlay/trust/book.py): claims checked after each forward; untrusted peers
@@ -218,9 +221,13 @@ class RoutedService:
                 audit_config,
                 busy=lambda: engine.queue_depth > 0,
                 registry=registry,
+                is_member=is_member,
             )
             # A probation answer waits for its audit: the router counts that wait.
             self.router.hold_s = self.auditor.hold_s
+        else:
+            # Nothing here can audit an answer, so only members (never demoted) are candidates.
+            self.router.hold_s = self._unaudited_hold
         # Known-answer challenges take new peers through probation without client traffic
         # (none when this node never forwards: it would never use what they earn).
         self.probation: ProbationChallenges | None = None
@@ -252,6 +259,10 @@ class RoutedService:
             drop_filter=drop_filter,
             limiter=self.limiter,
         )
+
+    def _unaudited_hold(self, peer: str, tokens: int) -> float:
+        member = self.is_member is not None and self.is_member(peer)
+        return 0.0 if member and not self.trust.demotions(peer) else math.inf
 
     def advertise(self, builder: DigestBuilder) -> None:
         """Publish one more digest (a verifier's) with this node's anti-entropy; call before
@@ -373,7 +384,7 @@ class RoutedService:
             service_s = est.wait_s + est.prefill_s + est.decode_s
             self.router.note_sent(target, service_s)
             plan = self.auditor.plan(target, params) if self.auditor is not None else None
-            # A held answer reaches the client once its audit passed (or max_hold_s passed).
+            # A held answer reaches the client once its audit passed, or never.
             held = (
                 HeldAnswer(emit, self.auditor.config.max_hold_s, emit_logprob=on_logprob)
                 if plan and plan.hold
@@ -418,11 +429,14 @@ class RoutedService:
                 continue
             finally:
                 self.router.note_done(target, service_s)
-            if plan is not None and not await self._audited(plan, target, request, outcome, held):
+            checked = (
+                "ok" if plan is None else await self._audited(plan, target, request, outcome, held)
+            )
+            if checked != "ok":  # dropped unseen: re-served by the next attempt
                 attempts.append(
-                    Attempt(target, "audit_failed", len(outcome.tokens), time.perf_counter() - t0)
+                    Attempt(target, checked, len(outcome.tokens), time.perf_counter() - t0)
                 )
-                self._count("audit_failed")
+                self._count(checked)
                 continue
             attempts.append(Attempt(target, "ok", len(outcome.tokens), time.perf_counter() - t0))
             self._count("ok")
@@ -514,25 +528,28 @@ class RoutedService:
         request: ForwardRequest,
         outcome: ForwardOutcome,
         held: HeldAnswer | None,
-    ) -> bool:
-        """False when a held answer failed its audit (it was never released); a released
-        answer is queued for a background audit when the plan says so."""
+    ) -> str:
+        """``ok`` when the answer may reach the client (a held one passed its audit; a released
+        one is queued for a background audit when the plan says so), ``audit_failed`` or
+        ``audit_late`` (its audit outlasted the hold) when a held answer is dropped unseen."""
         assert self.auditor is not None
         params = SamplingParams(
             max_tokens=request.max_tokens, temperature=request.temperature, top_p=request.top_p
         )
-        if held is None or held.released:
+        if held is None:
             if plan.audit:
-                self.auditor.later(peer, request.prompt, outcome.tokens, params)
-            return True
+                self.auditor.later(peer, request.prompt, outcome.tokens, params, forced=plan.forced)
+            return "ok"
         verdict = await self.auditor.check(
             peer, request.prompt, held.tokens, params, wait_s=held.remaining_s()
         )
-        if verdict is not None and not verdict.passed:
+        if verdict is None:
+            return "audit_late"
+        if not verdict.passed:
             self.auditor.note_reserved()
-            return False
+            return "audit_failed"
         held.release()
-        return True
+        return "ok"
 
     def _note_use(self, prompt: list[int]) -> None:
         if self.gate is not None:

@@ -20,26 +20,33 @@ prefill of that length, far less than generating it.
   distribution; on honest samples of the real model (temperature 0.8, top-p 0.95, 16 tokens)
   ``bench/audit_bench.py`` measured 0 of 80 flagged, largest z 1.8 (a normal tail would give
   3e-5).
-- Audit rate follows trust (``AuditPolicy.plan``): a peer with fewer than
-  ``probation_answers`` passed audits (a new identity, or one readmitted after a demotion) is
-  on probation: every answer is audited, and it is *held* (not released to the client) until
-  its audit passes, so a lie is re-served elsewhere before anyone sees it. Trusted peers are
-  audited at ``trusted_rate`` after the answer is released. Holding is bounded: tokens are
-  held at most ``max_hold_s`` from the first one, audit included (``HeldAnswer``); an answer
-  that takes longer is released then and audited after it, in the background.
-- Budget: audits take at most ``budget_share`` of this node's time over ``budget_window_s``;
-  past it an answer goes out unaudited (counted ``skipped``; a probation peer earns nothing
-  from it). The delay an honest answer can suffer from an audit is bounded by ``max_hold_s``
-  (default 10 s). Background audits (trusted peers) wait while the local engine
-  has work, up to ``defer_max_s``: they run at low priority.
+- Who is on probation (``Auditor.on_probation``): a member of a closed network (``is_member``;
+  its membership is signed by the network) is trusted from its first answer, unless it was
+  demoted once already; any other peer is on probation until it has ``probation_answers``
+  passed audits (a new identity, or one readmitted after a demotion).
+- A probation answer is *held*: not one token reaches the client until its audit passed, so a
+  lie is re-served elsewhere before anyone sees it. Nothing releases it unchecked: an audit
+  that cannot finish within ``max_hold_s`` (the wait already queued plus its own pass) or
+  that the budget cannot pay for makes the peer unavailable to the router (``hold_s`` is
+  infinite, the router skips it as ``no_audit``); an answer whose audit outlasts its hold is
+  dropped and re-served (the audit still finishes and still counts).
+- Trusted peers are audited after release: each answer at ``trusted_rate`` p, so a liar that
+  turns after earning trust delivers (1 - p) / p wrong answers before its first audited lie
+  demotes it (4 at the default 0.2), and at least every ``max_gap``-th answer of each peer
+  whatever the budget (a busy origin still audits every peer it uses); only the sampled ones
+  beyond that minimum may be ``skipped``.
+- Budget: sampled audits take at most ``budget_share`` of this node's time over
+  ``budget_window_s``; past it they are skipped (counted ``skipped``). Background audits wait
+  while the local engine has work, up to ``defer_max_s``: they run at low priority.
 - A failed audit demotes the peer at once (``TrustBook.observe_audit``: the router skips it
   like any untrusted peer); a passed one repays debt and counts towards probation.
 - Metrics (registry given): ``p2pnode_audits_total{mode,verdict}`` (mode held/background,
   verdict passed/failed/skipped), ``p2pnode_audit_reserved_total`` (answers re-served after a
   held audit failed), ``p2pnode_audit_seconds_total``.
 
-Limits: only the origin audits, and only when it runs the model itself (a routing-only node
-cannot). The sampled test sees lies that make an answer unlikely (substituted, random or
+Limits: only the origin audits, and only when it runs the model itself: a routing-only node
+cannot, so it uses members and peers it trusts already, never a peer on probation
+(``overlay/serve/service.py``). The sampled test sees lies that make an answer unlikely (substituted, random or
 other-model tokens); a liar that samples plausible tokens from a slightly different
 distribution is only caught in proportion to how much less likely its answers are.
 """
@@ -72,7 +79,10 @@ log = logging.getLogger("p2pnode.overlay.trust.audit")
 @dataclass
 class AuditConfig:
     probation_answers: int = 8  # passed audits before a peer leaves probation
-    trusted_rate: float = 0.05  # share of a trusted peer's answers audited
+    # Share of a trusted peer's answers audited: (1 - p) / p wrong answers expected before a
+    # liar that turns after earning trust is demoted (4 at 0.2).
+    trusted_rate: float = 0.2
+    max_gap: int = 10  # at least every max_gap-th answer of a trusted peer, whatever the budget
     greedy_margin: float = 0.5  # logits (see the module contract for the measurement)
     sampled_z: float = 4.0
     nucleus_slack: float = 0.02
@@ -83,8 +93,8 @@ class AuditConfig:
     queue: int = 64  # background audits waiting; more are skipped
 
     def __post_init__(self) -> None:
-        if self.probation_answers < 0 or not 0 <= self.trusted_rate <= 1:
-            raise ValueError("need probation_answers >= 0 and 0 <= trusted_rate <= 1")
+        if self.probation_answers < 0 or not 0 <= self.trusted_rate <= 1 or self.max_gap < 1:
+            raise ValueError("need probation_answers >= 0, 0 <= trusted_rate <= 1, max_gap >= 1")
         if self.greedy_margin < 0 or self.sampled_z <= 0 or not 0 <= self.nucleus_slack < 1:
             raise ValueError("need greedy_margin >= 0, sampled_z > 0, 0 <= nucleus_slack < 1")
         if not 0 < self.budget_share <= 1 or self.budget_window_s <= 0 or self.max_hold_s <= 0:
@@ -240,13 +250,13 @@ class AuditPlan:
     audit: bool
     hold: bool  # keep the answer from the client until the audit passed
     probation: bool
+    forced: bool = False  # the per-peer minimum: never skipped for the budget
 
 
 class HeldAnswer:
     """Token sink of one forward from a peer on probation: tokens are held back from ``emit``
-    until ``release()``, or until ``max_hold_s`` after the first arrived (then everything held
-    goes out and later tokens stream straight through: ``released`` turns True). Bounds the
-    delay holding adds to an honest answer."""
+    until ``release()`` (after the audit passed); a held answer that is never released is
+    dropped. ``max_hold_s`` bounds the wait for the audit, counted from the first token."""
 
     def __init__(
         self,
@@ -266,18 +276,11 @@ class HeldAnswer:
 
     def logprob(self, value: TokenLogprob) -> None:
         self.logprobs.append(value)
-        if self.released and self.emit_logprob is not None:
-            self.emit_logprob(value)
 
     def __call__(self, token: int) -> None:
         self.tokens.append(token)
-        if self.released:
-            self.emit(token)
-            return
-        now = time.monotonic()
-        self._first = now if self._first is None else self._first
-        if now - self._first > self.max_hold_s:
-            self.release()
+        if self._first is None:
+            self._first = time.monotonic()
 
     def remaining_s(self) -> float:
         if self._first is None:
@@ -333,9 +336,10 @@ class Auditor:
     """Plans and runs audits for one ``RoutedService`` (see the module contract).
 
     ``plan(peer, params)`` before a forward; after it, ``await check(...)`` for a held answer
-    (returns the verdict, or None when it was released unaudited or past ``max_hold_s``) or
-    ``later(...)`` for a released one (queued for the background task ``run``).
+    (returns the verdict, or None when the audit outlasted the hold: the answer is then
+    dropped) or ``later(...)`` for a released one (queued for the background task ``run``).
     ``busy()`` says whether the local engine has work (background audits wait for it to drain).
+    ``is_member(peer)``: the peer holds a valid membership of this closed network.
     """
 
     def __init__(
@@ -348,8 +352,10 @@ class Auditor:
         registry: CollectorRegistry | None = None,
         clock: Callable[[], float] = time.monotonic,
         rng: random.Random | None = None,
+        is_member: Callable[[str], bool] | None = None,
     ) -> None:
         self.scorer = scorer
+        self.is_member = is_member
         self.trust = trust
         self.config = config or AuditConfig()
         self.busy = busy
@@ -363,24 +369,46 @@ class Auditor:
         self.reserved = 0
         self.seconds = 0.0
         self._queued_s = 0.0  # expected seconds of the audits queued or running
+        self._since: dict[str, int] = {}  # answers of a trusted peer since its last audit
+        # Per peer: audits passed, failed and skipped, for /status.
+        self.by_peer: dict[str, dict[str, int]] = {}
 
     def plan(self, peer: str, params: SamplingParams) -> AuditPlan:
         if self.on_probation(peer):
             return AuditPlan(audit=True, hold=True, probation=True)
-        return AuditPlan(self._rng.random() < self.config.trusted_rate, False, False)
+        since = self._since.get(peer, 0) + 1
+        forced = since >= self.config.max_gap
+        audit = forced or self._rng.random() < self.config.trusted_rate
+        self._since[peer] = 0 if audit else since
+        return AuditPlan(audit, False, False, forced)
 
     def on_probation(self, peer: str) -> bool:
+        if self.is_member is not None and self.is_member(peer) and not self.trust.demotions(peer):
+            return False
         return self.trust.audited_ok(peer) < self.config.probation_answers
+
+    def state(self, peer: str) -> str:
+        """``member``, ``probation``, ``trusted`` or ``demoted`` (for /status)."""
+        if not self.trust.usable(peer):
+            return "demoted"
+        if self.is_member is not None and self.is_member(peer) and not self.trust.demotions(peer):
+            return "member"
+        return "probation" if self.on_probation(peer) else "trusted"
 
     def hold_s(self, peer: str, tokens: int) -> float:
         """Seconds an answer of ``tokens`` (prompt + answer) from ``peer`` waits for its held
-        audit before the client sees it: for a peer on probation the audits already queued plus
-        its own scoring pass (bounded by ``max_hold_s``), 0 for a trusted one. The router adds
-        it to the peer's estimate."""
+        audit before the client sees it: 0 for a trusted peer; for a peer on probation the
+        audits already queued plus its own scoring pass, or infinity when that exceeds
+        ``max_hold_s`` or the budget (the router then skips the peer: its answer could not be
+        checked in time, and is never released unchecked)."""
         if not self.on_probation(peer):
             return 0.0
+        cost = self.scorer.cost_s(tokens)
         # Audits run one at a time: a new one waits for those already queued.
-        return min(self.config.max_hold_s, self._queued_s + self.scorer.cost_s(tokens))
+        wait = self._queued_s + cost
+        if wait > self.config.max_hold_s or not self._budget.allows(cost):
+            return math.inf
+        return wait
 
     async def check(
         self,
@@ -391,15 +419,12 @@ class Auditor:
         *,
         wait_s: float | None = None,
     ) -> AuditVerdict | None:
-        """Audit a held answer now; None when it must be released unaudited (budget) or the
-        audit outlasted ``wait_s`` (default ``max_hold_s``; it then finishes in the
-        background)."""
+        """Audit a held answer now, whatever the budget (the router stops choosing probation
+        peers once the budget is spent: ``hold_s``); None when the audit outlasted ``wait_s``
+        (default ``max_hold_s``): the caller drops the answer, and the audit finishes in the
+        background and still counts."""
         if not answer:
-            return None
-        cost = self.scorer.cost_s(len(prompt) + len(answer))
-        if not self._budget.allows(cost):
-            self._count("held", "skipped")
-            return None
+            return AuditVerdict(True, 0)
         done = trio.Event()
         box: list[AuditVerdict | None] = [None]
 
@@ -414,15 +439,26 @@ class Auditor:
         return box[0]
 
     def later(
-        self, peer: str, prompt: list[int], answer: list[int], params: SamplingParams
+        self,
+        peer: str,
+        prompt: list[int],
+        answer: list[int],
+        params: SamplingParams,
+        *,
+        forced: bool = False,
     ) -> None:
-        """Queue a released answer for a background audit (skipped when the queue is full)."""
+        """Queue a released answer for a background audit. A sampled one is skipped when the
+        queue is full or the budget spent; a ``forced`` one (the per-peer minimum) only when
+        the queue is full, and then the peer's next answer is forced again."""
         if not answer:
             return
+        item = (peer, list(prompt), list(answer), params, time.monotonic(), forced)
         try:
-            self._send.send_nowait((peer, list(prompt), list(answer), params, time.monotonic()))
+            self._send.send_nowait(item)
         except trio.WouldBlock:
-            self._count("background", "skipped")
+            self._count("background", "skipped", peer)
+            if forced:
+                self._since[peer] = self.config.max_gap
 
     def note_reserved(self) -> None:
         self.reserved += 1
@@ -433,13 +469,14 @@ class Auditor:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             task_status.started()
-            async for peer, prompt, answer, params, queued in self._recv:
+            async for peer, prompt, answer, params, queued, forced in self._recv:
                 # Low priority: let the engine drain first (polled: it has no event to wait on).
                 deadline = queued + self.config.defer_max_s
                 while self.busy() and time.monotonic() < deadline:  # noqa: ASYNC110
                     await trio.sleep(0.05)
-                if not self._budget.allows(self.scorer.cost_s(len(prompt) + len(answer))):
-                    self._count("background", "skipped")
+                cost = self.scorer.cost_s(len(prompt) + len(answer))
+                if not forced and not self._budget.allows(cost):
+                    self._count("background", "skipped", peer)
                     continue
                 await self._audit(peer, prompt, answer, params, "background")
 
@@ -466,12 +503,14 @@ class Auditor:
         if self._metrics is not None:
             self._metrics.seconds.inc(spent)
         self.trust.observe_audit(peer, verdict.passed)
-        self._count(mode, "passed" if verdict.passed else "failed")
+        self._count(mode, "passed" if verdict.passed else "failed", peer)
         if not verdict.passed:
             log.warning("audit of %s failed (%s): demoted", peer, verdict.detail)
         return verdict
 
-    def _count(self, mode: str, verdict: str) -> None:
+    def _count(self, mode: str, verdict: str, peer: str) -> None:
         self.counts[verdict] += 1
+        mine = self.by_peer.setdefault(peer, {"passed": 0, "failed": 0, "skipped": 0})
+        mine[verdict] += 1
         if self._metrics is not None:
             self._metrics.audits.labels(mode, verdict).inc()

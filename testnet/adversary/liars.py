@@ -22,6 +22,8 @@ Contract:
     ``routed_by`` (indices of the other nodes whose trust file, written at shutdown, has it
     demoted at least once / that routed to it; every other node counts as an origin: a liar
     lies only to peers, so its own clients are protected by its own, honest, origin code);
+    ``caught_by``: the origins whose held audit of one of its answers failed (a liar that
+    lies on some answers only may be routed to and never caught lying: nothing to catch);
   - ``liars_demoted``: liars that every origin routing to them demoted (and at least one
     did); ``undemoted``: the others (a liar nobody routed to is among them: nothing could
     catch it).
@@ -148,6 +150,7 @@ def adversary_summary(
             },
             "routed_by": routed_by,
             "demoted_by": demoted_by,
+            "caught_by": sorted(o for (o, liar) in caught if liar == node),
         }
         if demoted_by and set(routed_by) <= set(demoted_by):
             demoted_count += 1

@@ -110,6 +110,112 @@ async def test_new_identities_are_held_until_they_pass_probation_and_a_lie_demot
     assert auditor.counts == {"passed": 3, "failed": 1, "skipped": 0}
 
 
+class _SlowScorer(_Scorer):
+    """Scores as _Scorer, taking ``seconds`` per pass (a thread sleep: the pass is CPU work in a
+    worker thread) and saying each pass costs ``cost``."""
+
+    def __init__(self, rows: torch.Tensor, seconds: float, cost: float) -> None:
+        super().__init__(rows)
+        self.seconds, self.cost = seconds, cost
+
+    def logits(self, prompt: Any, answer: Any) -> torch.Tensor:
+        import time
+
+        time.sleep(self.seconds)
+        return super().logits(prompt, answer)
+
+    def cost_s(self, tokens: int) -> float:
+        return self.cost
+
+
+async def test_a_probation_answer_is_never_released_unchecked_whatever_the_budget() -> None:
+    rows = torch.zeros(4, 8)
+    rows[:, 3] = 5.0
+    book = TrustBook()
+    clock = [0.0]
+    cfg = AuditConfig(probation_answers=3, budget_share=0.1, budget_window_s=10.0, max_hold_s=2)
+    scorer = _SlowScorer(rows, seconds=0.0, cost=0.6)
+    auditor = Auditor(scorer, book, cfg, clock=lambda: clock[0])
+    greedy = SamplingParams(max_tokens=4)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(auditor.run)
+        assert auditor.hold_s("new", 10) == pytest.approx(0.6)  # the budget has room
+        auditor._budget.spend(1.0)  # the whole budget (10 % of 10 s) is spent
+        # The router may not pick the peer now: its answer could not be checked in time...
+        assert auditor.hold_s("new", 10) == float("inf")
+        # ...and an answer already on its way is still audited, never skipped.
+        verdict = await auditor.check("new", [1], [3, 5], greedy)
+        assert verdict is not None and not verdict.passed
+        assert not book.usable("new")
+        # A pass that outlasts the hold: the caller drops the answer (None); the verdict
+        # still lands when the pass ends.
+        scorer.seconds = 0.5
+        assert await auditor.check("late", [1], [3, 3], greedy, wait_s=0.05) is None
+        await wait_until(lambda: book.audited_ok("late") == 1, 10, "the late audit's verdict")
+        # A pass longer than max_hold_s cannot be waited for at all: not a candidate.
+        scorer.cost = 5.0
+        clock[0] = 100.0  # the spent budget has left the window
+        assert auditor.hold_s("late", 10) == float("inf")
+        nursery.cancel_scope.cancel()
+    assert auditor.counts["skipped"] == 0
+    assert auditor.by_peer["new"] == {"passed": 0, "failed": 1, "skipped": 0}
+
+
+async def test_members_are_trusted_from_their_first_answer_until_demoted() -> None:
+    rows = torch.zeros(4, 8)
+    rows[:, 3] = 5.0
+    book = TrustBook()
+    members = {"member"}
+    auditor = Auditor(
+        _Scorer(rows), book, AuditConfig(probation_answers=8), is_member=members.__contains__
+    )
+    greedy = SamplingParams(max_tokens=4)
+    assert not auditor.plan("member", greedy).hold and auditor.state("member") == "member"
+    assert auditor.hold_s("member", 100) == 0.0
+    assert auditor.plan("stranger", greedy).hold and auditor.state("stranger") == "probation"
+    async with trio.open_nursery() as nursery:
+        await nursery.start(auditor.run)
+        assert not (await auditor.check("member", [1], [3, 5], greedy)).passed
+        nursery.cancel_scope.cancel()
+    assert auditor.state("member") == "demoted"
+    # Readmitted after its debt decays, a member caught once goes through probation.
+    book._peers["member"].banned = False
+    assert auditor.on_probation("member") and auditor.state("member") == "probation"
+
+
+def test_every_trusted_peer_is_audited_at_least_every_max_gap_answers() -> None:
+    auditor = Auditor(
+        _Scorer(torch.zeros(1, 1)),
+        TrustBook(),
+        AuditConfig(probation_answers=0, trusted_rate=0.0, max_gap=5),
+        rng=random.Random(0),
+    )
+    greedy = SamplingParams(max_tokens=4)
+    plans = [auditor.plan("peer", greedy) for _ in range(20)]
+    assert [i for i, p in enumerate(plans) if p.audit] == [4, 9, 14, 19]
+    assert all(p.forced for p in plans if p.audit) and not any(p.hold for p in plans)
+
+
+def test_the_sampled_rate_delivers_about_1_minus_p_over_p_lies_before_the_first_audit() -> None:
+    """A liar that turns after earning trust lies on every answer; the first audited one
+    demotes it. With rate p the count of lies delivered before it is geometric with mean
+    (1 - p) / p (4 at the default 0.2), capped by max_gap - 1."""
+    cfg = AuditConfig(probation_answers=0)  # it has earned trust
+    counts = []
+    for seed in range(400):  # bounded, seeded
+        auditor = Auditor(_Scorer(torch.zeros(1, 1)), TrustBook(), cfg, rng=random.Random(seed))
+        n = 0
+        while not auditor.plan(f"liar{seed}", SamplingParams(max_tokens=4)).audit:
+            n += 1
+        counts.append(n)
+    p = cfg.trusted_rate
+    expected = sum(min(k, cfg.max_gap - 1) * (1 - p) ** k * p for k in range(cfg.max_gap)) + (
+        cfg.max_gap - 1
+    ) * (1 - p) ** cfg.max_gap
+    assert max(counts) <= cfg.max_gap - 1
+    assert abs(sum(counts) / len(counts) - expected) < 0.5, (sum(counts) / len(counts), expected)
+
+
 def test_trust_survives_a_restart_and_a_bad_file_is_set_aside(tmp_path) -> None:
     book = TrustBook()
     for _ in range(5):
@@ -217,7 +323,9 @@ def noisy_copy(loaded: Any, scale: float) -> Any:
 
 
 @contextlib.asynccontextmanager
-async def liar_cluster(loaded: Any, overlay_network: Any) -> AsyncIterator[dict[str, Any]]:
+async def liar_cluster(
+    loaded: Any, overlay_network: Any, audit_config: AuditConfig | None = None
+) -> AsyncIterator[dict[str, Any]]:
     async with (
         overlay_network(len(ROLES), ping_timeout=5.0, health_ping_timeout=10.0) as nodes,
         contextlib.AsyncExitStack() as stack,
@@ -251,6 +359,7 @@ async def liar_cluster(loaded: Any, overlay_network: Any) -> AsyncIterator[dict[
                     # before a client request reaches them (tests/overlay/test_challenge.py).
                     challenge_config=ChallengeConfig(enabled=False),
                     registry=registry,
+                    audit_config=audit_config,
                 )
                 if role == "origin":
                     services["registry"] = registry
@@ -302,6 +411,42 @@ async def test_three_kinds_of_liar_are_caught_on_probation_and_no_wrong_answer_i
         text = generate_latest(s["registry"]).decode()  # what GET /metrics serves
         assert 'p2pnode_audits_total{mode="held",verdict="failed"} 3.0' in text
         assert "p2pnode_audit_reserved_total 3.0" in text
+
+
+async def test_liars_on_probation_get_no_wrong_answer_through_when_audits_cannot_keep_up(
+    loaded, overlay_network
+) -> None:
+    """Twelve requests at once against an audit budget of one pass: the first forwards to
+    peers on probation are held and audited (never skipped), and once the budget is spent
+    those peers are no candidates (``no_audit``) until it recovers. Every answer a client gets
+    equals the target's."""
+    budget = AuditConfig(budget_share=0.005, budget_window_s=600.0)  # 3 s over 10 min
+    async with liar_cluster(loaded, overlay_network, budget) as s:
+        a = s["origin"]
+        ids = {r: s[r].node.peer_id for r in ROLES}
+        await wait_until(
+            lambda: all(a.views.get(ids[r], a.model_id) is not None for r in ROLES[1:]),
+            30,
+            "the origin's views of every peer",
+        )
+        prompts = [chat(a.engine, f"{QUESTIONS[i % len(QUESTIONS)]} ({i})") for i in range(12)]
+        results: dict[int, Any] = {}
+
+        async def ask(i: int) -> None:
+            results[i] = await a.generate(prompts[i], {"max_tokens": MAX_TOKENS})
+
+        with trio.fail_after(600):
+            async with trio.open_nursery() as nursery:
+                for i in range(len(prompts)):
+                    nursery.start_soon(ask, i)
+        outcomes = [[(x.target, x.outcome) for x in results[i].attempts] for i in range(12)]
+        forwarded = [o for att in outcomes for o in att if o[0] != "local"]
+        assert forwarded, outcomes  # the liars' forged speeds drew forwards at first
+        for i in range(len(prompts)):  # bounded: 12 references
+            reference = await a.engine.generate(prompts[i], {"max_tokens": MAX_TOKENS})
+            assert results[i].tokens == reference.tokens, outcomes[i]
+        assert a.auditor.counts["skipped"] == 0
+        assert a.auditor.hold_s(ids["wrong"], 200) == float("inf")  # the budget is spent
 
 
 async def test_a_node_keeps_its_trust_across_a_restart(tmp_path) -> None:

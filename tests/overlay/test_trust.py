@@ -179,6 +179,40 @@ def test_router_skips_untrusted_peers() -> None:
     assert d.chosen == LOCAL and d.estimate_for("liar").skipped == "untrusted"
 
 
+def test_router_skips_a_peer_whose_answer_could_not_be_audited_in_time() -> None:
+    """An infinite hold (``Auditor.hold_s``: the audit would not fit the hold or the budget;
+    a node with no model to audit with and a peer that is no member) makes the peer no
+    candidate however much of the prompt it holds: its answer would go out unchecked."""
+    views = PeerViews()
+    model = "trust-test-model"
+    prompt = [random.Random(1).randrange(50_000) for _ in range(160)]
+    hashes = block_hashes(prompt, model_salt(model))
+    views.apply(
+        Digest(
+            peer_id="new",
+            model_id=model,
+            epoch=1,
+            version=1,
+            base_version=None,
+            fp_bits=32,
+            added=frozenset(fingerprint(h) for h in hashes),
+            removed=frozenset(),
+            cleared=False,
+            load=LoadInfo(),
+            timestamp=time.time(),
+        )
+    )
+    holds = {"new": 0.0}
+    router = Router(views, rtt_s=lambda _p: 0.002, hold_s=lambda peer, _n: holds[peer])
+    local = LocalState(0, 0.0, 0.005, 0.05)
+    args = {"model_id": model, "prompt_block_hashes": hashes, "prompt_tokens": 160}
+    assert router.decide(**args, max_tokens=2, local=local, record=False).chosen == "new"
+    holds["new"] = float("inf")
+    d = router.decide(**args, max_tokens=2, local=local, record=False)
+    assert d.chosen == LOCAL and d.estimate_for("new").skipped == "no_audit"
+    assert "new" not in d.attempts
+
+
 # --------------------------------------------------------------------------- lying peer, 4 nodes
 
 # The cost model of SmolLM2-135M fp32 on 2 CPU threads (bench/routing_bench.py); alpha 0

@@ -524,10 +524,13 @@ def test_adversarial_trial_catches_every_liar_and_no_wrong_answer_is_kept_after(
     token in 5 of what it serves, one answers from another model (both with a tempting forged
     digest), one only forges its digest. Every request is answered, the answer liars fail
     audits (they really lied, through their nodes' forward servers) and are demoted by every
-    origin that tried them, and no origin keeps a wrong answer from a liar it had caught.
-    Which liars get tried, and whether the cache-only liar is demoted (it caches what it is
-    sent, so many of its claims come true), depend on measured RTTs: reported, not
-    asserted."""
+    origin that caught them, and no origin keeps a wrong answer from a liar it had caught.
+    Asserted is what the design guarantees whatever the measured RTTs: every origin whose
+    held audit caught a lie demoted the liar; a liar that lies on every answer and was tried
+    by an origin was caught by it (its first answers are held for audit, and a held audit is
+    never skipped). Which liars get tried, whether the one lying on 1 answer in 5 lied to
+    whoever tried it, and whether the cache-only liar is demoted (it caches what it is sent,
+    so many of its claims come true) depend on RTTs and chance: reported, not asserted."""
     import signal
     import sys
 
@@ -559,11 +562,12 @@ def test_adversarial_trial_catches_every_liar_and_no_wrong_answer_is_kept_after(
     # RTTs: the lowest estimate is tried first, the next liar once the first is demoted).
     assert tried, liars
     for liar in tried:
-        assert liar["audit_failed"] >= 1, liar  # it really lied, through its forward server
-        # probation holds every answer of a new peer: each origin that tried it caught it
-        assert set(liar["routed_by"]) <= set(liar["demoted_by"]), liar
+        # whoever caught it lying (a failed held audit) demoted it
+        assert set(liar["caught_by"]) <= set(liar["demoted_by"]), liar
+    always = liars["3"]  # answers from another model: every answer is a lie
+    assert set(always["routed_by"]) <= set(always["caught_by"]), always
+    assert always["wrong_kept"] == 0, always  # held until audited, never released
     assert liars["4"]["wrong_kept"] == 0  # fake-cache serves right answers
-    assert adv["liars_demoted"] >= len(tried), adv
     assert "Adversaries (routing)" in (out / "report.md").read_text()
     assert proc.returncode == 0, log[-3000:]
 
