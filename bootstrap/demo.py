@@ -105,6 +105,9 @@ def _stop(nodes: list[LocalNode]) -> None:
 
 
 def run_demo(*, nodes: int = 3, subjects: int = 3, per_subject: int = 4, seed: int = 0) -> dict:
+    """Run the workload on a routed swarm, then the same requests (same order, same entry
+    nodes) on a fresh swarm whose nodes serve everything they receive (``--no-routing``), and
+    print both side by side."""
     from p2pnode.datasets import mmlu
     from p2pnode.inference.models import default_model_path
 
@@ -113,6 +116,27 @@ def run_demo(*, nodes: int = 3, subjects: int = 3, per_subject: int = 4, seed: i
     subject_list = sorted(mmlu.subjects())[:subjects]
     workload = list(mmlu.questions(subject_list, per_subject))
     rng.shuffle(workload)
+    entries = [rng.randrange(nodes) for _ in workload]
+    summary = _run_swarm(nodes, workload, entries, routing=True)
+    console.print("[bold]the same requests on a fresh swarm without routing[/]")
+    baseline = _run_swarm(nodes, workload, entries, routing=False)
+    table = Table(title="routing against serving every request where it arrives")
+    table.add_column("")
+    table.add_column("forwarded", justify="right")
+    table.add_column("prompt-token hit rate", justify="right")
+    table.add_column("mean latency (s)", justify="right")
+    for name, s in (("routing", summary), ("no routing", baseline)):
+        table.add_row(
+            name,
+            f"{s['forwarded']}/{s['requests']}",
+            f"{s['prompt_token_hit_rate']:.0%}",
+            f"{s['mean_latency_s']:.2f}",
+        )
+    console.print(table)
+    return {**summary, "baseline": baseline}
+
+
+def _run_swarm(nodes: int, workload: list, entries: list[int], *, routing: bool) -> dict:
     threads = max(1, (os.cpu_count() or 2) // nodes)
     root = Path(tempfile.mkdtemp(prefix="p2pnode-demo-"))
     started: list[LocalNode] = []
@@ -123,8 +147,11 @@ def run_demo(*, nodes: int = 3, subjects: int = 3, per_subject: int = 4, seed: i
         boot = _spawn("bootstrap", root, ["bootstrap"], threads)
         started.append(boot)
         _wait_runtime(boot, 60)
+        flags = [] if routing else ["--no-routing"]
         serving = [
-            _spawn(f"node{i}", root, ["join", "--bootstrap", boot.info["addrs"][0]], threads)
+            _spawn(
+                f"node{i}", root, ["join", "--bootstrap", boot.info["addrs"][0], *flags], threads
+            )
             for i in range(nodes)
         ]
         started += serving
@@ -134,9 +161,8 @@ def run_demo(*, nodes: int = 3, subjects: int = 3, per_subject: int = 4, seed: i
             formed = _wait_mesh(serving, 60)
         names = {n.info["peer_id"]: n.name for n in serving}
         console.print(f"overlay formed: every node sees the others {formed:.1f} s after start-up")
-        rows = _send_workload(serving, workload, rng, names)
-        summary = _summarize(rows, serving)
-        return summary
+        rows = _send_workload(serving, workload, [serving[i] for i in entries], names)
+        return _summarize(rows, serving)
     finally:
         with console.status("stopping nodes..."):
             _stop(started)
@@ -148,7 +174,7 @@ def run_demo(*, nodes: int = 3, subjects: int = 3, per_subject: int = 4, seed: i
         shutil.rmtree(root, ignore_errors=True)
 
 
-def _send_workload(serving, workload, rng, names) -> list[dict]:
+def _send_workload(serving, workload, entries, names) -> list[dict]:
     rows = []
     progress = Progress(
         TextColumn("[bold]requests"),
@@ -160,8 +186,7 @@ def _send_workload(serving, workload, rng, names) -> list[dict]:
     with progress, httpx.Client(timeout=120) as client:
         model = client.get(serving[0].api + "/v1/models").json()["data"][0]["id"]
         task = progress.add_task("requests", total=len(workload))
-        for q in workload:
-            entry = rng.choice(serving)
+        for q, entry in zip(workload, entries, strict=True):
             t0 = time.perf_counter()
             response = client.post(
                 entry.api + "/v1/completions",

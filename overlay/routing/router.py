@@ -15,7 +15,10 @@ Contract:
   time of requests this router already sent there and that the peer's digests cannot show yet
   (``inflight``); the cached prefix is the view's estimate times the peer's measured
   *confidence*: an EWMA of real / estimated cached tokens reported by the requests it served
-  (stale views cost what they really cost). What this node itself forwarded to a peer counts as
+  (stale views cost what they really cost), and times its *digest credit*: first tokens this
+  node measured itself against what the digest promised (``observe_first_token``); a peer
+  whose first tokens keep arriving far later than its claimed cache and speeds allow has its
+  digest's cache claims discounted, then ignored (a forged digest draws nothing for long). What this node itself forwarded to a peer counts as
   cached there too (``note_forwarded``): a chat's history is used once, so it is never advertised,
   yet its next turn should follow it. For the local node: no network, the engine's exact
   cached prefix and calibrated speeds, and its wait for this very request
@@ -243,6 +246,9 @@ class RouterMetrics:
 @dataclass
 class _PeerStats:
     confidence: float = 1.0
+    # How far this node believes the peer's digest, from first-token times it measured itself
+    # (``observe_first_token``): halved on each contradiction, regained slowly.
+    digest_credit: float = 1.0
     inflight_s: float = 0.0
     inflight: int = 0
     served: int = 0
@@ -263,6 +269,13 @@ class RouterConfig:
     max_remote_attempts: int = 2
     confidence_alpha: float = 0.3
     min_confidence: float = 0.05
+    # A forward's first token contradicts the peer's digest when it arrives later than
+    # ttft_factor x the estimate built on that digest (its cached prefix, speeds and queue) plus
+    # ttft_slack_s; below digest_ignore_below the digest's cache claims are ignored.
+    ttft_factor: float = 3.0
+    ttft_slack_s: float = 0.5
+    digest_regain: float = 0.1
+    digest_ignore_below: float = 0.2
     log_candidates: int = 16  # candidates written per decision log line (best first)
     sent_memory_blocks: int = 4096  # per peer: ~64k tokens of forwarded prompts remembered
     # False: queues are ignored (every wait counts 0): the cache-only routing the paper starts
@@ -376,6 +389,23 @@ class Router:
                 peer_id, rtt, request_bytes(prompt_tokens), first_token_s, engine_s
             )
 
+    def observe_first_token(self, peer_id: str, expected_s: float, observed_s: float) -> bool:
+        """The estimate built on the peer's digest predicted its first token after
+        ``expected_s``; it came after ``observed_s`` (measured here). Returns True when this
+        observation made the router start ignoring the peer's digest claims."""
+        cfg = self.config
+        stats = self._stats.setdefault(peer_id, _PeerStats())
+        before = stats.digest_credit >= cfg.digest_ignore_below
+        if observed_s > cfg.ttft_factor * max(0.0, expected_s) + cfg.ttft_slack_s:
+            stats.digest_credit *= 0.5
+        else:
+            stats.digest_credit = min(1.0, stats.digest_credit + cfg.digest_regain)
+        return before and stats.digest_credit < cfg.digest_ignore_below
+
+    def digest_credit(self, peer_id: str) -> float:
+        stats = self._stats.get(peer_id)
+        return 1.0 if stats is None else stats.digest_credit
+
     def note_forwarded(self, peer_id: str, block_hashes: Sequence[int]) -> None:
         """``peer_id`` served a request whose prompt and answer have these full blocks."""
         sent = self._stats.setdefault(peer_id, _PeerStats()).sent
@@ -404,6 +434,7 @@ class Router:
         return {
             "network": self.netcost.as_dict(),
             "confidence": {p: round(s.confidence, 3) for p, s in self._stats.items()},
+            "digest_credit": {p: round(s.digest_credit, 3) for p, s in self._stats.items()},
         }
 
     # -- decision -------------------------------------------------------------------------
@@ -584,11 +615,15 @@ class Router:
         peer = view.peer_id
         load = view.load
         stats = self._stats.get(peer)
-        view_cached = max(
-            prefix_tokens(view, prompt_fps), self._sent_prefix_tokens(stats, prompt_block_hashes)
-        )
+        claimed = prefix_tokens(view, prompt_fps)
+        sent = self._sent_prefix_tokens(stats, prompt_block_hashes)  # known here, not claimed
+        view_cached = max(claimed, sent)
         conf = 1.0 if stats is None else stats.confidence
-        cached = _usable_cached(int(view_cached * conf), prompt_tokens)
+        credit = 1.0 if stats is None else stats.digest_credit
+        if credit < cfg.digest_ignore_below:
+            credit = 0.0
+        believed = max(int(claimed * credit), sent)
+        cached = _usable_cached(int(believed * conf), prompt_tokens)
         rtt = self.rtt_s(peer)
         rtt_known = rtt is not None
         rtt = cfg.default_rtt_s if rtt is None else rtt

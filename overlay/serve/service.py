@@ -448,6 +448,12 @@ class RoutedService:
                 self.router.observe_forward(
                     target, len(request.prompt), outcome.first_token_s, outcome.done.ttft_s
                 )
+                expected = est.network_s + est.wait_s + est.overhead_s + est.prefill_s
+                if self.router.observe_first_token(target, expected, outcome.first_token_s):
+                    self.trust.note_digest_ignored(target)
+                    log.warning(
+                        "ignoring the cache claims of %s: its first tokens contradict them", target
+                    )
             if self.engine is None:
                 self.lengths.observe(
                     len(delivered), hit_limit=outcome.done.finish_reason == "length"

@@ -122,6 +122,7 @@ class _Peer:
     failures: int = 0
     held: int = 0
     audited_ok: int = 0
+    digest_ignored: int = 0  # times the router stopped believing its digest
 
 
 class _Metrics:
@@ -205,6 +206,7 @@ class TrustBook:
                 "failures": p.failures,
                 "held": p.held,
                 "audited_ok": p.audited_ok,
+                "digest_ignored": p.digest_ignored,
             }
             for peer, p in self._peers.items()
         }
@@ -224,6 +226,7 @@ class TrustBook:
                     failures=max(0, int(d["failures"])),
                     held=max(0, int(d["held"])),
                     audited_ok=max(0, int(d.get("audited_ok", 0))),
+                    digest_ignored=max(0, int(d.get("digest_ignored", 0))),
                 )
                 elapsed = max(0.0, now_wall - float(d["at_wall"]))
             except (KeyError, TypeError, ValueError) as exc:
@@ -298,6 +301,16 @@ class TrustBook:
         debt = self._decayed(p)
         self._add(peer, p, max(self.config.fault_penalty, self._ban_debt + 1 - debt))
         return self._count("audit", Verdict.FAULT)
+
+    def note_digest_ignored(self, peer: str) -> None:
+        """The router stopped believing ``peer``'s cache claims (its measured first tokens
+        contradicted them): recorded for /status and the trial reports; it is no lie about an
+        answer, so no debt."""
+        self._peer(peer).digest_ignored += 1
+
+    def digest_ignored(self, peer: str) -> int:
+        p = self._peers.get(peer)
+        return 0 if p is None else p.digest_ignored
 
     def observe_ok(self, peer: str) -> Verdict:
         """An answer from ``peer`` was checked and confirmed: repays ``honest_credit``."""

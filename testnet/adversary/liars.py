@@ -24,8 +24,10 @@ Contract:
     lies only to peers, so its own clients are protected by its own, honest, origin code);
     ``caught_by``: the origins whose held audit of one of its answers failed (a liar that
     lies on some answers only may be routed to and never caught lying: nothing to catch);
-  - ``liars_demoted``: liars that every origin routing to them demoted (and at least one
-    did); ``undemoted``: the others (a liar nobody routed to is among them: nothing could
+  - ``digest_ignored_by``: the nodes whose router stopped believing its digest (first tokens
+    that contradicted its cache claims: how a fake-cache liar is caught);
+  - ``liars_demoted``: liars that every origin routing to them demoted or stopped believing
+    (and at least one did); ``undemoted``: the others (a liar nobody routed to is among them: nothing could
     catch it).
 - ``homes`` are the nodes' home folders (their ``trust.json``, ``overlay/trust/store.py``).
 """
@@ -68,17 +70,18 @@ def honest_texts(
     return out
 
 
-def _demoted_in(home: Path) -> dict[str, int]:
-    """Peer id -> demotions in the node's trust file ({} when it has none)."""
+def _demoted_in(home: Path, field: str = "demotions") -> dict[str, int]:
+    """Peer id -> demotions (or another count of ``field``) in the node's trust file ({} when
+    it has none)."""
     try:
         data = json.loads((home / "trust.json").read_text())
     except (FileNotFoundError, ValueError):
         return {}
     peers = data.get("peers", data) if isinstance(data, dict) else {}
     return {
-        str(p): int(d.get("demotions", 0))
+        str(p): int(d.get(field, 0))
         for p, d in peers.items()
-        if isinstance(d, dict) and isinstance(d.get("demotions", 0), int)
+        if isinstance(d, dict) and isinstance(d.get(field, 0), int)
     }
 
 
@@ -127,6 +130,7 @@ def adversary_summary(
     # Every other node is an origin to a liar: a liar's own clients are served by that node's
     # honest origin code (it lies only to peers), so its audits protect them as any node's.
     demotions = {k: _demoted_in(homes[k]) for k in range(len(peer_ids))}
+    ignored = {k: _demoted_in(homes[k], "digest_ignored") for k in range(len(peer_ids))}
     liars: dict[str, Any] = {}
     demoted_count = 0
     undemoted = []
@@ -134,6 +138,7 @@ def adversary_summary(
         pid = peer_ids[node]
         routed_by = sorted(o for (o, liar) in routed if liar == node and o != node)
         demoted_by = [k for k in demotions if k != node and demotions[k].get(pid, 0) > 0]
+        digest_ignored_by = [k for k in ignored if k != node and ignored[k].get(pid, 0) > 0]
         ends = [t for (o, liar), t in caught.items() if liar == node]
         liars[str(node)] = {
             "kind": adv.kind,
@@ -151,8 +156,11 @@ def adversary_summary(
             "routed_by": routed_by,
             "demoted_by": demoted_by,
             "caught_by": sorted(o for (o, liar) in caught if liar == node),
+            "digest_ignored_by": digest_ignored_by,
         }
-        if demoted_by and set(routed_by) <= set(demoted_by):
+        # A fake-cache liar serves right answers: it is caught when its digest is ignored.
+        stopped = sorted(set(demoted_by) | set(digest_ignored_by))
+        if stopped and set(routed_by) <= set(stopped):
             demoted_count += 1
         else:
             undemoted.append(node)

@@ -147,27 +147,30 @@ def test_verdict_problem_flags_impossible_verifier_answers() -> None:
     assert verdict_problem(**{**ok, "committed_len": 24}, vocab_size=100) is not None
 
 
+def _claiming(peer: str, model: str, hashes: list[int]) -> Digest:
+    """A digest of ``peer`` that claims every block of ``hashes``."""
+    return Digest(
+        peer_id=peer,
+        model_id=model,
+        epoch=1,
+        version=1,
+        base_version=None,
+        fp_bits=32,
+        added=frozenset(fingerprint(h) for h in hashes),
+        removed=frozenset(),
+        cleared=False,
+        load=LoadInfo(),
+        timestamp=time.time(),
+    )
+
+
 def test_router_skips_untrusted_peers() -> None:
     views = PeerViews()
     model = "trust-test-model"
     salt = model_salt(model)
     prompt = [random.Random(1).randrange(50_000) for _ in range(160)]
     hashes = block_hashes(prompt, salt)
-    views.apply(
-        Digest(
-            peer_id="liar",
-            model_id=model,
-            epoch=1,
-            version=1,
-            base_version=None,
-            fp_bits=32,
-            added=frozenset(fingerprint(h) for h in hashes),
-            removed=frozenset(),
-            cleared=False,
-            load=LoadInfo(),
-            timestamp=time.time(),
-        )
-    )
+    views.apply(_claiming("liar", model, hashes))
     book = TrustBook()
     router = Router(views, rtt_s=lambda _p: 0.002, trust=book)
     local = LocalState(0, 0.0, 0.005, 0.05)
@@ -187,21 +190,7 @@ def test_router_skips_a_peer_whose_answer_could_not_be_audited_in_time() -> None
     model = "trust-test-model"
     prompt = [random.Random(1).randrange(50_000) for _ in range(160)]
     hashes = block_hashes(prompt, model_salt(model))
-    views.apply(
-        Digest(
-            peer_id="new",
-            model_id=model,
-            epoch=1,
-            version=1,
-            base_version=None,
-            fp_bits=32,
-            added=frozenset(fingerprint(h) for h in hashes),
-            removed=frozenset(),
-            cleared=False,
-            load=LoadInfo(),
-            timestamp=time.time(),
-        )
-    )
+    views.apply(_claiming("new", model, hashes))
     holds = {"new": 0.0}
     router = Router(views, rtt_s=lambda _p: 0.002, hold_s=lambda peer, _n: holds[peer])
     local = LocalState(0, 0.0, 0.005, 0.05)
@@ -496,3 +485,27 @@ async def test_audit_catches_a_plausible_liar_and_clears_an_honest_result(target
                 assert ok.verdict == "auditor-wrong" and ok.blamed == [liar.peer_id]
         stop.set()
     assert edge.trust.score(liar.peer_id) < edge.trust.score(h1.peer_id)
+
+
+def test_a_digest_whose_first_tokens_keep_contradicting_it_is_discounted_then_ignored() -> None:
+    """A fake-cache peer serves right answers, so no audit fails; what gives it away is time:
+    its first tokens come as late as a full prefill, not as its claimed prefix allows. The
+    router halves its belief in that digest per contradiction and ignores it below 0.2; a
+    peer whose first tokens match its claims keeps full credit."""
+    views = PeerViews()
+    model = "trust-test-model"
+    prompt = [random.Random(2).randrange(50_000) for _ in range(480)]
+    hashes = block_hashes(prompt, model_salt(model))
+    views.apply(_claiming("faker", model, hashes))
+    router = Router(views, rtt_s=lambda _p: 0.002)
+    local = LocalState(0, 0.0, 0.005, 0.05)
+    args = {"model_id": model, "prompt_block_hashes": hashes, "prompt_tokens": 480}
+    d = router.decide(**args, max_tokens=2, local=local, record=False)
+    assert d.chosen == "faker"
+    expected = d.estimate_for("faker").total_s
+    assert not router.observe_first_token("honest", 0.2, 0.3)  # within its claim
+    ignored = [router.observe_first_token("faker", expected, 480 * 0.005) for _ in range(3)]
+    assert ignored == [False, False, True]  # credit 0.5, 0.25, 0.125 < 0.2
+    d = router.decide(**args, max_tokens=2, local=local, record=False)
+    assert d.chosen == LOCAL and d.estimate_for("faker").cached_tokens == 0
+    assert router.digest_credit("honest") == 1.0
