@@ -11,8 +11,9 @@ Prints the figures and writes ``bench/results/audit.json``. A few minutes on 2 c
   fine-tune) and by random tokens give the per-answer detection rate of each.
 - ``cost`` (real model): one engine serves ``--requests`` requests (48-token chat prompts, 16
   tokens out, 2 at a time) alone, then again while the node audits one forwarded answer of the
-  same shape per request it serves, with probability 1 (every peer new: probation) and 0.05
-  (every peer trusted). Throughput = generated tokens / wall time until the workload AND its
+  same shape per request it serves, with probability 1 (an open network, every peer new: on
+  probation) and ``AuditConfig.trusted_rate`` (a closed network's members, or trusted peers of
+  an open one). Throughput = generated tokens / wall time until the workload AND its
   audits are done. ``cost`` = 1 - tokens per CPU-second of this process / the same alone
   (CPU time, because on a machine shared with other jobs wall time swings 10x between runs;
   ``cost_wall`` is the wall-clock version), the three phases interleaved ``--rounds`` times
@@ -192,13 +193,15 @@ async def _serve_with_audits(
 async def part_cost(loaded: Any, requests: int, rounds: int) -> dict[str, Any]:
     """Phases interleaved over ``rounds`` (the machine's load drifts); medians reported."""
     from p2pnode.inference.engine import open_engine
+    from p2pnode.overlay.trust.audit import AuditConfig
 
     prompts = [chat(loaded.tokenizer, i) for i in range(requests)]
     runs: dict[str, list[dict[str, Any]]] = {"alone": [], "probation": [], "trusted": []}
     async with open_engine(loaded, calibrate_cost=True, torch_threads=2, max_batch=2) as engine:
         answers = await _answers(engine, prompts[:4], SamplingParams(max_tokens=16))  # warm-up
         for r in range(rounds):
-            for label, rate in (("alone", None), ("probation", 1.0), ("trusted", 0.05)):
+            trusted = AuditConfig().trusted_rate
+            for label, rate in (("alone", None), ("probation", 1.0), ("trusted", trusted)):
                 res = await _serve_with_audits(engine, loaded, prompts, answers, rate)
                 runs[label].append(res)
                 print(f"cost round {r} {label}: {res}", flush=True)
