@@ -20,7 +20,16 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("identity", "inference", "overlay", "speculation", "bootstrap", "testnet")
+PACKAGES = (
+    "identity",
+    "inference",
+    "datasets",
+    "overlay",
+    "speculation",
+    "bootstrap",
+    "testnet",
+    "testing",
+)
 
 
 def _imports(path: Path) -> list[tuple[str, bool]]:
