@@ -7,7 +7,9 @@ Contract (``Backend``): all calls come from one thread at a time (the engine's s
   ``None`` when ``prefix_len`` is 0 or the backend keeps no KV); ``expect=n`` makes room for
   ``n`` positions up front (the engine passes its prompt's length).
 - ``extend(state, tokens)`` runs the tokens (batch of one, chunked prefill) and returns the
-  logits ``[V]`` after the last one.
+  logits ``[V]`` after the last one; ``extend_rows(state, tokens, keep)`` the same pass, with
+  the logits ``[keep, V]`` after each of the last ``keep`` (a teacher-forced score);
+  ``concat_rows(parts)`` joins such rows in order.
 - ``decode(states, tokens)`` feeds one token to each state in ONE batched forward and returns
   logits ``[B, V]``. ``HFBackend`` keeps the decoding sequences in a left-padded batched slab
   (attention mask + per-row position ids) and rebuilds it only when the set of states changes.
@@ -113,6 +115,15 @@ class HFBackend:
         return _HFState(slab, prefix_len)
 
     def extend(self, state: _HFState, tokens: list[int]) -> torch.Tensor:
+        return self._extend(state, tokens, 1)[-1]
+
+    def extend_rows(self, state: _HFState, tokens: list[int], keep: int) -> torch.Tensor:
+        return self._extend(state, tokens, keep).float()
+
+    def concat_rows(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        return torch.cat(parts)
+
+    def _extend(self, state: _HFState, tokens: list[int], keep: int) -> torch.Tensor:
         if state.row is not None:
             self._detach(state)
         assert state.slab is not None
@@ -123,10 +134,10 @@ class HFBackend:
             position_ids=pos,
             past_key_values=state.slab.cache,
             use_cache=True,
-            logits_to_keep=1,
+            logits_to_keep=keep,
         )
         state.length += n
-        return out.logits[0, -1]
+        return out.logits[0, -keep:]
 
     def decode(self, states: list[_HFState], tokens: list[int]) -> torch.Tensor:
         if self._batch is None or self._batch.rows != states:

@@ -190,6 +190,19 @@ class EmulatedBackend:
         state.last = tokens[-1]
         return self._logits(state)
 
+    def extend_rows(self, state: _EmuState, tokens: list[int], keep: int) -> EmulatedRows:
+        start = state.length
+        self.extend(state, tokens)
+        n = len(tokens)
+        rows = [
+            EmulatedLogits.after(start + j + 1, tokens[j], self.vocab_size, self.eos_token_id)
+            for j in range(n - keep, n)
+        ]
+        return EmulatedRows(rows, self.vocab_size)
+
+    def concat_rows(self, parts: list[EmulatedRows]) -> EmulatedRows:
+        return EmulatedRows([r for part in parts for r in part.rows], self.vocab_size)
+
     def decode(self, states: list[_EmuState], tokens: list[int]) -> list[EmulatedLogits]:
         time.sleep(self.cost.decode_s_per_token)
         out = []

@@ -30,6 +30,11 @@ Contract:
   requests finished) for dashboards; they never reset.
 - Block events from the radix tree are delivered to ``add_block_listener`` callbacks on the
   trio thread, after the step that caused them.
+- ``await engine.score(prompt_ids, answer_ids)`` -> rows ``[len(answer), V]``: row ``i`` is
+  the logits for ``answer[i]`` given ``prompt + answer[:i]``, from ONE prefill of
+  ``prompt + answer[:-1]`` on the longest cached prefix of the prompt (an audit of someone
+  else's answer costs the uncached part of the prompt plus the answer); it is scheduled as a
+  prefill among the other requests and leaves what it computed in the cache.
 - ``backend="emulated"`` replaces forwards with cost-model delays (fake tokens, real tree).
 """
 
@@ -47,8 +52,8 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from p2pnode.inference._backend_protocol import Backend, Logits
-from p2pnode.inference._errors import EngineClosed
+from p2pnode.inference._backend_protocol import Backend, Logits, Rows
+from p2pnode.inference._errors import EmptyPrompt, EngineClosed
 from p2pnode.inference._front import EngineFront, TokenStreamBase
 from p2pnode.inference.blockhash import BLOCK_SIZE, BlockEvent
 from p2pnode.inference.costmodel import (
@@ -136,6 +141,10 @@ class _Request:
     error: BaseException | None = None
     cancelled: bool = False
     done: trio.Event = field(default_factory=trio.Event)
+    # A score request (``Engine.score``): the first position whose logits it returns, and
+    # those logits as computed, chunk by chunk. None for a generation.
+    score_from: int | None = None
+    rows: list[Rows] = field(default_factory=list)
 
     @property
     def prefilling(self) -> bool:
@@ -352,6 +361,37 @@ class Engine(EngineFront):
         self._wake()
         return TokenStream(self, req, recv)
 
+    async def score(self, prompt_ids: Sequence[int], answer_ids: Sequence[int]) -> Rows:
+        """The target's logits for each answer token (see the module contract)."""
+        answer = list(answer_ids)
+        if not answer:
+            raise EmptyPrompt("scoring needs at least one answer token")
+        prompt, _ = self.validate(prompt_ids, SamplingParams(max_tokens=len(answer)))
+        answer, _ = self.validate(answer, SamplingParams(max_tokens=1))
+        if self._closed:
+            raise EngineClosed("the engine is closed")
+        send, _recv = trio.open_memory_channel[int](float("inf"))
+        req = _Request(
+            id=next(self._ids),
+            prompt=prompt + answer[:-1],
+            params=SamplingParams(max_tokens=1),
+            gen=self._make_generator(None),
+            send=send,
+            t_submit=time.perf_counter(),
+            score_from=len(prompt) - 1,
+        )
+        self._waiting.append(req)
+        self._wake()
+        try:
+            await req.done.wait()
+        except BaseException:
+            req.cancelled = True
+            self._wake()
+            raise
+        if req.error is not None:
+            raise req.error
+        return self._backend.concat_rows(req.rows)
+
     # ---- scheduler -------------------------------------------------------------------------
     def _wake(self) -> None:
         self._wakeup.set()
@@ -376,8 +416,9 @@ class Engine(EngineFront):
                 request_id=req.id,
                 logprobs=list(req.logprobs) if req.params.logprobs is not None else None,
             )
-            self.totals["requests"] += 1
-            self.lengths.observe(len(req.tokens), hit_limit=req.finish_reason == "length")
+            if req.score_from is None:  # a score is no answer: it says nothing of lengths
+                self.totals["requests"] += 1
+                self.lengths.observe(len(req.tokens), hit_limit=req.finish_reason == "length")
         req.send.close()
         req.done.set()
 
@@ -393,6 +434,8 @@ class Engine(EngineFront):
         m = self.tree.match(req.prompt)
         req.handle = self.tree.lock(m)
         usable = min(m.length, len(req.prompt) - 1)
+        if req.score_from is not None:  # the positions it scores are computed, not cached
+            usable = min(usable, req.score_from)
         kv = self.tree.gather_parts(m, usable) if usable > 0 else None
         req.state = self._backend.new_state(kv, usable, expect=len(req.prompt))
         req.cached = req.pos = usable
@@ -402,7 +445,13 @@ class Engine(EngineFront):
     def _prefill(self, req: _Request, chunk_size: int) -> None:
         chunk = req.prompt[req.pos : req.pos + chunk_size]
         t0 = time.perf_counter()
-        logits = self._backend.extend(req.state, chunk)
+        keep = 0
+        if req.score_from is not None:
+            keep = req.pos + len(chunk) - max(req.pos, req.score_from)
+        if keep > 0:
+            req.rows.append(self._backend.extend_rows(req.state, chunk, keep))
+        else:
+            logits = self._backend.extend(req.state, chunk)
         self.cost.observe_prefill(len(chunk), time.perf_counter() - t0)
         req.pos += len(chunk)
         if req.prefilling:
@@ -411,6 +460,9 @@ class Engine(EngineFront):
             self._insert_pinned(req, req.prompt[: req.pos // BLOCK_SIZE * BLOCK_SIZE])
             return
         self._insert_pinned(req, req.prompt)
+        if req.score_from is not None:
+            req.finish_reason = "scored"
+            return
         self._accept(req, sample_token(logits, req.params, req.gen), logits)
 
     def _insert_pinned(self, req: _Request, tokens: list[int]) -> None:

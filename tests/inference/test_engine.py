@@ -262,6 +262,35 @@ async def test_emulated_backend_keeps_real_tree(loaded) -> None:
         assert (eng.cost.prefill_s_per_token, eng.cost.decode_s_per_token) == (1e-4, 1e-3)
 
 
+async def test_score_on_a_cached_prefix_equals_a_full_teacher_forced_pass(loaded) -> None:
+    """``Engine.score``: the logits for each answer token, from one prefill on the cached
+    prefix, equal those of a full pass of the model over prompt + answer (what an audit
+    compares); the answer positions are computed even when they are cached."""
+    from p2pnode.inference.scoring import EmulatedScorer, ModelScorer
+
+    prompt = loaded.tokenizer.encode("A prompt whose prefix the engine will hold. " * 8)
+    async with engine(loaded) as eng:
+        answer = (await eng.generate(prompt, SamplingParams(max_tokens=6))).tokens
+        wrong = [answer[0], (answer[1] + 1) % loaded.vocab_size, *answer[2:]]
+        reference = ModelScorer(loaded.model).logits(prompt, wrong)
+        before = eng.totals["cached_tokens"]
+        rows = await eng.score(prompt, wrong)
+        assert rows.shape == reference.shape
+        assert torch.allclose(rows, reference, atol=1e-3)
+        assert eng.totals["cached_tokens"] - before == len(prompt) - 1  # on the cached prefix
+        with pytest.raises(EmptyPrompt):
+            await eng.score(prompt, [])
+        with pytest.raises(InvalidToken):
+            await eng.score(prompt, [loaded.vocab_size])
+    async with engine(loaded, backend="emulated") as eng:
+        eng.cost.prefill_s_per_token, eng.cost.decode_s_per_token = 1e-5, 1e-4
+        answer = (await eng.generate(prompt, SamplingParams(max_tokens=4))).tokens
+        rows = await eng.score(prompt, answer)
+        ref = EmulatedScorer(loaded.vocab_size, eng.backend.eos_token_id, eng.cost)
+        expected = ref.logits(prompt, answer)
+        assert [r.argmax() for r in rows] == [r.argmax() for r in expected] == answer
+
+
 async def test_queued_requests_sharing_a_prefix_count_it_once(loaded) -> None:
     shared = [(7 + 13 * i) % 5000 for i in range(200)]
     prompts = [shared + [100 + k] * 16 for k in range(3)]
