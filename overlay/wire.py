@@ -59,6 +59,7 @@ PROTOCOL_LIMITS: dict[str, int] = {
     "/p2pnode/verify/1": 1 * MiB,
     "/p2pnode/control/1": 64 * KiB,
     "/p2pnode/bench/1": 16 * MiB,
+    "/p2pnode/audit/1": 1 * MiB,
 }
 
 

@@ -53,6 +53,7 @@ from p2pnode.overlay.routing.router import (
     rtt_from_peer_table,
 )
 from p2pnode.overlay.routing.sessions import SessionTurns
+from p2pnode.overlay.serve.audits import AUDIT_PROTOCOL, AuditServer, ThirdPeerAudits
 from p2pnode.overlay.serve.forward import (
     FORWARD_PROTOCOL,
     ForwardConfig,
@@ -213,8 +214,20 @@ class RoutedService:
                 on_request=self._note_use,
             )
         self.auditor: Auditor | None = None
+        self.audit_server: AuditServer | None = None
         scorer = scorer_for(engine) if engine is not None and audit else None
         if scorer is not None:
+            # Audits on a trusted third peer that holds the prefix, when cheaper than our own
+            # pass (overlay/serve/audits.py); and we serve them for others.
+            third = ThirdPeerAudits(
+                node,
+                self.views,
+                model_id=self.model_id,
+                salt=self.salt,
+                trusted=self._may_audit,
+                local_cost_s=scorer.cost_s,
+                rtt_s=lambda peer: self.router.rtt_s(peer),  # the router's, as it changes
+            )
             self.auditor = Auditor(
                 scorer,
                 self.trust,
@@ -222,7 +235,9 @@ class RoutedService:
                 busy=lambda: engine.queue_depth > 0,
                 registry=registry,
                 is_member=is_member,
+                others=third,
             )
+            self.audit_server = AuditServer(engine, key, self.auditor.config, idle=self._slot_free)
             # A probation answer waits for its audit: the router counts that wait.
             self.router.hold_s = self.auditor.hold_s
         else:
@@ -259,6 +274,11 @@ class RoutedService:
             drop_filter=drop_filter,
             limiter=self.limiter,
         )
+
+    def _may_audit(self, peer: str) -> bool:
+        """A peer whose verdicts this node takes: usable and past probation (or a member)."""
+        auditor = self.auditor
+        return auditor is not None and self.trust.usable(peer) and not auditor.on_probation(peer)
 
     def _unaudited_hold(self, peer: str, tokens: int) -> float:
         member = self.is_member is not None and self.is_member(peer)
@@ -309,6 +329,8 @@ class RoutedService:
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         if self.server is not None:
             self.node.set_stream_handler(FORWARD_PROTOCOL, self.server.handle)
+        if self.audit_server is not None:
+            self.node.set_stream_handler(AUDIT_PROTOCOL, self.audit_server.handle)
         async with trio.open_nursery() as nursery:
             await nursery.start(self.antientropy.run)
             if self.auditor is not None:

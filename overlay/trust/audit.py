@@ -35,6 +35,12 @@ prefill of that length, far less than generating it.
   demotes it (4 at the default 0.2), and at least every ``max_gap``-th answer of each peer
   whatever the budget (a busy origin still audits every peer it uses); only the sampled ones
   beyond that minimum may be ``skipped``.
+- Who audits (``SecondAuditor``, optional): a trusted third peer that holds the prompt's
+  prefix scores the answer for less than this node's own pass (``overlay/serve/audits.py``;
+  never the serving peer); this node audits itself when nobody is cheaper or the call fails.
+  A failed verdict from a third peer is checked by a second auditor (another peer, else this
+  node) before anyone is demoted: if the second finds the answer right, the first auditor is
+  the liar and loses trust (``observe_fault``), and the answer stands.
 - Budget: sampled audits take at most ``budget_share`` of this node's time over
   ``budget_window_s``; past it they are skipped (counted ``skipped``). Background audits wait
   while the local engine has work, up to ``defer_max_s``: they run at low priority.
@@ -60,7 +66,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import trio
 from prometheus_client import CollectorRegistry, Counter
@@ -245,6 +251,23 @@ def check_answer(
 # --------------------------------------------------------------------------- policy
 
 
+class SecondAuditor(Protocol):
+    """Audits on other peers (``overlay/serve/audits.py``): ``(verdict, auditor)`` or None."""
+
+    async def audit(
+        self, server: str, prompt: list[int], answer: list[int], params: SamplingParams
+    ) -> tuple[AuditVerdict, str] | None: ...
+
+    async def second(
+        self,
+        server: str,
+        first: str,
+        prompt: list[int],
+        answer: list[int],
+        params: SamplingParams,
+    ) -> tuple[AuditVerdict, str] | None: ...
+
+
 @dataclass(frozen=True)
 class AuditPlan:
     audit: bool
@@ -330,6 +353,12 @@ class _Metrics:
         self.seconds = Counter(
             "p2pnode_audit_seconds", "Compute seconds spent on audits", registry=registry
         )
+        self.by = Counter(
+            "p2pnode_audits_by_auditor",
+            "Audit verdicts by who computed them: this node (self) or a third peer (peer)",
+            ["auditor"],
+            registry=registry,
+        )
 
 
 class Auditor:
@@ -353,9 +382,11 @@ class Auditor:
         clock: Callable[[], float] = time.monotonic,
         rng: random.Random | None = None,
         is_member: Callable[[str], bool] | None = None,
+        others: SecondAuditor | None = None,
     ) -> None:
         self.scorer = scorer
         self.is_member = is_member
+        self.others = others
         self.trust = trust
         self.config = config or AuditConfig()
         self.busy = busy
@@ -372,6 +403,7 @@ class Auditor:
         self._since: dict[str, int] = {}  # answers of a trusted peer since its last audit
         # Per peer: audits passed, failed and skipped, for /status.
         self.by_peer: dict[str, dict[str, int]] = {}
+        self.by_auditor: dict[str, int] = {"self": 0, "peer": 0}
 
     def plan(self, peer: str, params: SamplingParams) -> AuditPlan:
         if self.on_probation(peer):
@@ -486,12 +518,43 @@ class Auditor:
         expected = self.scorer.cost_s(len(prompt) + len(answer))
         self._queued_s += expected
         try:
-            return await self._audit_locked(peer, prompt, answer, params, mode)
+            return await self._run_audit(peer, prompt, answer, params, mode)
         finally:
             self._queued_s = max(0.0, self._queued_s - expected)
 
-    async def _audit_locked(
+    async def _run_audit(
         self, peer: str, prompt: list[int], answer: list[int], params: SamplingParams, mode: str
+    ) -> AuditVerdict:
+        verdict, by = await self._verdict(peer, prompt, answer, params)
+        self.trust.observe_audit(peer, verdict.passed)
+        self._count(mode, "passed" if verdict.passed else "failed", peer, by)
+        if not verdict.passed:
+            log.warning("audit of %s failed (%s): demoted", peer, verdict.detail)
+        return verdict
+
+    async def _verdict(
+        self, peer: str, prompt: list[int], answer: list[int], params: SamplingParams
+    ) -> tuple[AuditVerdict, str]:
+        """The verdict and who computed it (``self`` or ``peer``)."""
+        got = None if self.others is None else await self.others.audit(peer, prompt, answer, params)
+        if got is None:
+            return await self._own(prompt, answer, params), "self"
+        verdict, auditor = got
+        if verdict.passed:
+            return verdict, "peer"
+        assert self.others is not None
+        second = await self.others.second(peer, auditor, prompt, answer, params)
+        again, by = (
+            second if second is not None else (await self._own(prompt, answer, params), "self")
+        )
+        if again.passed:  # the first auditor called a right answer wrong
+            log.warning("auditor %s failed a right answer of %s: it loses trust", auditor, peer)
+            self.trust.observe_fault(auditor)
+            return again, by if by == "self" else "peer"
+        return verdict, "peer"
+
+    async def _own(
+        self, prompt: list[int], answer: list[int], params: SamplingParams
     ) -> AuditVerdict:
         async with self._lock:
             t0 = time.perf_counter()
@@ -502,15 +565,16 @@ class Auditor:
         self.seconds += spent
         if self._metrics is not None:
             self._metrics.seconds.inc(spent)
-        self.trust.observe_audit(peer, verdict.passed)
-        self._count(mode, "passed" if verdict.passed else "failed", peer)
-        if not verdict.passed:
-            log.warning("audit of %s failed (%s): demoted", peer, verdict.detail)
         return verdict
 
-    def _count(self, mode: str, verdict: str, peer: str) -> None:
+    def _count(self, mode: str, verdict: str, peer: str, by: str | None = None) -> None:
         self.counts[verdict] += 1
         mine = self.by_peer.setdefault(peer, {"passed": 0, "failed": 0, "skipped": 0})
         mine[verdict] += 1
+        if by is not None:
+            self.by_auditor[by] += 1
+            mine[f"by_{by}"] = mine.get(f"by_{by}", 0) + 1
+            if self._metrics is not None:
+                self._metrics.by.labels(by).inc()
         if self._metrics is not None:
             self._metrics.audits.labels(mode, verdict).inc()

@@ -30,7 +30,13 @@ from p2pnode.inference.scoring import ModelScorer
 from p2pnode.overlay.cache.antientropy import AntiEntropyConfig
 from p2pnode.overlay.serve.forward import ForwardConfig
 from p2pnode.overlay.serve.service import RoutedService
-from p2pnode.overlay.trust.audit import AuditConfig, Auditor, check_greedy, check_sampled
+from p2pnode.overlay.trust.audit import (
+    AuditConfig,
+    Auditor,
+    AuditVerdict,
+    check_greedy,
+    check_sampled,
+)
 from p2pnode.overlay.trust.book import TrustBook
 from p2pnode.overlay.trust.challenge import ChallengeConfig
 from p2pnode.overlay.trust.store import load_trust, save_trust
@@ -158,7 +164,7 @@ async def test_a_probation_answer_is_never_released_unchecked_whatever_the_budge
         assert auditor.hold_s("late", 10) == float("inf")
         nursery.cancel_scope.cancel()
     assert auditor.counts["skipped"] == 0
-    assert auditor.by_peer["new"] == {"passed": 0, "failed": 1, "skipped": 0}
+    assert auditor.by_peer["new"] == {"passed": 0, "failed": 1, "skipped": 0, "by_self": 1}
 
 
 async def test_members_are_trusted_from_their_first_answer_until_demoted() -> None:
@@ -181,6 +187,51 @@ async def test_members_are_trusted_from_their_first_answer_until_demoted() -> No
     # Readmitted after its debt decays, a member caught once goes through probation.
     book._peers["member"].banned = False
     assert auditor.on_probation("member") and auditor.state("member") == "probation"
+
+
+class _Others:
+    """A ``SecondAuditor`` double: fixed verdicts per auditor, in the order asked."""
+
+    def __init__(self, first: tuple[bool, str] | None, second: tuple[bool, str] | None) -> None:
+        self.first, self.second_answer = first, second
+        self.asked: list[str] = []
+
+    async def audit(self, server, prompt, answer, params):
+        self.asked.append("first")
+        if self.first is None:
+            return None
+        return AuditVerdict(self.first[0], len(answer)), self.first[1]
+
+    async def second(self, server, first, prompt, answer, params):
+        self.asked.append("second")
+        if self.second_answer is None:
+            return None
+        return AuditVerdict(self.second_answer[0], len(answer)), self.second_answer[1]
+
+
+async def test_a_third_peers_failed_verdict_is_checked_before_anyone_is_demoted() -> None:
+    rows = torch.zeros(4, 8)
+    rows[:, 3] = 5.0  # the target's answer is always token 3
+    greedy = SamplingParams(max_tokens=4)
+    cases = [
+        # (first, second, answer) -> (server usable, first auditor usable, by)
+        ((True, "a"), None, [3, 3], True, True, "peer"),
+        ((False, "a"), (False, "b"), [3, 5], False, True, "peer"),
+        ((False, "a"), (True, "b"), [3, 3], True, False, "peer"),  # "a" lied about it
+        ((False, "a"), None, [3, 3], True, False, "self"),  # our own pass settles it
+        (None, None, [3, 5], False, True, "self"),  # nobody cheaper: our own pass
+    ]
+    for first, second, answer, server_ok, auditor_ok, by in cases:
+        book = TrustBook()
+        others = _Others(first, second)
+        auditor = Auditor(_Scorer(rows), book, AuditConfig(probation_answers=0), others=others)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(auditor.run)
+            await auditor.check("server", [1], answer, greedy)
+            nursery.cancel_scope.cancel()
+        assert book.usable("server") == server_ok, (first, second)
+        assert (book.score("a") == 1.0) == auditor_ok, (first, second)
+        assert auditor.by_auditor[by] == 1, (first, second, auditor.by_auditor)
 
 
 def test_every_trusted_peer_is_audited_at_least_every_max_gap_answers() -> None:
@@ -209,9 +260,10 @@ def test_the_sampled_rate_delivers_about_1_minus_p_over_p_lies_before_the_first_
             n += 1
         counts.append(n)
     p = cfg.trusted_rate
-    expected = sum(min(k, cfg.max_gap - 1) * (1 - p) ** k * p for k in range(cfg.max_gap)) + (
-        cfg.max_gap - 1
-    ) * (1 - p) ** cfg.max_gap
+    expected = (
+        sum(min(k, cfg.max_gap - 1) * (1 - p) ** k * p for k in range(cfg.max_gap))
+        + (cfg.max_gap - 1) * (1 - p) ** cfg.max_gap
+    )
     assert max(counts) <= cfg.max_gap - 1
     assert abs(sum(counts) / len(counts) - expected) < 0.5, (sum(counts) / len(counts), expected)
 
