@@ -1,7 +1,7 @@
 """Audit benchmark: false alarms, throughput cost and detection latency of audited forwards.
 
 Run: ``python bench/audit_bench.py [--answers 100] [--requests 24] [--rounds 3]
-[--parts alarms,cost,detect]``.
+[--parts alarms,cost,third,detect]``.
 Prints the figures and writes ``bench/results/audit.json``. A few minutes on 2 cores.
 
 - ``alarms`` (real model, SmolLM2-135M fp32, engine batching 4): ``--answers`` honest answers
@@ -18,6 +18,10 @@ Prints the figures and writes ``bench/results/audit.json``. A few minutes on 2 c
   (CPU time, because on a machine shared with other jobs wall time swings 10x between runs;
   ``cost_wall`` is the wall-clock version), the three phases interleaved ``--rounds`` times
   (medians; per-round costs kept).
+- ``third`` (real model): what an audit costs a third peer that holds the prompt's 500-token
+  prefix (``Engine.score``: one prefill of the answer on the cached prefix) against the
+  origin's own pass over prompt + answer (``ModelScorer``), medians of ``--rounds`` x 5
+  interleaved repetitions, the same logits checked; ``ratio`` = third peer / own.
 - ``detect`` (emulated compute, real libp2p on loopback): per liar kind, an origin, an honest
   peer and a faster liar; the origin sends requests until the liar is demoted (at most 12).
   Then a second liar of the same kind appears under a new key (a liar restarted with a new
@@ -223,6 +227,34 @@ async def part_cost(loaded: Any, requests: int, rounds: int) -> dict[str, Any]:
     return out
 
 
+async def part_third(loaded: Any, rounds: int) -> dict[str, Any]:
+    from p2pnode.inference.engine import open_engine
+    from p2pnode.inference.scoring import ModelScorer
+
+    prompt = [(7 + 31 * i) % 40000 + 100 for i in range(500)]
+    own_s, third_s = [], []
+    async with open_engine(loaded, calibrate_cost=False, torch_threads=2) as engine:
+        answer = (await engine.generate(prompt, SamplingParams(max_tokens=16))).tokens
+        scorer = ModelScorer(loaded.model, engine.cost)
+        for _ in range(rounds * 5):  # bounded, interleaved: the machine's load drifts
+            t0 = time.perf_counter()
+            own = await trio.to_thread.run_sync(scorer.logits, prompt, answer)
+            own_s.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            rows = await engine.score(prompt, answer)
+            third_s.append(time.perf_counter() - t0)
+            assert torch.allclose(own, rows, atol=1e-3)
+    out = {
+        "prompt_tokens": len(prompt),
+        "answer_tokens": len(answer),
+        "own_s": round(statistics.median(own_s), 4),
+        "third_peer_s": round(statistics.median(third_s), 4),
+    }
+    out["ratio"] = round(out["third_peer_s"] / out["own_s"], 4)
+    print(f"third-peer audit on a cached prefix: {out}", flush=True)
+    return out
+
+
 # --------------------------------------------------------------------------- detection
 
 
@@ -339,7 +371,7 @@ async def main(args: argparse.Namespace) -> None:
     parts = set(args.parts.split(","))
     results: dict[str, Any] = {"args": vars(args)}
     loaded = None
-    if parts & {"alarms", "cost"}:
+    if parts & {"alarms", "cost", "third"}:
         from p2pnode.inference.models import load_model
 
         loaded = load_model(None)
@@ -347,6 +379,8 @@ async def main(args: argparse.Namespace) -> None:
         results["alarms"] = await part_alarms(loaded, args.answers)
     if "cost" in parts:
         results["cost"] = await part_cost(loaded, args.requests, args.rounds)
+    if "third" in parts:
+        results["third"] = await part_third(loaded, args.rounds)
     if "detect" in parts:
         results["detect"] = [
             await detect_kind(k, 12) for k in ("wrong-output", "random-text", "other-model")
@@ -361,7 +395,7 @@ if __name__ == "__main__":
     parser.add_argument("--answers", type=int, default=100)
     parser.add_argument("--requests", type=int, default=24)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--parts", default="alarms,cost,detect")
+    parser.add_argument("--parts", default="alarms,cost,third,detect")
     logging.basicConfig(level=os.environ.get("LOG_LEVEL", "WARNING"))
     logging.getLogger("libp2p").setLevel(logging.CRITICAL)
     random.seed(0)

@@ -6,8 +6,10 @@ torch thread: two OpenMP threads per engine stall each other on 2 shared cores),
 ``RoutedService`` and the HTTP API (console included) on a free port; it returns once every
 node sees the others up with a measured RTT. ``serving[i] = False`` leaves node i's engine out
 of its router (a routing-only front that still tokenizes: every answer is forwarded).
-``roles[i]`` sets node i's advertised roles. Leaving the block stops the APIs and services
-first, then the nodes and engines, also on failure.
+``roles[i]`` sets node i's advertised roles. The nodes form a closed network (each is a member
+for the others: ``is_member``), as a swarm started by ``p2pnode bootstrap`` would; ``closed=False``
+makes every peer a stranger (open network, probation). Leaving the block stops the APIs and
+services first, then the nodes and engines, also on failure.
 
 Shared by the console's browser test, the API tests and ``docs/console_screenshots.py``.
 """
@@ -50,6 +52,7 @@ async def api_cluster(
     serving: Sequence[bool] | None = None,
     roles: Sequence[set[str]] | None = None,
     cache_budget_tokens: int = 8192,
+    closed: bool = True,
 ) -> AsyncIterator[list[ApiClusterNode]]:
     serving = list(serving) if serving is not None else [True] * n
     roles = list(roles) if roles is not None else [{"router"}] * n
@@ -84,6 +87,7 @@ async def api_cluster(
         nursery = await stack.enter_async_context(trio.open_nursery())
         stack.callback(nursery.cancel_scope.cancel)  # first on exit: APIs and services stop
         out: list[ApiClusterNode] = []
+        members = {x.peer_id for x in nodes}
         for i, (node, engine) in enumerate(zip(nodes, engines, strict=True)):
             registry = CollectorRegistry()
             service = RoutedService(
@@ -93,6 +97,7 @@ async def api_cluster(
                 model_id=engine.model_id,
                 registry=registry,
                 antientropy_config=ae,
+                is_member=members.__contains__ if closed else None,
             )
             await nursery.start(service.run)
             app = build_app(node.status, service=service, engine=engine, registry=registry)

@@ -272,8 +272,8 @@ class RouterConfig:
     # A forward's first token contradicts the peer's digest when it arrives later than
     # ttft_factor x the estimate built on that digest (its cached prefix, speeds and queue) plus
     # ttft_slack_s; below digest_ignore_below the digest's cache claims are ignored.
-    ttft_factor: float = 3.0
-    ttft_slack_s: float = 0.5
+    ttft_factor: float = 4.0
+    ttft_slack_s: float = 1.0
     digest_regain: float = 0.1
     digest_ignore_below: float = 0.2
     log_candidates: int = 16  # candidates written per decision log line (best first)

@@ -294,7 +294,11 @@ async def test_lying_peer_is_demoted_and_hit_rate_and_latency_recover(overlay_ne
         for res, _ in after:
             est = res.decision.estimate_for(liar)
             assert est is not None and est.skipped == "untrusted", res.decision.to_log()
-            assert res.served_by == b.node.peer_id and res.cached_tokens >= PREFIX_TOKENS
+            assert res.served_by == b.node.peer_id and res.cached_tokens >= PREFIX_TOKENS, (
+                res.decision.to_log(),
+                a.router.learned(),
+                [x.as_dict() for x in res.attempts],
+            )
 
         # Hit rate and latency recover: after the demotion A's requests again compute only
         # their question (16 tokens at 1/430 s), where the liar recomputed all 144. Compared
