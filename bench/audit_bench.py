@@ -42,7 +42,7 @@ import os
 import random
 import statistics
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +50,7 @@ import torch
 import trio
 
 from p2pnode.inference.sampling import SamplingParams
+from p2pnode.testing.waiting import wait_until
 
 RESULTS = Path(__file__).resolve().parent / "results" / "audit.json"
 QUESTIONS = [
@@ -288,14 +289,6 @@ async def overlays(n: int) -> AsyncIterator[list[Any]]:
         yield nodes
 
 
-async def wait_until(predicate: Callable[[], bool], limit_s: float) -> bool:
-    with trio.move_on_after(limit_s):
-        while not predicate():  # noqa: ASYNC110 (views have no event to wait on)
-            await trio.sleep(0.05)
-        return True
-    return False
-
-
 async def detect_kind(kind: str, max_requests: int) -> dict[str, Any]:
     from p2pnode.inference.models import ShapeOnlyModel
     from p2pnode.overlay.cache.antientropy import AntiEntropyConfig
@@ -306,7 +299,7 @@ async def detect_kind(kind: str, max_requests: int) -> dict[str, Any]:
     model = ShapeOnlyModel("audit-bench-model")
     out: dict[str, Any] = {"kind": kind, "liars": []}
     async with overlays(4) as nodes:
-        await wait_until(lambda: all(len(x.peers.up_peers()) == 3 for x in nodes), 30)
+        await wait_until(lambda: all(len(x.peers.up_peers()) == 3 for x in nodes), 30, "mesh")
         async with emulated_routed_services(
             nodes,
             model=model,
@@ -324,7 +317,11 @@ async def detect_kind(kind: str, max_requests: int) -> dict[str, Any]:
             for liar in (liar1, liar2):
                 make_adversary(liar, kind, rate=1 / 20)
             ids = [s.node.peer_id for s in services]
-            await wait_until(lambda: all(origin.views.get(p, origin.model_id) for p in ids[1:]), 30)
+            await wait_until(
+                lambda: all(origin.views.get(p, origin.model_id) for p in ids[1:]),
+                30,
+                "the origin's views of every peer",
+            )
             served = 0
             for n_liar, liar in enumerate((liar1, liar2)):
                 if n_liar == 1:  # the liar comes back under a new key

@@ -52,6 +52,7 @@ from p2pnode.overlay.net.node import OverlayConfig, open_overlay_node
 from p2pnode.overlay.serve.forward import ForwardConfig
 from p2pnode.overlay.serve.service import RoutedService
 from p2pnode.testing.localcluster import emulated_routed_services, forge_liar
+from p2pnode.testing.waiting import wait_until
 
 RESULTS = Path(__file__).resolve().parent / "results" / "trust.json"
 PREFILL_S = 1 / 430
@@ -73,13 +74,6 @@ def tenant_prompt(tenant: int, question: int) -> list[int]:
     return [prefix.randrange(3, 49152) for _ in range(PREFIX_TOKENS)] + [
         suffix.randrange(3, 49152) for _ in range(QUESTION_TOKENS)
     ]
-
-
-async def wait_until(predicate: Any, limit_s: float, what: str) -> None:
-    with trio.fail_after(limit_s):
-        while not predicate():  # noqa: ASYNC110 - views have no event to wait on
-            await trio.sleep(0.05)
-    log.debug("ready: %s", what)
 
 
 @contextlib.asynccontextmanager

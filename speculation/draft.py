@@ -17,7 +17,7 @@ Contract:
 - ``load_draft(folder=None)`` builds the default draft once under ``models.cache_dir()`` and then
   loads it: the int4 weights are repacked into torch's CPU int4 kernel layout and executed by
   ``torch.ops.aten._weight_int4pack_mm_for_cpu`` (a private op: torch is pinned and
-  tests/speculation/test_speculation.py keeps a test on it). Decode steps run the streaming kernels of ``inference/_cpu/kernels.py`` (see ``load_draft``).
+  tests/speculation/test_draft.py keeps a test on it). Decode steps run the streaming kernels of ``inference/_cpu/kernels.py`` (see ``load_draft``).
 - Group size: SmolLM2's hidden size is 576 = 4.5 x 128, so group 128 cannot tile its q/k/v/gate/up
   inputs; 64 is the largest size the kernel accepts that divides every input width. Group 32 is
   avoided on purpose: the GGUF weights are already 4-bit in blocks of 32, so a group-32 draft

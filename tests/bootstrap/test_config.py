@@ -114,7 +114,15 @@ def test_a_gossip_degree_outside_2_to_12_is_refused_with_the_reason():
 
 
 def test_setting_flags_keep_no_default_of_their_own():
+    defaults = {
+        (command, p.name): p.default
+        for command in NODE_COMMANDS
+        for p in cli.main.commands[command].params
+        if isinstance(p, click.Option) and p.name in SETTINGS and not p.multiple
+    }
+    # The flags this rule is about are there, in both commands, so the check cannot pass empty.
     for command in NODE_COMMANDS:
-        for p in cli.main.commands[command].params:
-            if isinstance(p, click.Option) and p.name in SETTINGS and not p.multiple:
-                assert p.default is None, (command, p.name)
+        checked = {name for c, name in defaults if c == command}
+        assert {"api_port", "ping_timeout", "connect_timeout", "log_level"} <= checked, command
+    assert {"gossip_budget", "max_batch", "model"} <= {n for c, n in defaults if c == "join"}
+    assert {k: v for k, v in defaults.items() if v is not None} == {}

@@ -187,6 +187,21 @@ async def test_a_private_request_never_crosses_the_wire_nor_enters_a_digest(load
         private = block_hashes(prompt, a.salt)[full // BLOCK_SIZE :]
         assert private and a.engine.cached_prefix_len(prompt) >= len(prompt) - BLOCK_SIZE
         assert not {fingerprint(h) for h in private} & a.builder.fingerprints
-        await trio.sleep(1.0)  # a few anti-entropy rounds
+        # Gossip from A after the private requests: a public prefix A uses twice from now on
+        # must reach B's view of A; that view must still lack every private block.
+        public = a.engine.encode_chat([{"role": "system", "content": "You list birds. " * 40}])
+        for _ in range(2):
+            await a.engine.generate(public, {"max_tokens": 1})
+            a._note_use(public)
+        public_full = len(public) // BLOCK_SIZE * BLOCK_SIZE
+        public_hashes = block_hashes(public, a.salt)
+        await wait_until(
+            lambda: (
+                b.views.cached_prefix_tokens(a.node.peer_id, public_hashes, b.model_id)
+                >= public_full
+            ),
+            20,
+            "A's later public prefix in B's view",
+        )
         seen = b.views.get(a.node.peer_id, b.model_id)
-        assert seen is None or not {fingerprint(h) for h in private} & seen.fingerprints
+        assert seen is not None and not {fingerprint(h) for h in private} & seen.fingerprints

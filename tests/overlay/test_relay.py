@@ -35,6 +35,8 @@ from p2pnode.overlay.net.relay import circuit_addr, is_circuit_addr, open_relay
 from p2pnode.overlay.serve.forward import ForwardRequest, forward_request
 from p2pnode.speculation.client import target_generate
 
+from testkit import wait_until
+
 PROMPT = [1, 504, 3458, 282, 2821]
 # Unique per test process, so parallel runs and leftovers of a killed run do not collide.
 _TAG = os.getpid() % 200 + 20
@@ -126,14 +128,6 @@ def _peer_id_of(home: Path) -> str:
     return json.loads((home / "runtime.json").read_text())["peer_id"]
 
 
-async def _wait(predicate, limit_s: float, what: str, log: Path | None = None) -> None:
-    deadline = trio.current_time() + limit_s
-    while not predicate():
-        if trio.current_time() > deadline:
-            raise AssertionError(f"{what} within {limit_s} s\n{_tail(log)}")
-        await trio.sleep(0.2)
-
-
 @pytest.mark.slow
 async def test_node_without_inbound_route_is_reached_through_relay(nat_namespace, tmp_path, loaded):
     relay_key, public_key = NodeKey.generate(), NodeKey.generate()
@@ -151,7 +145,13 @@ async def test_node_without_inbound_route_is_reached_through_relay(nat_namespace
             local_relay_addr = next(a for a in relay_node.addrs if "/127.0.0.1/" in a)
             proc, home = _start_nat_node(tmp_path, relay_addr)
             # B starts: imports, the model (~2 s once converted), libp2p; slow on 2 busy cores
-            await _wait(lambda: (home / "runtime.json").exists(), 90, "B wrote no runtime", log)
+            await wait_until(
+                lambda: (home / "runtime.json").exists(),
+                90,
+                "B writes its runtime.json",
+                step_s=0.2,
+                detail=lambda: _tail(log),
+            )
             nat_id = _peer_id_of(home)
             async with (
                 open_overlay_node(
@@ -166,7 +166,13 @@ async def test_node_without_inbound_route_is_reached_through_relay(nat_namespace
                 # 2. A knows only B's peer id (as from gossip): the overlay's open_stream looks
                 #    B up, the direct dial fails, the dial falls back to B's circuit address
                 #    (from B's signed node record) and the stream runs over the relay
-                await _wait(lambda: bool(_reserved(relay_service, nat_id)), 30, "no slot", log)
+                await wait_until(
+                    lambda: bool(_reserved(relay_service, nat_id)),
+                    30,
+                    "B holds a slot on the relay",
+                    step_s=0.2,
+                    detail=lambda: _tail(log),
+                )
                 await _first_echo(public, nat_id, log)
                 conns = public.host.get_network().get_connections(_id(nat_id))
                 addrs = [str(a) for c in conns for a in c.get_transport_addresses()]
@@ -179,7 +185,13 @@ async def test_node_without_inbound_route_is_reached_through_relay(nat_namespace
                 assert record is not None
                 assert circuit_addr(relay_addr, nat_id) in record.addrs, record.addrs
                 # 5. A's liveness pings run over the relay too
-                await _wait(lambda: _rtt(public, nat_id) is not None, 10, "no ping RTT", log)
+                await wait_until(
+                    lambda: _rtt(public, nat_id) is not None,
+                    10,
+                    "a ping RTT to B",
+                    step_s=0.2,
+                    detail=lambda: _tail(log),
+                )
                 # 6. inference over the relay: B serves a forwarded request with the real model,
                 #    token for token the target's greedy output
                 ref = target_generate(loaded, PROMPT, 4)

@@ -20,21 +20,14 @@ from pathlib import Path
 import httpx
 import pytest
 
+from testkit import wait_until_blocking
+
 P2PNODE = [sys.executable, "-m", "p2pnode.bootstrap.cli"]
 DETECTION_LIMIT_S = 5.0
 
 
 def _peer_states(api: str) -> dict[str, str]:
     return {p["peer_id"]: p["state"] for p in httpx.get(api + "/peers", timeout=2.0).json()}
-
-
-def _wait_until(predicate, timeout: float, what: str) -> float:
-    started = time.monotonic()
-    while time.monotonic() - started < timeout:
-        if predicate():
-            return time.monotonic() - started
-        time.sleep(0.1)
-    raise AssertionError(f"{what}: not within {timeout} s")
 
 
 @pytest.mark.slow
@@ -60,7 +53,9 @@ def test_join_discover_and_detect_kill_and_hang(tmp_path: Path, node_processes) 
                     return False
             return True
 
-        _wait_until(everyone_sees_everyone, 30.0, "3 joined nodes seeing each other as up")
+        wait_until_blocking(
+            everyone_sees_everyone, 30.0, "3 joined nodes seeing each other as up", step_s=0.1
+        )
 
         (killed, _), (hung, _) = joiners[0], joiners[1]
         killed.send_signal(signal.SIGKILL)
@@ -72,7 +67,9 @@ def test_join_discover_and_detect_kill_and_hang(tmp_path: Path, node_processes) 
             # "down" exactly: a merely "suspect" peer would still be tried by the router.
             return all(states.get(pid) == "down" for pid in ids[:2])
 
-        seconds = _wait_until(both_down, DETECTION_LIMIT_S, "killed and hung peers marked down")
+        seconds = wait_until_blocking(
+            both_down, DETECTION_LIMIT_S, "killed and hung peers marked down", step_s=0.1
+        )
         print(f"killed + hung peers marked down after {seconds:.2f} s")
         assert _peer_states(boot_info["api"]).get(ids[2]) == "up", "the survivor must stay up"
     finally:

@@ -13,8 +13,6 @@ namespace and process is removed at the end, also on failure.
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import trio
 
@@ -24,6 +22,8 @@ from p2pnode.inference.models import load_model
 from p2pnode.overlay.routing.router import RouterConfig, placement_key, rendezvous_rank
 from p2pnode.testnet.netns.namespaces import Testbed, require_netns
 from p2pnode.testnet.netns.swarm import NetnsSwarm
+
+from testkit import wait_until_blocking
 
 HOSTS = {
     "boot": "public",
@@ -62,14 +62,6 @@ def testbed():
         pytest.skip(reason)
     with Testbed(HOSTS) as bed:
         yield bed
-
-
-def _wait(predicate, limit_s: float, what: str, logs: str = "") -> None:
-    deadline = time.monotonic() + limit_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} within {limit_s} s\n{logs}")
-        time.sleep(0.5)
 
 
 def _view_of(swarm: NetnsSwarm, host: str, peer_id: str) -> dict:
@@ -125,21 +117,23 @@ def test_default_flags_across_nats_form_one_swarm_and_route_to_the_prefix(testbe
         assert not any("/0.0.0.0/" in a for a in status["addrs"]), (host, status["addrs"])
         assert any(f"/{testbed.ip(host)}/" in a for a in status["addrs"]), status["addrs"]
     for host in ("boot", "pub1", "pub2"):
-        _wait(
+        wait_until_blocking(
             lambda h=host: swarm.status(h)["reachability"]["verdict"] == "public",
             30,
             f"{host} public",
-            logs(),
+            step_s=0.5,
+            detail=logs,
         )
     for host in ("nat1", "nat2", "natr"):
-        _wait(
+        wait_until_blocking(
             lambda h=host: (
                 swarm.status(h)["reachability"]["verdict"] == "private"
                 and len(swarm.status(h)["relay"]["circuit_addrs"]) >= 1
             ),
             30,
             f"{host} private with a relay slot",
-            logs(),
+            step_s=0.5,
+            detail=logs,
         )
 
     # How each node reaches each other one: public pairs direct, pairs of NAT'd nodes relayed.
@@ -170,7 +164,9 @@ def test_default_flags_across_nats_form_one_swarm_and_route_to_the_prefix(testbe
         return view.get("blocks", 0) >= 10 and _rtt(swarm, entry, ids[holder]) is not None
 
     try:
-        _wait(entry_sees_the_prefix, 60, f"{entry} sees {holder}'s cached prefix")
+        wait_until_blocking(
+            entry_sees_the_prefix, 60, f"{entry} sees {holder}'s cached prefix", step_s=0.5
+        )
     except AssertionError as exc:
         view, rtt = _view_of(swarm, entry, ids[holder]), _rtt(swarm, entry, ids[holder])
         raise AssertionError(f"{exc}: view {view}, rtt {rtt}\n{logs()}") from None
@@ -186,7 +182,13 @@ def test_default_flags_across_nats_form_one_swarm_and_route_to_the_prefix(testbe
             probation = swarm.status(entry)["routing"]["probation"]
             return ids[holder] not in probation["on_probation"]
 
-        _wait(holder_trusted, 120, f"{entry} trusting {holder} after its challenges", logs())
+        wait_until_blocking(
+            holder_trusted,
+            120,
+            f"{entry} trusting {holder} after its challenges",
+            step_s=0.5,
+            detail=logs,
+        )
         # The entry now holds that prompt itself. A second system prompt, used twice on the
         # holder (it then advertises it), is what the entry lacks and the holder has.
         body = {"messages": _messages2(variant), "max_tokens": NEW_TOKENS, "temperature": 0}
@@ -207,11 +209,12 @@ def test_default_flags_across_nats_form_one_swarm_and_route_to_the_prefix(testbe
             view = _view_of(swarm, entry, ids[holder])
             return view.get("blocks", 0) >= blocks_before + 40 and view.get("queue_depth") == 0
 
-        _wait(
+        wait_until_blocking(
             entry_sees_the_idle_holder,
             60,
-            f"{entry} sees {holder}'s second prefix: {_view_of(swarm, entry, ids[holder])}",
-            logs(),
+            f"{entry} sees {holder}'s second prefix",
+            step_s=0.5,
+            detail=lambda: f"{_view_of(swarm, entry, ids[holder])}\n{logs()}",
         )
         headers, reply = swarm.request(entry, "/v1/chat/completions", body)
     assert headers["x-p2pnode-served-by"] == ids[holder], (headers, reply.get("p2pnode"))
