@@ -35,7 +35,7 @@ import os
 import random
 import statistics
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +50,7 @@ from p2pnode.overlay.net.node import OverlayConfig, open_overlay_node
 from p2pnode.overlay.serve.forward import ForwardConfig
 from p2pnode.overlay.trust.audit import AuditConfig
 from p2pnode.testing.localcluster import emulated_routed_services
+from p2pnode.testing.waiting import wait_until
 from p2pnode.testnet.adversary.trial import make_adversary
 
 RESULTS = Path(__file__).resolve().parent / "results" / "trust_policy.json"
@@ -59,15 +60,6 @@ AE_CONFIG = AntiEntropyConfig(interval_s=0.2, pull_min_interval_s=0.3)
 FORWARD_CONFIG = ForwardConfig(accept_slack_s=20, first_token_slack_s=30, idle_min_s=20)
 
 logging.getLogger("libp2p").setLevel(logging.CRITICAL)
-
-
-async def wait_until(predicate: Callable[[], object], limit_s: float, what: str) -> None:
-    try:
-        with trio.fail_after(limit_s):
-            while not predicate():  # noqa: ASYNC110 - views have no event to wait on
-                await trio.sleep(0.05)
-    except trio.TooSlowError:
-        raise RuntimeError(f"not within {limit_s} s: {what}") from None
 
 
 @contextlib.asynccontextmanager
