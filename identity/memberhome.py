@@ -111,10 +111,11 @@ class MemberHome:
 class GrantLedger:
     """Uses of the invites this node redeemed, persisted in ``home/invite_uses``."""
 
-    def __init__(self, home: Path) -> None:
-        self._path = Path(home) / USES_FILE
+    def __init__(self, home: Path | None) -> None:
+        # No home (tests, in-memory nodes): counted for this run only.
+        self._path = Path(home) / USES_FILE if home is not None else None
         self._uses: dict[bytes, list[str]] = {}
-        data = _read(self._path, 1 << 24)
+        data = _read(self._path, 1 << 24) if self._path is not None else None
         if data is not None:
             try:
                 loaded = plaincbor.decode(data)
@@ -138,6 +139,8 @@ class GrantLedger:
         if nonce not in self._uses and len(self._uses) >= MAX_GRANTS:
             return False
         self._uses[nonce] = [*peers, peer_id]
+        if self._path is None:
+            return True
         self._path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         _write(self._path, plaincbor.encode(self._uses))
         return True
