@@ -124,6 +124,9 @@ class NodeSettings:
     # ("" = the invite's network, else "main")
     network: str = ""
     invite: str = ""
+    # `p2pnode bootstrap --open`: no network key, anyone with an address may join (the
+    # default makes a closed network: members only, by invite; identity/membership.py).
+    open: bool = False
     # HTTP API bearer token (also P2PNODE_API_KEY); a non-loopback api_host needs one unless
     # api_insecure. Never printed or logged.
     api_key: str = ""
@@ -140,6 +143,18 @@ class NodeSettings:
     # "emulated" (see backend). Empty: take backend, the older name of this setting.
     engine: str = ""
 
+    def _take_invite_from_bootstrap(self) -> None:
+        """``--bootstrap`` takes a multiaddr or an invite string (closed networks)."""
+        from p2pnode.bootstrap.invite import INVITE_PREFIX
+
+        invites = [a for a in self.bootstrap if a.strip().startswith(INVITE_PREFIX)]
+        if not invites:
+            return
+        if len(invites) > 1 or (self.invite and self.invite.strip() != invites[0].strip()):
+            raise ConfigError("give one invite (with --bootstrap or --invite), not several")
+        self.invite = invites[0].strip()
+        self.bootstrap = [a for a in self.bootstrap if a not in invites]
+
     def validate(self) -> NodeSettings:
         bad_roles = set(self.role) - ROLES
         if bad_roles:
@@ -148,6 +163,7 @@ class NodeSettings:
             raise ConfigError("listen: give at least one multiaddr, e.g. /ip4/0.0.0.0/tcp/4101")
         for addr in self.listen:
             _check_multiaddr(addr, "listen", need_peer_id=False)
+        self._take_invite_from_bootstrap()
         for addr in self.bootstrap:
             _check_multiaddr(addr, "bootstrap", need_peer_id=True)
         for addr in self.relay:

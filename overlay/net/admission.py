@@ -55,6 +55,8 @@ logger = logging.getLogger(__name__)
 # Starts `fn(*args)` in the background; False when there is no nursery to start it in.
 Spawn = Callable[..., bool]
 MAX_REFUSAL_LEN = 256
+# How a refusal by the other side starts in ``refused`` (dialing.py words the join's error).
+REFUSED_US = "it refused this node: "
 
 
 class Admission:
@@ -190,7 +192,7 @@ class Admission:
                 self._spawn(self._drop, peer)
         else:
             if theirs.refused:
-                reason = f"it refused this node: {theirs.refused}"
+                reason = REFUSED_US + theirs.refused
                 logger.error("peer %s refused this node: %s", pid, theirs.refused)
                 self._refuse(peer, reason, quiet=True)
             else:

@@ -46,6 +46,7 @@ __all__ = [
     "MAX_HELLO_REVOCATIONS",
     "Hello",
     "NetworkMismatch",
+    "NotAMember",
     "answer_hello",
     "check_network_id",
     "mismatch",
@@ -69,6 +70,12 @@ class NetworkMismatch(OverlayError):
     """A peer belongs to another network or speaks another protocol version."""
 
     reason = "network_mismatch"
+
+
+class NotAMember(NetworkMismatch):
+    """A closed network's peer refused this node: no valid membership of it."""
+
+    reason = "not_a_member"
 
 
 def check_network_id(network: str) -> str:

@@ -1,0 +1,85 @@
+"""A closed network across real ``p2pnode`` processes: ``bootstrap`` (closed by default),
+``invite``, ``join --bootstrap INVITE``, refusals in one clear line, and ``revoke``."""
+
+from __future__ import annotations
+
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+import trio
+
+from testkit import wait_until
+
+P2PNODE = [sys.executable, "-m", "p2pnode.bootstrap.cli"]
+JOIN = ["join", "--model", "none", "--api-port", "0", "--listen", "/ip4/127.0.0.1/tcp/0"]
+
+
+def _cli(args: list[str], timeout: float = 60.0) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [*P2PNODE, *args], capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL
+    )
+
+
+def _status(api: str) -> dict:
+    return httpx.get(api + "/status", timeout=2.0).json()
+
+
+def _error_line(out: subprocess.CompletedProcess) -> str:
+    """The one line a refused join ends with (click's ``Error: ...``)."""
+    assert out.returncode != 0, out.stdout
+    assert "Traceback" not in out.stderr, out.stderr
+    return out.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.slow
+async def test_invite_join_refusals_and_revoke(tmp_path: Path, node_processes) -> None:
+    boot_home = tmp_path / "boot"
+    boot = node_processes.spawn(["bootstrap"], boot_home)
+    boot_info = node_processes.runtime(boot_home, boot)
+    assert boot_info["closed"] is True
+    assert stat.S_IMODE((boot_home / "network_key").stat().st_mode) == 0o600
+
+    invite = _cli(["invite", "--home", str(boot_home), "--uses", "1"])
+    assert invite.returncode == 0, invite.stderr
+    text = invite.stdout.strip()
+    member_home = tmp_path / "member"
+    member = node_processes.spawn(["join", "--model", "none", "--bootstrap", text], member_home)
+    member_info = node_processes.runtime(member_home, member)
+    assert member_info["closed"] is True and (member_home / "membership").exists()
+    await wait_until(
+        lambda: (
+            member_info["peer_id"]
+            in {p["peer_id"] for p in _status(boot_info["api"])["peers"] if p["state"] == "up"}
+        ),
+        20,
+        "the bootstrap sees the member up",
+    )
+
+    # The invite's one use is spent: another joiner is told so, in one line.
+    spent = _cli([*JOIN, "--bootstrap", text, "--home", str(tmp_path / "second")])
+    assert "uses are spent" in _error_line(spent), spent.stderr
+    # An expired invite is refused before anything is dialed.
+    expired = _cli(["invite", "--home", str(boot_home), "--expires", "1s"])
+    await trio.sleep(1.2)  # an invite's expiry is wall-clock time: no condition to wait on
+    late = _cli([*JOIN, "--bootstrap", expired.stdout.strip(), "--home", str(tmp_path / "late")])
+    assert "invite has expired" in _error_line(late), late.stderr
+    # A damaged invite, and a plain address without a membership.
+    damaged = _cli([*JOIN, "--bootstrap", text[:-12], "--home", str(tmp_path / "damaged")])
+    assert "damaged" in _error_line(damaged) or "cut short" in _error_line(damaged)
+    stranger = _cli(
+        [*JOIN, "--bootstrap", boot_info["addrs"][0], "--home", str(tmp_path / "stranger")]
+    )
+    assert "no membership of this closed network" in _error_line(stranger), stranger.stderr
+
+    revoked = _cli(["revoke", "--home", str(boot_home), member_info["peer_id"]])
+    assert revoked.returncode == 0, revoked.stderr
+    await wait_until(
+        lambda: member_info["peer_id"] in _status(boot_info["api"])["refused"],
+        10,
+        "the bootstrap refuses the revoked member",
+    )
+    assert (boot_home / "revocations").exists()
