@@ -448,7 +448,6 @@ def join(config_file: Path | None, **flags: Any) -> None:
 @_relay_options[3]
 @click.option(
     "--open",
-    "open_",
     is_flag=True,
     default=None,
     help="An open network: anyone with an address may join (default: closed, by invite only).",
@@ -461,7 +460,6 @@ def run_bootstrap(config_file: Path | None, **flags: Any) -> None:
     Closed by default: the node creates the network key in its home and members join only
     with `p2pnode invite` strings; --open lets anyone with an address join.
     """
-    flags["open"] = flags.pop("open_")
     settings = _load_settings(config_file, model="none", role=("bootstrap",), **flags)
     _run(settings)
 

@@ -191,7 +191,7 @@ class Admission:
             if self.members.closed and not self.members.admitted(pid):
                 self._spawn(self._drop, peer)
         else:
-            if theirs.refused:
+            if theirs.refused and mismatch(self.hello, theirs) is None:
                 reason = REFUSED_US + theirs.refused
                 logger.error("peer %s refused this node: %s", pid, theirs.refused)
                 self._refuse(peer, reason, quiet=True)

@@ -103,6 +103,19 @@ class Hello:
     refused: str | None = bounded_field(default=None, max_len=256)
 
 
+# Fields older releases do not know (their reader refuses unknown fields): sent only when set,
+# so an open network's hello reads the same to them.
+_CLOSED_FIELDS = ("member", "revocations", "refused")
+
+
+def _to_wire(hello: Hello) -> dict[str, object]:
+    obj = to_wire(hello)
+    for name in _CLOSED_FIELDS:
+        if not obj.get(name):
+            obj.pop(name, None)
+    return obj
+
+
 def mismatch(ours: Hello, theirs: Hello) -> str | None:
     if theirs.network != ours.network:
         return f"it belongs to network {theirs.network!r}, this node to {ours.network!r}"
@@ -115,7 +128,7 @@ async def say_hello(open_stream: Callable[[], Awaitable[Stream]], ours: Hello) -
     stream = await open_stream()
     try:
         with trio.fail_after(HELLO_TIMEOUT_S):
-            await write_frame(stream, to_wire(ours), limit=HELLO_LIMIT)
+            await write_frame(stream, _to_wire(ours), limit=HELLO_LIMIT)
             obj = await read_frame(stream, limit=HELLO_ANSWER_LIMIT)
         if obj is None:
             raise OverlayError("the peer closed the hello stream without answering")
@@ -137,5 +150,5 @@ async def answer_hello(
         theirs = from_wire(obj, Hello)
         reply = answer(theirs) if answer is not None else ours
         reply = dataclasses.replace(reply, peers=reply.peers[:MAX_REFERRALS])
-        await write_frame(stream, to_wire(reply), limit=HELLO_ANSWER_LIMIT)
+        await write_frame(stream, _to_wire(reply), limit=HELLO_ANSWER_LIMIT)
     return theirs

@@ -18,7 +18,7 @@ Contract:
 - Revocations: ``learn(raw) -> Revocation | None`` verifies one and applies it (new ones
   only: the peer leaves the members, ``on_revoked(pid)`` callbacks run, the home file is
   rewritten); ``revocation_raws(limit)`` the newest ones, for hellos and redemptions.
-  Revocations are loaded from the home at start.
+  Revocations are loaded from the home at start. ``status()``: plain data for the node's.
 """
 
 from __future__ import annotations
@@ -181,6 +181,19 @@ class Members:
             return
         for callback in self.on_revoked:
             callback(peer_id)
+
+    def status(self) -> dict[str, object]:
+        """Plain data for the node's status: open or closed, and who we know of."""
+        if self.config is None:
+            return {"closed": False}
+        now = time.time()
+        return {
+            "closed": True,
+            "network_key": self.config.network_id,
+            "may_issue": self.config.issuer is not None,
+            "members_known": sum(1 for c in self._members.values() if c.expires > now),
+            "revoked": sorted(self._revocations),
+        }
 
     def revocation_raws(self, limit: int) -> tuple[bytes, ...]:
         newest = sorted(self._revocations.values(), key=lambda r: r.issued, reverse=True)

@@ -325,6 +325,7 @@ class OverlayNode:
                 for entry in self.peers.snapshot()
             ],
             "refused": dict(self.refused),
+            "membership": self.membership.status(),
             "dht": {
                 "routing_table": kad.get_routing_table_size(),
                 "values": kad.get_value_store_size(),

@@ -203,3 +203,51 @@ async def test_a_revoked_member_is_refused_by_every_member_within_10_s(tmp_path)
         assert all(not n.membership.is_member(victim.peer_id) for n in nodes[:-1])
         # Persisted: a restarted member still refuses it.
         assert MemberHome(homes[1]).revocations() == [rev.raw]
+
+
+async def test_an_admin_member_invites_and_revokes(tmp_path):
+    """Chain depth 1: an admin member (not holding the network key) signs grants, the
+    memberships they buy and revocations; the network key holder accepts all three."""
+    admin_key = key(7)
+    admin_cred = issue_membership(Issuer(NET), admin_key.peer_id, admin=True, now=time.time())
+    as_admin = Issuer(admin_key, admin_cred)
+    admin_net = ClosedNetwork(NET.public_key, admin_cred.raw, issuer=as_admin, home=tmp_path / "a")
+    async with AsyncExitStack() as stack:
+        holder = await stack.enter_async_context(
+            open_overlay_node(config(key(1), closed(key(1), tmp_path / "h", admin=True)))
+        )
+        admin = await stack.enter_async_context(
+            open_overlay_node(config(admin_key, admin_net, holder.addrs))
+        )
+        grant = issue_grant(as_admin, admin.peer_id, max_uses=2, now=time.time())
+        redeemed = await redeem_invite(key(8), grant.raw, admin.addrs, NET.public_key)
+        joined = ClosedNetwork(NET.public_key, redeemed.membership)
+        joiner = await stack.enter_async_context(
+            open_overlay_node(config(key(8), joined, holder.addrs))
+        )
+        await wait_until(
+            lambda: (
+                holder.membership.is_member(joiner.peer_id)
+                and joiner.membership.is_member(holder.peer_id)
+            ),
+            10,
+            "the holder admits a member an admin made",
+        )
+        # An admin cannot make admins.
+        admin_grant = issue_grant(as_admin, admin.peer_id, admin=True, now=time.time())
+        with pytest.raises(RedemptionFailed, match="cannot make admins"):
+            await redeem_invite(key(9), admin_grant.raw, admin.addrs, NET.public_key)
+        rev = issue_revocation(as_admin, joiner.peer_id, now=time.time())
+        MemberHome(tmp_path / "a").post_revocation(rev.raw)
+        await wait_until(
+            lambda: joiner.peer_id in holder.refused and not connected(holder, joiner.peer_id),
+            10,
+            "the holder applies the admin's revocation",
+        )
+
+
+async def test_an_open_network_has_no_members_and_no_gate():
+    async with open_overlay_node(config(key(1), None)) as node:
+        assert isinstance(node.membership, Membership)
+        assert not node.membership.closed and not node.membership.is_member(key(2).peer_id)
+        assert node.status()["membership"] == {"closed": False}
