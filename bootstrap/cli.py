@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ from p2pnode.bootstrap.config import (
     ENGINES,
     LOG_LEVELS,
     RELAY_HOP_MODES,
+    BadInvite,
     ConfigError,
     NodeSettings,
     default_home,
@@ -81,6 +83,8 @@ def _given(**flags: Any) -> dict[str, Any]:
 def _load_settings(config_file: Path | None, **flags: Any) -> NodeSettings:
     try:
         return settings_from(_given(**flags), config_file)
+    except BadInvite as exc:
+        raise click.ClickException(str(exc)) from None
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from None
 
@@ -218,7 +222,7 @@ def revoke(home: Path | None, peer: str) -> None:
     home_path, running = _running(home)
     if not running.get("closed"):
         raise click.ClickException("this node's network is open: there is nothing to revoke")
-    if not peer.startswith(("12D3KooW", "Qm")) or not 40 <= len(peer) <= 64:
+    if not re.fullmatch(r"[1-9A-HJ-NP-Za-km-z]{40,64}", peer):  # base58btc
         raise click.BadParameter(f"{peer!r} is not a peer id (`p2pnode peers` lists them)")
     issuer, why = issuer_in(home_path)
     if issuer is None:

@@ -40,6 +40,13 @@ class ConfigError(P2PNodeError, ValueError):
     reason = "bad_config"
 
 
+class BadInvite(ConfigError):
+    """The invite cannot be used (damaged, expired, another version): not a usage mistake,
+    so the CLI says it in one line without the usage hint."""
+
+    reason = "unusable_invite"
+
+
 def default_home() -> Path:
     return Path.home() / ".p2pnode"
 
@@ -178,7 +185,7 @@ class NodeSettings:
             try:
                 invite = parse_invite(self.invite)
             except InviteError as exc:
-                raise ConfigError(f"invite: {exc}") from None
+                raise BadInvite(f"invite: {exc}") from None
             if self.network not in ("", invite.network):
                 raise ConfigError(
                     f"network {self.network!r} contradicts the invite, which is for network "

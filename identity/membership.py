@@ -94,26 +94,38 @@ class MembershipError(IdentityError):
 
 
 class MalformedCredential(MembershipError):
+    """Not a well-formed credential, grant or revocation (size, CBOR, fields, bounds)."""
+
     reason = "malformed_credential"
 
 
 class CredentialExpired(MembershipError):
+    """Past its expiry."""
+
     reason = "credential_expired"
 
 
 class WrongNetwork(MembershipError):
+    """Signed for another network, or by a key that is not the network's."""
+
     reason = "wrong_network"
 
 
 class WrongMember(MembershipError):
+    """Names another peer than the one presenting it."""
+
     reason = "wrong_member"
 
 
 class BadCredentialSignature(MembershipError, BadSignature):
-    reason = "bad_signature"
+    """The signature does not verify, or the signer may not sign it."""
+
+    reason = "bad_credential_signature"
 
 
 class RevokedCredential(MembershipError):
+    """The member, or the admin who signed it, has been revoked."""
+
     reason = "revoked"
 
 

@@ -75,6 +75,23 @@ async def test_invite_join_refusals_and_revoke(tmp_path: Path, node_processes) -
     )
     assert "no membership of this closed network" in _error_line(stranger), stranger.stderr
 
+    # Restarted with a plain address, the member reuses the membership in its home.
+    member.terminate()
+    member.wait(timeout=15)
+    member = node_processes.spawn(
+        ["join", "--model", "none", "--bootstrap", boot_info["addrs"][0]], member_home
+    )
+    member_info = node_processes.runtime(member_home, member)
+    assert member_info["closed"] is True
+    await wait_until(
+        lambda: (
+            boot_info["peer_id"]
+            in {p["peer_id"] for p in _status(member_info["api"])["peers"] if p["state"] == "up"}
+        ),
+        20,
+        "the restarted member is back in",
+    )
+
     revoked = _cli(["revoke", "--home", str(boot_home), member_info["peer_id"]])
     assert revoked.returncode == 0, revoked.stderr
     await wait_until(

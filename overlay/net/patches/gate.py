@@ -38,6 +38,8 @@ from libp2p.network.exceptions import SwarmException
 from libp2p.peer.id import ID
 from libp2p.protocol_muxer.multiselect_communicator import MultiselectCommunicator
 
+from p2pnode.overlay._errors import OverlayError
+
 __all__ = ["GateClosed", "GatePolicy", "install_gate"]
 
 logger = logging.getLogger(__name__)
@@ -45,8 +47,10 @@ logger = logging.getLogger(__name__)
 RESET_TIMEOUT_S = 2.0
 
 
-class GateClosed(SwarmException):
+class GateClosed(OverlayError, SwarmException):
     """The peer has no verified membership of this closed network."""
+
+    reason = "gate_closed"
 
 
 class GatePolicy(Protocol):
