@@ -13,7 +13,10 @@ import trio
 from libp2p.custom_types import TProtocol
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import info_from_p2p_addr
+from libp2p.pubsub.gossipsub import PROTOCOL_ID_V11, PROTOCOL_ID_V12, GossipSub
+from libp2p.pubsub.pubsub import Pubsub
 from libp2p.relay.circuit_v2.protocol import PROTOCOL_ID as HOP_PROTOCOL
+from libp2p.tools.anyio_service import background_trio_service
 
 from p2pnode.identity import NodeKey
 from p2pnode.identity.memberhome import MemberHome
@@ -141,6 +144,47 @@ async def test_a_stranger_gets_no_dht_answer_no_gossip_no_relay_slot(monkeypatch
         assert not admin.membership.is_member(key(4).peer_id)
 
 
+async def test_a_strangers_gossip_never_arrives():
+    """A stranger that skips the hello and speaks gossipsub itself: nothing it publishes
+    reaches a member, and it never hears the member's messages."""
+    async with AsyncExitStack() as stack:
+        admin = await stack.enter_async_context(
+            open_overlay_node(config(key(1), closed(key(1), admin=True)))
+        )
+        host = make_host(key(4), ["/ip4/127.0.0.1/tcp/0"])
+        gossip = GossipSub(
+            protocols=[PROTOCOL_ID_V12, PROTOCOL_ID_V11],
+            degree=2,
+            degree_low=1,
+            degree_high=4,
+            heartbeat_interval=0.2,  # type: ignore[arg-type]
+            heartbeat_initial_delay=0.1,
+        )
+        pubsub = Pubsub(host, gossip, strict_signing=True)
+        await stack.enter_async_context(
+            host.run(listen_addrs=[parse_multiaddr("/ip4/127.0.0.1/tcp/0")])
+        )
+        await stack.enter_async_context(background_trio_service(pubsub))
+        await stack.enter_async_context(background_trio_service(gossip))
+        theirs = await pubsub.subscribe(TOPIC)
+        ours = await admin.pubsub.subscribe(TOPIC)
+        await host.connect(info_from_p2p_addr(parse_multiaddr(admin.addrs[0])))
+        member_heard: list[bytes] = []
+        stranger_heard: list[bytes] = []
+        with trio.move_on_after(2):
+            while True:
+                await pubsub.publish(TOPIC, b"from a stranger")
+                await admin.pubsub.publish(TOPIC, b"members only")
+                with trio.move_on_after(0.1):
+                    member_heard.append((await ours.get()).data)
+                with trio.move_on_after(0.1):
+                    stranger_heard.append((await theirs.get()).data)
+        # Each hears its own messages (local delivery), never the other's.
+        assert b"members only" in member_heard and b"from a stranger" not in member_heard
+        assert b"from a stranger" in stranger_heard and b"members only" not in stranger_heard
+        assert ID.from_base58(key(4).peer_id) not in admin.pubsub.peers
+
+
 async def test_invite_redeemed_once_per_use_then_joins(tmp_path):
     admin_home = tmp_path / "admin"
     async with open_overlay_node(config(key(1), closed(key(1), admin_home, admin=True))) as admin:
@@ -203,6 +247,12 @@ async def test_a_revoked_member_is_refused_by_every_member_within_10_s(tmp_path)
         assert all(not n.membership.is_member(victim.peer_id) for n in nodes[:-1])
         # Persisted: a restarted member still refuses it.
         assert MemberHome(homes[1]).revocations() == [rev.raw]
+        # It stays refused: dialing back in gets it closed again.
+        with trio.move_on_after(3):
+            await victim.connect(admin.addrs[0])
+        await wait_until(
+            lambda: not connected(admin, victim.peer_id), 5, "the revoked peer stays out"
+        )
 
 
 async def test_an_admin_member_invites_and_revokes(tmp_path):
