@@ -24,7 +24,7 @@ from p2pnode.identity.membership import Issuer, issue_grant, issue_membership, i
 from p2pnode.overlay import OverlayConfig, make_host, open_overlay_node, parse_multiaddr
 from p2pnode.overlay.net import members as members_module
 from p2pnode.overlay.net.hello import NetworkMismatch
-from p2pnode.overlay.net.liveness import PING_PROTOCOL
+from p2pnode.overlay.net.liveness import PING_LENGTH, PING_PROTOCOL
 from p2pnode.overlay.net.members import ClosedNetwork
 from p2pnode.overlay.net.redemption import RedemptionFailed, redeem_invite
 from p2pnode.overlay.net.relay import open_relay
@@ -301,3 +301,39 @@ async def test_an_open_network_has_no_members_and_no_gate():
         assert isinstance(node.membership, Membership)
         assert not node.membership.closed and not node.membership.is_member(key(2).peer_id)
         assert node.status()["membership"] == {"closed": False}
+
+
+async def test_members_meet_through_a_members_relay_a_stranger_gets_no_slot():
+    r_key, b_key, a_key, s_key = key(1), key(2), key(3), key(4)
+    async with AsyncExitStack() as stack:
+        r = await stack.enter_async_context(
+            open_overlay_node(config(r_key, closed(r_key, admin=True)))
+        )
+        relay = await stack.enter_async_context(open_relay(r, hop=True))
+        b = await stack.enter_async_context(
+            open_overlay_node(config(b_key, closed(b_key), r.addrs))
+        )
+        b_relay = await stack.enter_async_context(open_relay(b, relays=r.addrs))
+        a = await stack.enter_async_context(open_overlay_node(config(a_key, closed(a_key))))
+        a_relay = await stack.enter_async_context(open_relay(a))
+        with trio.fail_after(20):
+            await b_relay.wait_reserved()
+        assert await a_relay.dial(b_relay.circuit_addrs[0]) == b.peer_id
+        await wait_until(
+            lambda: a.membership.is_member(b.peer_id) and b.membership.is_member(a.peer_id),
+            10,
+            "members admit each other over the circuit",
+        )
+        stream = await a.open_stream(b.peer_id, PING_PROTOCOL, timeout=10)
+        await stream.write(bytes(PING_LENGTH))
+        with trio.fail_after(10):
+            assert await stream.read(PING_LENGTH)
+        # A stranger (an open node) asking the same relay for a slot gets none.
+        stranger = await stack.enter_async_context(
+            open_overlay_node(OverlayConfig(key=s_key, connect_timeout=2.0))
+        )
+        with pytest.raises(Exception):  # noqa: B017  # refused at the hello, or no reservation
+            async with open_relay(stranger, relays=r.addrs) as s_relay:
+                with trio.fail_after(5):
+                    await s_relay.wait_reserved()
+        assert not relay.protocol.resource_manager.has_reservation(ID.from_base58(s_key.peer_id))
