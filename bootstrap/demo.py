@@ -149,7 +149,10 @@ def run_demo(*, nodes: int = 3, subjects: int = 3, per_subject: int = 4, seed: i
                 _wait_runtime(node, 180)
             formed = _wait_mesh(serving, 60)
         names = {n.info["peer_id"]: n.name for n in serving}
-        console.print(f"overlay formed: every node sees the others {formed:.1f} s after start-up")
+        console.print(
+            f"overlay formed: every node sees the others {formed:.1f} s after start-up "
+            "(a closed network: each joined with the bootstrap's invite)"
+        )
         rows = _send_workload(serving, workload, rng, names)
         summary = _summarize(rows, serving)
         return summary

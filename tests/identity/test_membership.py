@@ -6,6 +6,8 @@ from __future__ import annotations
 import stat
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from p2pnode.errors import P2PNodeError
 from p2pnode.identity import NodeKey, plaincbor
@@ -25,7 +27,9 @@ from p2pnode.identity.membership import (
     issue_revocation,
     load_network_key,
     load_or_create_network_key,
+    parse_grant,
     parse_membership,
+    parse_revocation,
     verify_grant,
     verify_membership,
     verify_revocation,
@@ -148,3 +152,24 @@ def test_member_home_keeps_membership_revocations_and_inbox(tmp_path):
     assert MemberHome(tmp_path).revocations() == [b"r1", b"r2"]
     home.post_revocation(b"posted")
     assert home.take_posted() == [b"posted"] and home.take_posted() == []
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=600))
+def test_random_bytes_are_a_clear_error_never_a_crash(data):
+    for parse in (parse_membership, parse_grant, parse_revocation):
+        with pytest.raises(MembershipError):
+            parse(data)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(min_value=0, max_value=400), st.integers(min_value=0, max_value=255))
+def test_one_flipped_byte_never_verifies(position, value):
+    cred = issue_membership(Issuer(NET), ALICE.peer_id, now=NOW)
+    raw = bytearray(cred.raw)
+    i = position % len(raw)
+    if raw[i] == value:
+        return
+    raw[i] = value
+    with pytest.raises(MembershipError):
+        verify_membership(bytes(raw), NET.public_key, ALICE.peer_id, NOW)
