@@ -120,10 +120,11 @@ class Admission:
         def answer(theirs: Hello) -> Hello:
             reason = self._judge(pid, theirs)
             verdict.append(reason)
-            ours = self._ours()
             if reason is not None:
-                return dataclasses.replace(ours, refused=reason[:MAX_REFUSAL_LEN])
-            return dataclasses.replace(ours, peers=self._give(pid))
+                # A refused peer learns why and nothing else: no membership, revocations or
+                # referrals of ours.
+                return dataclasses.replace(self.hello, refused=reason[:MAX_REFUSAL_LEN])
+            return dataclasses.replace(self._ours(), peers=self._give(pid))
 
         try:
             await answer_hello(stream, self._ours(), answer)

@@ -23,7 +23,8 @@ from p2pnode.identity.memberhome import MemberHome
 from p2pnode.identity.membership import Issuer, issue_grant, issue_membership, issue_revocation
 from p2pnode.overlay import OverlayConfig, make_host, open_overlay_node, parse_multiaddr
 from p2pnode.overlay.net import members as members_module
-from p2pnode.overlay.net.hello import NetworkMismatch
+from p2pnode.overlay.net.config import VERSION
+from p2pnode.overlay.net.hello import HELLO_PROTOCOL, Hello, NetworkMismatch, say_hello
 from p2pnode.overlay.net.liveness import PING_LENGTH, PING_PROTOCOL
 from p2pnode.overlay.net.members import ClosedNetwork
 from p2pnode.overlay.net.redemption import RedemptionFailed, redeem_invite
@@ -337,3 +338,30 @@ async def test_members_meet_through_a_members_relay_a_stranger_gets_no_slot():
                 with trio.fail_after(5):
                     await s_relay.wait_reserved()
         assert not relay.protocol.resource_manager.has_reservation(ID.from_base58(s_key.peer_id))
+
+
+async def test_a_refused_hello_answer_tells_why_and_nothing_else(tmp_path):
+    async with AsyncExitStack() as stack:
+        admin = await stack.enter_async_context(
+            open_overlay_node(config(key(1), closed(key(1), tmp_path, admin=True)))
+        )
+        member = await stack.enter_async_context(
+            open_overlay_node(config(key(2), closed(key(2)), admin.addrs))
+        )
+        rev = issue_revocation(Issuer(NET), key(9).peer_id, now=time.time())
+        MemberHome(tmp_path).post_revocation(rev.raw)
+        await wait_until(lambda: key(9).peer_id in admin.membership.revoked, 5, "revoked")
+        await wait_until(lambda: admin.membership.is_member(member.peer_id), 10, "member in")
+        host = make_host(key(4), ["/ip4/127.0.0.1/tcp/0"])
+        await stack.enter_async_context(
+            host.run(listen_addrs=[parse_multiaddr("/ip4/127.0.0.1/tcp/0")])
+        )
+        info = info_from_p2p_addr(parse_multiaddr(admin.addrs[0]))
+        await host.connect(info)
+        theirs = await say_hello(
+            lambda: host.new_stream(info.peer_id, [TProtocol(HELLO_PROTOCOL)]),
+            Hello(network="main", version=VERSION),
+        )
+        assert theirs.refused == "it has no membership of this closed network"
+        assert theirs.member is None and theirs.revocations == () and theirs.peers == ()
+        await wait_until(lambda: key(4).peer_id in admin.refused, 5, "the stranger refused")
