@@ -148,8 +148,7 @@ class Admission:
         reason = mismatch(self.hello, theirs)
         if reason is not None or not self.members.closed:
             return reason
-        for raw in theirs.revocations:
-            self.members.learn(raw)
+        self.members.learn_all(theirs.revocations)
         return self.members.check(pid, theirs.member)
 
     async def _expect_hello(self, peer: ID) -> None:

@@ -15,7 +15,8 @@ Contract:
   (why a peer's credential is refused, or None: it is then a member), ``admitted(pid)``,
   ``settle(pid)`` (the verdict is in, admitted or not: wakes ``wait_verdict``),
   ``wait_verdict(pid) -> bool`` (bounded by ``VERDICT_TIMEOUT_S``).
-- Revocations: ``learn(raw) -> Revocation | None`` verifies one and applies it (new ones
+- Revocations: ``learn_all(raws)`` (oldest first, whatever the order given) and
+  ``learn(raw) -> Revocation | None`` verifies one and applies it (new ones
   only: the peer leaves the members, ``on_revoked(pid)`` callbacks run, the home file is
   rewritten); ``revocation_raws(limit)`` the newest ones, for hellos and redemptions.
   Revocations are loaded from the home at start. ``status()``: plain data for the node's.
@@ -25,7 +26,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,6 +39,7 @@ from p2pnode.identity.membership import (
     MembershipError,
     Revocation,
     network_id_of,
+    parse_revocation,
     verify_membership,
     verify_revocation,
 )
@@ -82,8 +84,7 @@ class Members:
         self.on_revoked: list[Callable[[str], None]] = []
         self._home = MemberHome(closed.home) if closed and closed.home else None
         if closed is not None and self._home is not None:
-            for raw in self._home.revocations():
-                self.learn(raw, persist=False)
+            self.learn_all(self._home.revocations(), persist=False)
 
     @property
     def closed(self) -> bool:
@@ -145,6 +146,18 @@ class Members:
         return self.admitted(peer_id)
 
     # -- revocations ----------------------------------------------------------------------
+
+    def learn_all(self, raws: Iterable[bytes], *, persist: bool = True) -> None:
+        """Learn several, oldest first: an admin's revocations made before it was itself
+        revoked stay valid, whatever order they arrive in."""
+        parsed = []
+        for raw in raws:
+            try:
+                parsed.append((parse_revocation(raw).issued, raw))
+            except MembershipError:
+                continue
+        for _issued, raw in sorted(parsed, key=lambda item: item[0]):
+            self.learn(raw, persist=persist)
 
     def learn(self, raw: bytes, *, persist: bool = True) -> Revocation | None:
         """Verify and apply one revocation; None when it is invalid or known already."""
