@@ -203,6 +203,13 @@ def invite(home: Path | None, admin: bool, uses: int | None, expires: str) -> No
                 issuer, running["peer_id"], admin=admin, max_uses=uses, ttl=ttl, now=time.time()
             )
             text = make_invite(network, VERSION, addrs, network_key=issuer.network, grant=grant.raw)
+            uses_text = f"{uses} joiner(s)" if uses is not None else "any number of joiners"
+            role = "admins" if admin else "members"
+            click.echo(
+                f"invite to the closed network for {uses_text} as {role}, valid {expires}: "
+                "whoever holds it can join, so send it privately",
+                err=True,
+            )
     except (InviteError, MembershipError) as exc:
         raise click.ClickException(str(exc)) from None
     click.echo(text)
