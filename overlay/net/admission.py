@@ -22,7 +22,8 @@ Contract:
   why in the answer's ``refused``, so a joiner refused for lack of membership says so); a
   peer refusing us is kept in ``refused`` too. A connection whose peer sent no hello within
   ``VERDICT_TIMEOUT_S``, or whose hello failed, is closed (not refused: it may come back with
-  one). A revoked peer is refused and its connection closed (``Members.on_revoked``).
+  one). A revoked peer is refused and its connection closed (``Members.on_revoked``), and so
+  is a member whose membership expires while connected (``refuse_expired``, each second).
 """
 
 from __future__ import annotations
@@ -150,6 +151,11 @@ class Admission:
             return reason
         self.members.learn_all(theirs.revocations)
         return self.members.check(pid, theirs.member)
+
+    def refuse_expired(self) -> None:
+        """Refuse (and disconnect) the members whose membership has run out."""
+        for pid in self.members.expired():
+            self._refuse(ID.from_base58(pid), "its membership has expired")
 
     async def _expect_hello(self, peer: ID) -> None:
         """Closed network, a connection we did not dial: no hello with a membership in time

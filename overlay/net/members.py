@@ -14,7 +14,8 @@ Contract:
   verified, or ourselves; always False in an open network), ``check(pid, raw) -> str | None``
   (why a peer's credential is refused, or None: it is then a member), ``admitted(pid)``,
   ``settle(pid)`` (the verdict is in, admitted or not: wakes ``wait_verdict``),
-  ``wait_verdict(pid) -> bool`` (bounded by ``VERDICT_TIMEOUT_S``).
+  ``wait_verdict(pid) -> bool`` (bounded by ``VERDICT_TIMEOUT_S``); ``expired()``: the
+  members whose membership ran out since (the node closes their connections each second).
 - Revocations: ``learn_all(raws)`` (oldest first, whatever the order given) and
   ``learn(raw) -> Revocation | None`` verifies one and applies it (new ones
   only: the peer leaves the members, ``on_revoked(pid)`` callbacks run, the home file is
@@ -125,6 +126,14 @@ class Members:
         self._members.pop(peer_id, None)
         self._denied.add(peer_id)
         self.settle(peer_id)
+
+    def expired(self) -> list[str]:
+        """Members whose membership has expired since we admitted them (dropped from ours)."""
+        now = time.time()
+        gone = [pid for pid, cred in self._members.items() if cred.expires <= now]
+        for pid in gone:
+            del self._members[pid]
+        return gone
 
     def settle(self, peer_id: str) -> None:
         """The verdict on ``peer_id`` is in (either way): release whoever waits for it."""

@@ -415,6 +415,7 @@ class OverlayNode:
             for pid in self.peers.prune():
                 self.discovery.forget(pid)
                 logger.info("forgot peer %s (down longer than the grace period)", pid)
+            self.admission.refuse_expired()
             if trio.current_time() - last_publish >= self.config.record_refresh:
                 await self.publish_record()
                 last_publish = trio.current_time()

@@ -80,3 +80,14 @@ def test_revocations_apply_persist_and_take_an_admins_members_along(tmp_path):
 def test_an_open_network_has_no_members():
     m = Members(None, US.peer_id)
     assert not m.closed and not m.is_member(US.peer_id) and m.status() == {"closed": False}
+
+
+def test_expired_members_are_reported_once(monkeypatch):
+    m = members()
+    short = issue_membership(Issuer(NET), BOB.peer_id, ttl=60, now=time.time())
+    assert m.check(BOB.peer_id, short.raw) is None
+    assert m.expired() == []
+    later = time.time() + 61
+    monkeypatch.setattr(time, "time", lambda: later)
+    assert m.expired() == [BOB.peer_id] and m.expired() == []
+    assert not m.is_member(BOB.peer_id)

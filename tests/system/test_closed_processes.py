@@ -6,11 +6,15 @@ from __future__ import annotations
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
 import pytest
-import trio
+
+from p2pnode.bootstrap.invite import make_invite
+from p2pnode.identity.membership import Issuer, issue_grant, load_network_key
+from p2pnode.overlay.net.config import VERSION
 
 from testkit import wait_until
 
@@ -63,9 +67,14 @@ async def test_invite_join_refusals_and_revoke(tmp_path: Path, node_processes) -
     spent = _cli([*JOIN, "--bootstrap", text, "--home", str(tmp_path / "second")])
     assert "uses are spent" in _error_line(spent), spent.stderr
     # An expired invite is refused before anything is dialed.
-    expired = _cli(["invite", "--home", str(boot_home), "--expires", "1s"])
-    await trio.sleep(1.2)  # an invite's expiry is wall-clock time: no condition to wait on
-    late = _cli([*JOIN, "--bootstrap", expired.stdout.strip(), "--home", str(tmp_path / "late")])
+    # (made here with the bootstrap's key, as `invite --expires` would have, a minute ago)
+    grant = issue_grant(
+        Issuer(load_network_key(boot_home)), boot_info["peer_id"], ttl=1, now=time.time() - 60
+    )
+    expired = make_invite(
+        "main", VERSION, boot_info["addrs"], network_key=grant.network, grant=grant.raw
+    )
+    late = _cli([*JOIN, "--bootstrap", expired, "--home", str(tmp_path / "late")])
     assert "invite has expired" in _error_line(late), late.stderr
     # A damaged invite, and a plain address without a membership.
     damaged = _cli([*JOIN, "--bootstrap", text[:-12], "--home", str(tmp_path / "damaged")])
