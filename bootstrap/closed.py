@@ -3,9 +3,11 @@ membership) or open. And who in a home may issue invites and revocations.
 
 Contract:
 - ``await closed_network(settings, key) -> ClosedNetwork | None``:
-  - a ``bootstrap`` node without ``--open`` holds the network key (created in its home, mode
-    0600, on first start) and signs itself an admin membership at each start;
-  - a home that holds the network key (a bootstrap restarted with ``join``) does the same;
+  - a home that holds the network key signs itself an admin membership at each start; a
+    ``bootstrap`` node without ``--open`` and without an invite creates that key first (mode
+    0600) and so starts a new closed network;
+  - a ``bootstrap`` given an invite (``--bootstrap INVITE``, best an ``--admin`` one, so it can
+    invite too) joins that network instead, like ``join``;
   - a closed invite (``--invite`` or ``--bootstrap``): the membership saved in the home is
     reused when it is valid for the invite's network, else the grant is redeemed at the
     inviting node and the membership (and the revocations it sent) saved in the home;
@@ -53,12 +55,13 @@ async def closed_network(settings: NodeSettings, key: NodeKey):
     from p2pnode.overlay.net.members import ClosedNetwork
 
     home = settings.home
-    if "bootstrap" in settings.role and not settings.open:
-        network_key = load_or_create_network_key(home)
-        log.info("closed network %s: members join by invite", _short(network_key.public_key))
-        return _as_holder(home, key, network_key)
+    if settings.open and "bootstrap" in settings.role:
+        return None
     network_key = load_network_key(home)
-    if network_key is not None and not settings.open:
+    if network_key is None and "bootstrap" in settings.role and not settings.invite:
+        network_key = load_or_create_network_key(home)
+    if network_key is not None:
+        log.info("closed network %s: members join by invite", _short(network_key.public_key))
         return _as_holder(home, key, network_key)
     store = MemberHome(home)
     raw = store.membership

@@ -109,3 +109,36 @@ async def test_invite_join_refusals_and_revoke(tmp_path: Path, node_processes) -
         "the bootstrap refuses the revoked member",
     )
     assert (boot_home / "revocations").exists()
+
+
+@pytest.mark.slow
+async def test_a_second_bootstrap_joins_as_admin_and_invites(
+    tmp_path: Path, node_processes
+) -> None:
+    first_home, second_home, member_home = tmp_path / "b1", tmp_path / "b2", tmp_path / "m"
+    first = node_processes.spawn(["bootstrap"], first_home)
+    first_info = node_processes.runtime(first_home, first)
+    admin_invite = _cli(["invite", "--home", str(first_home), "--admin", "--uses", "1"])
+    assert admin_invite.returncode == 0, admin_invite.stderr
+    second = node_processes.spawn(
+        ["bootstrap", "--bootstrap", admin_invite.stdout.strip()], second_home
+    )
+    second_info = node_processes.runtime(second_home, second)
+    assert second_info["closed"] and not (second_home / "network_key").exists()
+    # The admin member invites; its joiner is a member for the first bootstrap too.
+    invite = _cli(["invite", "--home", str(second_home)])
+    assert invite.returncode == 0, invite.stderr
+    no_admins = _cli(["invite", "--home", str(second_home), "--admin"])
+    assert "cannot make admins" in _error_line(no_admins)
+    member = node_processes.spawn(
+        ["join", "--model", "none", "--bootstrap", invite.stdout.strip()], member_home
+    )
+    member_info = node_processes.runtime(member_home, member)
+    await wait_until(
+        lambda: (
+            member_info["peer_id"]
+            in {p["peer_id"] for p in _status(first_info["api"])["peers"] if p["state"] == "up"}
+        ),
+        20,
+        "the first bootstrap admits the member the admin invited",
+    )
