@@ -364,6 +364,7 @@ class OverlayNode:
         if peer in self.host.get_connected_peers():
             return  # another connection to this peer is still open
         self.liveness.forget(peer)
+        self.membership.settle(peer.to_base58())  # whoever waits for its hello stops waiting
         self.connmgr.note_disconnected(peer.to_base58())
         self.peers.mark_down(peer.to_base58(), "connection closed")
         if not self.connmgr.may_redial(len(self.host.get_connected_peers())):
