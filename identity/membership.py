@@ -30,6 +30,7 @@ from __future__ import annotations
 import math
 import os
 import secrets
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -408,7 +409,7 @@ def _check_signer(
     parent: Membership | None,
     network_pub: bytes,
     now: float,
-    revoked: frozenset[str] | set[str],
+    revoked: Collection[str],
 ) -> None:
     """The signature is the network key's, or an admin member's whose own membership (signed by
     the network key) is valid and not revoked."""
@@ -438,7 +439,7 @@ def _check_membership(
     network_pub: bytes,
     peer_id: str,
     now: float,
-    revoked: frozenset[str] | set[str],
+    revoked: Collection[str],
 ) -> None:
     if cred.network != network_pub:
         raise WrongNetwork(
@@ -461,7 +462,7 @@ def verify_membership(
     network_pub: bytes,
     peer_id: str,
     now: float,
-    revoked: frozenset[str] | set[str] = frozenset(),
+    revoked: Collection[str] = frozenset(),
 ) -> Membership:
     """``cred`` parsed, if it makes ``peer_id`` a member of ``network_pub`` at ``now``; else a
     ``MembershipError`` saying why (see module contract)."""
@@ -475,7 +476,7 @@ def verify_grant(
     grant: Grant | bytes,
     network_pub: bytes,
     now: float,
-    revoked: frozenset[str] | set[str] = frozenset(),
+    revoked: Collection[str] = frozenset(),
 ) -> Grant:
     if not isinstance(grant, Grant):
         grant = parse_grant(grant)
@@ -493,7 +494,7 @@ def verify_revocation(
     rev: Revocation | bytes,
     network_pub: bytes,
     now: float,
-    revoked: frozenset[str] | set[str] = frozenset(),
+    revoked: Collection[str] = frozenset(),
 ) -> Revocation:
     if not isinstance(rev, Revocation):
         rev = parse_revocation(rev)
