@@ -169,7 +169,7 @@ def main() -> None:
     load_at_start = os.getloadavg()[0]
     zygote = None if args.no_fork else Zygote.start(dict(os.environ))
     try:
-        procs.append(spawn(["bootstrap"], root / "boot", zygote))
+        procs.append(spawn(["bootstrap", "--open"], root / "boot", zygote))
         boot = runtime(root / "boot", time.monotonic() + 60, procs[0])
         launched = time.monotonic()
         deadline = launched + args.timeout

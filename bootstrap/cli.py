@@ -2,6 +2,7 @@
 
 p2pnode id         print this node's peer id and the multiaddrs others can dial
 p2pnode invite     print a string others join this node's network with
+p2pnode revoke     revoke a member of a closed network (admins)
 p2pnode join       join an overlay through one or more bootstrap peers and serve a model
 p2pnode bootstrap  run a discovery-only node others can join through
 p2pnode peers      what the running node sees (peer table)
@@ -15,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -27,6 +29,7 @@ from p2pnode.bootstrap.config import (
     ENGINES,
     LOG_LEVELS,
     RELAY_HOP_MODES,
+    BadInvite,
     ConfigError,
     NodeSettings,
     default_home,
@@ -80,6 +83,8 @@ def _given(**flags: Any) -> dict[str, Any]:
 def _load_settings(config_file: Path | None, **flags: Any) -> NodeSettings:
     try:
         return settings_from(_given(**flags), config_file)
+    except BadInvite as exc:
+        raise click.ClickException(str(exc)) from None
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from None
 
@@ -135,25 +140,108 @@ def show_id(home: Path | None, config_file: Path | None) -> None:
         click.echo(f"reachability (dial-backs by peers): {running['reachability']}")
 
 
-@main.command()
-@_home_option
-def invite(home: Path | None) -> None:
-    """Print an invite of the running node's network (`p2pnode join --invite STRING`)."""
-    from p2pnode.bootstrap.invite import InviteError, make_invite
-    from p2pnode.overlay.net.node import VERSION
+_DURATION_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 
+
+def _duration(text: str) -> float:
+    """Seconds in "90", "30m", "12h" or "7d"."""
+    text = text.strip().lower()
+    unit = _DURATION_UNITS.get(text[-1:])
+    number = text[:-1] if unit is not None else text
+    try:
+        seconds = float(number) * (unit or 1.0)
+    except ValueError:
+        raise click.BadParameter(f"{text!r}: use seconds, or a number with s, m, h or d") from None
+    if not 0 < seconds <= 366 * 86400:
+        raise click.BadParameter(f"{text!r}: between 1 s and 366 days")
+    return seconds
+
+
+def _running(home: Path | None) -> tuple[Path, dict[str, Any]]:
     settings = _load_settings(None, home=home)
     running = read_runtime(settings.home)
     if running is None:
         raise click.ClickException(
             f"no node is running with home {settings.home}: start one first "
-            "(`p2pnode bootstrap` or `p2pnode join`), then ask it for an invite"
+            "(`p2pnode bootstrap` or `p2pnode join`), then run this again"
         )
+    return settings.home, running
+
+
+@main.command()
+@_home_option
+@click.option("--admin", is_flag=True, help="Closed networks: the joiner may invite and revoke.")
+@click.option("--uses", type=click.IntRange(1, 1_000_000), default=None, help="Joiners it admits.")
+@click.option("--expires", default="7d", show_default=True, help="Lifetime: 90s, 30m, 12h, 7d.")
+def invite(home: Path | None, admin: bool, uses: int | None, expires: str) -> None:
+    """Print an invite of the running node's network (`p2pnode join --bootstrap STRING`)."""
+    import time
+
+    from p2pnode.bootstrap.closed import issuer_in
+    from p2pnode.bootstrap.invite import InviteError, make_invite
+    from p2pnode.identity.membership import MembershipError, issue_grant
+    from p2pnode.overlay.net.node import VERSION
+
+    ttl = _duration(expires)
+    home_path, running = _running(home)
+    network = running.get("network", "main")
+    addrs = list(running["addrs"])
     try:
-        text = make_invite(running.get("network", "main"), VERSION, list(running["addrs"]))
-    except InviteError as exc:
+        if not running.get("closed"):
+            if admin or uses is not None:
+                raise click.UsageError("--admin and --uses are for closed networks only")
+            text = make_invite(network, VERSION, addrs)
+        else:
+            issuer, why = issuer_in(home_path)
+            if issuer is None:
+                raise click.ClickException(f"this node cannot issue invites: {why}")
+            if admin and issuer.admin is not None:
+                raise click.ClickException(
+                    "an admin member cannot make admins; ask the network key holder"
+                )
+            grant = issue_grant(
+                issuer, running["peer_id"], admin=admin, max_uses=uses, ttl=ttl, now=time.time()
+            )
+            text = make_invite(network, VERSION, addrs, network_key=issuer.network, grant=grant.raw)
+            uses_text = f"{uses} joiner(s)" if uses is not None else "any number of joiners"
+            role = "admins" if admin else "members"
+            click.echo(
+                f"invite to the closed network for {uses_text} as {role}, valid {expires}: "
+                "whoever holds it can join, so send it privately",
+                err=True,
+            )
+    except (InviteError, MembershipError) as exc:
         raise click.ClickException(str(exc)) from None
     click.echo(text)
+
+
+@main.command()
+@_home_option
+@click.argument("peer")
+def revoke(home: Path | None, peer: str) -> None:
+    """Revoke PEER (a peer id) from the running node's closed network, for every member."""
+    import time
+
+    from p2pnode.bootstrap.closed import issuer_in
+    from p2pnode.identity.memberhome import MemberHome
+    from p2pnode.identity.membership import MembershipError, issue_revocation
+
+    home_path, running = _running(home)
+    if not running.get("closed"):
+        raise click.ClickException("this node's network is open: there is nothing to revoke")
+    if not re.fullmatch(r"[1-9A-HJ-NP-Za-km-z]{40,64}", peer):  # base58btc
+        raise click.BadParameter(f"{peer!r} is not a peer id (`p2pnode peers` lists them)")
+    issuer, why = issuer_in(home_path)
+    if issuer is None:
+        raise click.ClickException(f"this node cannot revoke: {why}")
+    if peer == running["peer_id"]:
+        raise click.ClickException("a node cannot revoke itself")
+    try:
+        rev = issue_revocation(issuer, peer, now=time.time())
+    except MembershipError as exc:
+        raise click.ClickException(str(exc)) from None
+    MemberHome(home_path).post_revocation(rev.raw)  # the node applies and gossips it
+    click.echo(f"revoked {peer}: the running node gossips it to every member")
 
 
 # Flags both `join` and `bootstrap` take.
@@ -217,7 +305,9 @@ _api_access_options = [
 def _node_options(fn):
     options = [
         click.option(
-            "--bootstrap", multiple=True, help="Multiaddr of a peer to join through (repeatable)."
+            "--bootstrap",
+            multiple=True,
+            help="Multiaddr of a peer to join through (repeatable), or an invite string.",
         ),
         _listen_option,
         click.option(
@@ -303,7 +393,11 @@ def _node_options(fn):
             help="Route requests to the best peer (default), or serve everything locally.",
         ),
         *_relay_options,
-        click.option("--invite", default=None, help="Join with an invite (`p2pnode invite`)."),
+        click.option(
+            "--invite",
+            default=None,
+            help="Join with an invite (`p2pnode invite`; same as --bootstrap).",
+        ),
         _config_option,
         _home_option,
     ]
@@ -363,10 +457,20 @@ def join(config_file: Path | None, **flags: Any) -> None:
 @_relay_options[1]
 @_relay_options[2]
 @_relay_options[3]
+@click.option(
+    "--open",
+    is_flag=True,
+    default=None,
+    help="An open network: anyone with an address may join (default: closed, by invite only).",
+)
 @_config_option
 @_home_option
 def run_bootstrap(config_file: Path | None, **flags: Any) -> None:
-    """Run a discovery-only node (no model) that others join through."""
+    """Run a discovery-only node (no model) that others join through.
+
+    Closed by default: the node creates the network key in its home and members join only
+    with `p2pnode invite` strings; --open lets anyone with an address join.
+    """
     settings = _load_settings(config_file, model="none", role=("bootstrap",), **flags)
     _run(settings)
 

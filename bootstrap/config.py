@@ -40,6 +40,13 @@ class ConfigError(P2PNodeError, ValueError):
     reason = "bad_config"
 
 
+class BadInvite(ConfigError):
+    """The invite cannot be used (damaged, expired, another version): not a usage mistake,
+    so the CLI says it in one line without the usage hint."""
+
+    reason = "unusable_invite"
+
+
 def default_home() -> Path:
     return Path.home() / ".p2pnode"
 
@@ -124,6 +131,9 @@ class NodeSettings:
     # ("" = the invite's network, else "main")
     network: str = ""
     invite: str = ""
+    # `p2pnode bootstrap --open`: no network key, anyone with an address may join (the
+    # default makes a closed network: members only, by invite; identity/membership.py).
+    open: bool = False
     # HTTP API bearer token (also P2PNODE_API_KEY); a non-loopback api_host needs one unless
     # api_insecure. Never printed or logged.
     api_key: str = ""
@@ -140,6 +150,18 @@ class NodeSettings:
     # "emulated" (see backend). Empty: take backend, the older name of this setting.
     engine: str = ""
 
+    def _take_invite_from_bootstrap(self) -> None:
+        """``--bootstrap`` takes a multiaddr or an invite string (closed networks)."""
+        from p2pnode.bootstrap.invite import INVITE_PREFIX
+
+        invites = [a for a in self.bootstrap if a.strip().startswith(INVITE_PREFIX)]
+        if not invites:
+            return
+        if len(invites) > 1 or (self.invite and self.invite.strip() != invites[0].strip()):
+            raise ConfigError("give one invite (with --bootstrap or --invite), not several")
+        self.invite = invites[0].strip()
+        self.bootstrap = [a for a in self.bootstrap if a not in invites]
+
     def validate(self) -> NodeSettings:
         bad_roles = set(self.role) - ROLES
         if bad_roles:
@@ -148,6 +170,7 @@ class NodeSettings:
             raise ConfigError("listen: give at least one multiaddr, e.g. /ip4/0.0.0.0/tcp/4101")
         for addr in self.listen:
             _check_multiaddr(addr, "listen", need_peer_id=False)
+        self._take_invite_from_bootstrap()
         for addr in self.bootstrap:
             _check_multiaddr(addr, "bootstrap", need_peer_id=True)
         for addr in self.relay:
@@ -162,7 +185,7 @@ class NodeSettings:
             try:
                 invite = parse_invite(self.invite)
             except InviteError as exc:
-                raise ConfigError(f"invite: {exc}") from None
+                raise BadInvite(f"invite: {exc}") from None
             if self.network not in ("", invite.network):
                 raise ConfigError(
                     f"network {self.network!r} contradicts the invite, which is for network "

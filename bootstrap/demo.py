@@ -1,7 +1,7 @@
 """``p2pnode demo``: the main job on one machine.
 
 Starts a small local overlay as separate OS processes (one bootstrap, N serving nodes on the
-embedded default model), waits until every node sees every other, sends an MMLU 5-shot workload
+embedded default model, members of the bootstrap's closed network through one invite), waits until every node sees every other, sends an MMLU 5-shot workload
 to random nodes through their public HTTP API, and prints who served what, cache hits and
 latencies. Everything it starts is stopped and its temporary homes removed, also on Ctrl-C.
 """
@@ -55,6 +55,20 @@ def _spawn(name: str, root: Path, args: list[str], threads: int) -> LocalNode:
         start_new_session=True,  # Ctrl-C in the terminal reaches only us; we stop them in order
     )
     return LocalNode(name, home, proc)
+
+
+def _invite(boot: LocalNode, uses: int) -> str:
+    """An invite of the bootstrap's closed network for ``uses`` joiners."""
+    out = subprocess.run(
+        [sys.executable, "-m", "p2pnode.bootstrap.cli", "invite", "--home", str(boot.home)]
+        + ["--uses", str(uses), "--expires", "1h"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    if out.returncode != 0:
+        raise RuntimeError(f"the bootstrap gave no invite: {out.stderr.strip()}")
+    return out.stdout.strip()
 
 
 def _wait_runtime(node: LocalNode, timeout: float) -> None:
@@ -148,10 +162,11 @@ def _run_swarm(nodes: int, workload: list, entries: list[int], *, routing: bool)
         started.append(boot)
         _wait_runtime(boot, 60)
         flags = [] if routing else ["--no-routing"]
+        # A closed network, as `p2pnode bootstrap` makes by default: one invite, one use per
+        # node, redeemed by each at the bootstrap before it joins.
+        invite = _invite(boot, uses=nodes)
         serving = [
-            _spawn(
-                f"node{i}", root, ["join", "--bootstrap", boot.info["addrs"][0], *flags], threads
-            )
+            _spawn(f"node{i}", root, ["join", "--bootstrap", invite, *flags], threads)
             for i in range(nodes)
         ]
         started += serving
@@ -160,7 +175,10 @@ def _run_swarm(nodes: int, workload: list, entries: list[int], *, routing: bool)
                 _wait_runtime(node, 180)
             formed = _wait_mesh(serving, 60)
         names = {n.info["peer_id"]: n.name for n in serving}
-        console.print(f"overlay formed: every node sees the others {formed:.1f} s after start-up")
+        console.print(
+            f"overlay formed: every node sees the others {formed:.1f} s after start-up "
+            "(a closed network: each joined with the bootstrap's invite)"
+        )
         rows = _send_workload(serving, workload, [serving[i] for i in entries], names)
         return _summarize(rows, serving)
     finally:

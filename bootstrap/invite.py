@@ -3,9 +3,13 @@
 ``p2pnode invite`` on a running node prints ``make_invite(...)``; ``p2pnode join --invite S``
 reads it with ``parse_invite``. The string is ``p2pnode-invite-1.`` followed by unpadded
 base64url of a CBOR map: network id ``n``, protocol version ``v``, bootstrap multiaddrs ``b``
-(each ending in /p2p/<peer id>, the addresses the inviting node advertises). It carries no
-secret: anyone holding it can join, as with a bootstrap address. ``InviteError`` says what
-is wrong with a string (cut short, another protocol version, no address).
+(each ending in /p2p/<peer id>, the addresses the inviting node advertises). An open
+network's invite carries no secret: anyone holding it can join, as with a bootstrap address.
+A closed network's invite (``p2pnode bootstrap`` without ``--open``) adds the network's public
+key ``k`` and a signed grant ``g`` (identity/membership.py) that the inviting node trades for
+a membership once per joiner (overlay/net/redemption.py): keep it as secret as its uses.
+``InviteError`` says what is wrong with a string (cut short, another protocol version, no
+address, a grant that is expired or not signed for that network).
 """
 
 from __future__ import annotations
@@ -36,13 +40,29 @@ class Invite:
     network: str
     version: str
     bootstrap: tuple[str, ...]
+    network_key: bytes | None = None  # closed networks: the network's public key
+    grant: bytes | None = None  # closed networks: the signed grant to redeem
+
+    @property
+    def closed(self) -> bool:
+        return self.grant is not None
 
 
-def make_invite(network: str, version: str, bootstrap: list[str]) -> str:
+def make_invite(
+    network: str,
+    version: str,
+    bootstrap: list[str],
+    *,
+    network_key: bytes | None = None,
+    grant: bytes | None = None,
+) -> str:
     addrs = [a for a in bootstrap if "/p2p/" in a][:MAX_BOOTSTRAP]
     if not addrs:
         raise InviteError("no address to put in the invite (the node advertises none)")
-    body = cbor2.dumps({"n": network, "v": version, "b": addrs})
+    fields: dict[str, object] = {"n": network, "v": version, "b": addrs}
+    if grant is not None:
+        fields.update(k=network_key, g=grant)
+    body = cbor2.dumps(fields)
     return INVITE_PREFIX + base64.urlsafe_b64encode(body).decode().rstrip("=")
 
 
@@ -78,4 +98,29 @@ def parse_invite(text: str, *, expected_version: str | None = None) -> Invite:
             f"the invite is for protocol {version!r} but this node speaks {ours!r}: "
             "run the same p2pnode release as the network"
         )
-    return Invite(network=network, version=version, bootstrap=tuple(bootstrap))
+    network_key, grant = obj.get("k"), obj.get("g")
+    if grant is None:
+        return Invite(network=network, version=version, bootstrap=tuple(bootstrap))
+    return Invite(
+        network=network,
+        version=version,
+        bootstrap=tuple(bootstrap),
+        network_key=network_key,
+        grant=_checked_grant(network_key, grant),
+    )
+
+
+def _checked_grant(network_key: object, grant: object) -> bytes:
+    """The grant, if it is signed for ``network_key`` and not expired (checked here, so a
+    joiner learns at once, not from the inviting node)."""
+    import time
+
+    from p2pnode.identity.membership import MembershipError, verify_grant
+
+    if not isinstance(network_key, bytes) or not isinstance(grant, bytes):
+        raise InviteError("the invite is damaged (network key or grant); copy it again")
+    try:
+        verify_grant(grant, network_key, time.time())
+    except MembershipError as exc:
+        raise InviteError(str(exc)) from None
+    return grant

@@ -329,6 +329,9 @@ async def _run_locked(settings: NodeSettings, timeouts: dict[str, float], task_s
         api_nursery = await stack.enter_async_context(trio.open_nursery())
         stack.callback(api_nursery.cancel_scope.cancel)
         api = await api_nursery.start(serve_api, starting, settings.api_host, settings.api_port)
+        from p2pnode.bootstrap.closed import closed_network
+
+        closed = await closed_network(settings, key)
         engine = await _load_engine(settings, stack)
         config = OverlayConfig(
             key=key,
@@ -345,6 +348,7 @@ async def _run_locked(settings: NodeSettings, timeouts: dict[str, float], task_s
             records_budget=min(OverlayConfig.records_budget, settings.gossip_budget),
             conn_low=settings.min_connections if settings.max_connections else 0,
             conn_high=settings.max_connections,
+            closed=closed,
             **timeouts,
         )
         try:
@@ -407,6 +411,7 @@ async def _run_locked(settings: NodeSettings, timeouts: dict[str, float], task_s
                 "relay": relay.status(),
                 "reachability": reachability.status(),
                 "network": settings.network,
+                "closed": closed is not None,
                 "process": process_status(),
             }
 
@@ -454,6 +459,7 @@ async def _run_locked(settings: NodeSettings, timeouts: dict[str, float], task_s
                     "addrs": list(node.addrs),
                     "api": api,
                     "network": settings.network,
+                    "closed": closed is not None,  # `p2pnode invite` and `revoke` read it
                     "reachability": reachability.verdict,
                 }
 

@@ -1,4 +1,6 @@
-"""p2pnode.identity: node keys, peer ids, signed envelopes and node records.
+"""p2pnode.identity: node keys, peer ids, signed envelopes, node records, and the closed
+networks' credentials (membership.py: network key, memberships, invite grants, revocations;
+memberhome.py: what a member keeps in its home).
 
 Imports nothing else of p2pnode and not libp2p. Everything public is re-exported here:
 ``from p2pnode.identity import NodeKey, seal, open_envelope, ...``.
@@ -29,6 +31,21 @@ from p2pnode.identity.errors import (
     WrongSigner,
 )
 from p2pnode.identity.keys import NodeKey, peer_id_from_public_key, verify_signature
+from p2pnode.identity.membership import (
+    Grant,
+    Issuer,
+    Membership,
+    MembershipError,
+    Revocation,
+    issue_grant,
+    issue_membership,
+    issue_revocation,
+    load_network_key,
+    load_or_create_network_key,
+    verify_grant,
+    verify_membership,
+    verify_revocation,
+)
 from p2pnode.identity.records import (
     NODE_RECORD_KIND,
     NODE_RECORD_MAX_AGE,
@@ -42,6 +59,19 @@ from p2pnode.identity.records import (
 
 __all__ = [
     "BadSignature",
+    "Grant",
+    "Issuer",
+    "Membership",
+    "MembershipError",
+    "Revocation",
+    "issue_grant",
+    "issue_membership",
+    "issue_revocation",
+    "load_network_key",
+    "load_or_create_network_key",
+    "verify_grant",
+    "verify_membership",
+    "verify_revocation",
     "DEFAULT_MAX_AGE",
     "DEFAULT_MAX_SIZE",
     "EnvelopeTooLarge",

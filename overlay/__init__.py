@@ -15,7 +15,8 @@ all on the base below):
 - the base: the one wire format (wire.py), what the rooms need of a node (seams.py), per-peer
   budgets (limits.py), the peer table (peers.py), errors (_errors.py).
 
-Public face: `open_overlay_node`, `OverlayConfig`, `OverlayNode`, `PeerTable`, `PeerState`,
+Public face: `open_overlay_node`, `OverlayConfig`, `OverlayNode`, `ClosedNetwork` (a closed
+network's config: net/members.py), `PeerTable`, `PeerState`,
 `PeerEntry`, `OverlayDHT`, `NodeRecordValidator`, `record_key`, `model_key`, `make_host`,
 `parse_multiaddr`, `quiet_libp2p_logs`; errors: `OverlayError`, `BadMultiaddr`,
 `BootstrapFailed`, `PeerUnreachable`, `InvalidNodeRecord`; framing errors live in wire.py.
@@ -30,6 +31,7 @@ from p2pnode.overlay.net.dht import (
     record_key,
 )
 from p2pnode.overlay.net.host import make_host, parse_multiaddr, quiet_libp2p_logs
+from p2pnode.overlay.net.members import ClosedNetwork
 from p2pnode.overlay.net.node import (
     PING_PROTOCOL,
     VERSION,
@@ -45,6 +47,7 @@ __all__ = [
     "VERSION",
     "BadMultiaddr",
     "BootstrapFailed",
+    "ClosedNetwork",
     "InvalidNodeRecord",
     "NodeRecordValidator",
     "OverlayConfig",

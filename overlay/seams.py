@@ -18,6 +18,11 @@ Contract:
   end). Code that needs more of a stream (its ``muxed_conn`` for the remote peer id, ``reset``)
   takes an ``INetStream``. The frame codec (``wire.py``) also takes trio byte streams:
   ``FrameReader`` / ``FrameWriter``, so a test can hand it ``trio.testing.memory_stream_pair()``.
+- ``Membership``: who belongs to a closed network (``net/members.py``, the node's
+  ``membership``): ``closed`` (False in an open network, where ``is_member`` is always False)
+  and ``is_member(peer_id)`` (its signed membership was verified in the hello and is not
+  revoked; our own id counts). In a closed network every connected peer passed that check
+  before any other protocol ran, so the trust code may trust members from their first answer.
 """
 
 from __future__ import annotations
@@ -85,3 +90,13 @@ class OverlayHost(Protocol):
         *,
         timeout: float | None = None,  # noqa: ASYNC109  # the node's own limit when None
     ) -> INetStream: ...
+
+
+@runtime_checkable
+class Membership(Protocol):
+    """Who belongs to a closed network (see the module contract)."""
+
+    @property
+    def closed(self) -> bool: ...
+
+    def is_member(self, peer_id: str) -> bool: ...

@@ -17,10 +17,18 @@ Contract:
   ``take(addrs)``.
 - ``wait_hellos(peer_ids)`` waits for the hello of those peers still under way (the
   bootstrap's check that it joined the right overlay).
+- Closed networks (``members.py``, ``patches/gate.py``): hellos carry our membership and
+  revocations; a peer whose membership does not verify is refused like a mismatch (and told
+  why in the answer's ``refused``, so a joiner refused for lack of membership says so); a
+  peer refusing us is kept in ``refused`` too. A connection whose peer sent no hello within
+  ``VERDICT_TIMEOUT_S``, or whose hello failed, is closed (not refused: it may come back with
+  one). A revoked peer is refused and its connection closed (``Members.on_revoked``), and so
+  is a member whose membership expires while connected (``refuse_expired``, each second).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Iterable
 from contextlib import suppress
@@ -30,7 +38,15 @@ from libp2p.abc import IHost, INetConn, INetStream
 from libp2p.custom_types import TProtocol
 from libp2p.peer.id import ID
 
-from p2pnode.overlay.net.hello import HELLO_PROTOCOL, Hello, answer_hello, mismatch, say_hello
+from p2pnode.overlay.net.hello import (
+    HELLO_PROTOCOL,
+    MAX_HELLO_REVOCATIONS,
+    Hello,
+    answer_hello,
+    mismatch,
+    say_hello,
+)
+from p2pnode.overlay.net.members import Members
 from p2pnode.overlay.peers import PeerTable
 
 __all__ = ["Admission", "Spawn"]
@@ -39,16 +55,28 @@ logger = logging.getLogger(__name__)
 
 # Starts `fn(*args)` in the background; False when there is no nursery to start it in.
 Spawn = Callable[..., bool]
+MAX_REFUSAL_LEN = 256
+# How a refusal by the other side starts in ``refused`` (dialing.py words the join's error).
+REFUSED_US = "it refused this node: "
 
 
 class Admission:
     """The hello verdicts of one node (see the module contract)."""
 
-    def __init__(self, host: IHost, peers: PeerTable, hello: Hello, spawn: Spawn) -> None:
+    def __init__(
+        self,
+        host: IHost,
+        peers: PeerTable,
+        hello: Hello,
+        spawn: Spawn,
+        members: Members | None = None,
+    ) -> None:
         self._host = host
         self._peers = peers
         self.hello = hello
         self._spawn = spawn
+        self.members = members if members is not None else Members(None, "")
+        self.members.on_revoked.append(lambda pid: self._refuse(ID.from_base58(pid), "revoked"))
         self.refused: dict[str, str] = {}  # peer id -> why (another network or version)
         self._hello_done: dict[str, trio.Event] = {}
         self._give: Callable[[str], tuple[str, ...]] = lambda _asker: ()
@@ -70,8 +98,11 @@ class Admission:
         if pid in self.refused:
             self._spawn(self._drop, peer)
             return False
-        if _is_initiator(conn) and self._spawn(self._check_network, peer):
-            self._hello_done[pid] = trio.Event()
+        if _is_initiator(conn):
+            if self._spawn(self._check_network, peer):
+                self._hello_done[pid] = trio.Event()
+        elif self.members.closed:
+            self._spawn(self._expect_hello, peer)
         return True
 
     async def wait_hellos(self, peer_ids: Iterable[str]) -> None:
@@ -82,22 +113,68 @@ class Admission:
                 await event.wait()
 
     async def serve_hello(self, stream: INetStream) -> None:
-        """Listener side of the hello: answer, then refuse the peer on a mismatch."""
+        """Listener side of the hello: judge theirs, answer, refuse the peer on a verdict."""
         peer = stream.muxed_conn.peer_id
         pid = peer.to_base58()
-        theirs = await answer_hello(stream, self.hello, lambda: self._give(pid))
+        verdict: list[str | None] = []
+
+        def answer(theirs: Hello) -> Hello:
+            reason = self._judge(pid, theirs)
+            verdict.append(reason)
+            if reason is not None:
+                # A refused peer learns why and nothing else: no membership, revocations or
+                # referrals of ours.
+                return dataclasses.replace(self.hello, refused=reason[:MAX_REFUSAL_LEN])
+            return dataclasses.replace(self._ours(), peers=self._give(pid))
+
+        try:
+            await answer_hello(stream, self._ours(), answer)
+        finally:
+            if verdict and verdict[0] is not None:
+                self._refuse(peer, verdict[0])
+            self.members.settle(pid)
+
+    def _ours(self) -> Hello:
+        closed = self.members.config
+        if closed is None:
+            return self.hello
+        return dataclasses.replace(
+            self.hello,
+            member=closed.membership,
+            revocations=self.members.revocation_raws(MAX_HELLO_REVOCATIONS),
+        )
+
+    def _judge(self, pid: str, theirs: Hello) -> str | None:
+        """Why we refuse the peer that sent ``theirs``, or None."""
         reason = mismatch(self.hello, theirs)
-        if reason is not None:
-            self._refuse(peer, reason)
+        if reason is not None or not self.members.closed:
+            return reason
+        self.members.learn_all(theirs.revocations)
+        return self.members.check(pid, theirs.member)
+
+    def refuse_expired(self) -> None:
+        """Refuse (and disconnect) the members whose membership has run out."""
+        for pid in self.members.expired():
+            self._refuse(ID.from_base58(pid), "its membership has expired")
+
+    async def _expect_hello(self, peer: ID) -> None:
+        """Closed network, a connection we did not dial: no hello with a membership in time
+        closes it."""
+        pid = peer.to_base58()
+        if await self.members.wait_verdict(pid) or pid in self.refused:
+            return
+        logger.info("closing the connection of %s: no hello with a membership in time", pid)
+        await self._drop(peer)
 
     async def _drop(self, peer: ID) -> None:
         with trio.move_on_after(2):
             with suppress(Exception):
                 await self._host.disconnect(peer)
 
-    def _refuse(self, peer: ID, reason: str) -> None:
+    def _refuse(self, peer: ID, reason: str, *, quiet: bool = False) -> None:
         pid = peer.to_base58()
-        if pid not in self.refused:
+        self.members.deny(pid)
+        if pid not in self.refused and not quiet:
             logger.warning("refusing peer %s: %s", pid, reason)
         self.refused[pid] = reason
         self._peers.mark_down(pid, f"refused: {reason}")
@@ -111,18 +188,27 @@ class Admission:
             done = self._hello_done[pid] = trio.Event()
         try:
             theirs = await say_hello(
-                lambda: self._host.new_stream(peer, [TProtocol(HELLO_PROTOCOL)]), self.hello
+                lambda: self._host.new_stream(peer, [TProtocol(HELLO_PROTOCOL)]), self._ours()
             )
         except (Exception, trio.TooSlowError) as exc:
-            # An old or busy peer: the other checks (records, limits) still apply.
+            # An old or busy peer: the other checks (records, limits) still apply; in a closed
+            # network nothing else runs without a verdict, so its connection goes.
             logger.debug("no hello from %s: %r", pid, exc)
+            if self.members.closed and not self.members.admitted(pid):
+                self._spawn(self._drop, peer)
         else:
-            reason = mismatch(self.hello, theirs)
-            if reason is not None:
-                self._refuse(peer, reason)
-            elif theirs.peers:
-                self._take(theirs.peers)
+            if theirs.refused and mismatch(self.hello, theirs) is None:
+                reason = REFUSED_US + theirs.refused
+                logger.error("peer %s refused this node: %s", pid, theirs.refused)
+                self._refuse(peer, reason, quiet=True)
+            else:
+                reason = self._judge(pid, theirs)
+                if reason is not None:
+                    self._refuse(peer, reason)
+                elif theirs.peers:
+                    self._take(theirs.peers)
         finally:
+            self.members.settle(pid)
             done.set()
             self._hello_done.pop(pid, None)
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from p2pnode.identity import NodeKey
 from p2pnode.overlay.net.hello import DEFAULT_NETWORK
+from p2pnode.overlay.net.members import ClosedNetwork
 
 __all__ = ["BACKGROUND_TIMEOUT_FACTOR", "VERSION", "OverlayConfig"]
 
@@ -66,3 +67,6 @@ class OverlayConfig:
     conn_high: int = 24
     conn_grace: float = 30.0  # a new connection is never closed this young
     version: str = VERSION
+    # A closed network (overlay/net/members.py): only members with a valid membership get
+    # past the hello. None: open, anyone with an address may join.
+    closed: ClosedNetwork | None = None

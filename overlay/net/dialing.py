@@ -33,10 +33,10 @@ from multiaddr import Multiaddr
 
 from p2pnode.overlay._errors import BadMultiaddr, BootstrapFailed, PeerUnreachable
 from p2pnode.overlay.net.addrs import dial_order
-from p2pnode.overlay.net.admission import Admission
+from p2pnode.overlay.net.admission import REFUSED_US, Admission
 from p2pnode.overlay.net.config import BACKGROUND_TIMEOUT_FACTOR, OverlayConfig
 from p2pnode.overlay.net.dht import OverlayDHT
-from p2pnode.overlay.net.hello import NetworkMismatch
+from p2pnode.overlay.net.hello import NetworkMismatch, NotAMember
 from p2pnode.overlay.net.host import parse_multiaddr
 
 __all__ = ["Dialer", "filter_peerstore", "filtered_connect", "parse_peer_addr"]
@@ -156,6 +156,12 @@ class Dialer:
         connected = {p.to_base58() for p in self._host.get_connected_peers()}
         if refused and not any(pid in connected for pid in reached if pid not in refused):
             pid = refused[0]
+            why = self._admission.refused[pid]
+            if why.startswith(REFUSED_US):
+                raise NotAMember(
+                    f"bootstrap peer {pid} refused this node: {why[len(REFUSED_US) :]}; "
+                    "join with an invite of that network (`p2pnode invite` on its bootstrap)"
+                )
             raise NetworkMismatch(
                 f"bootstrap peer {pid} refused: {self._admission.refused[pid]}; use an invite or "
                 "--bootstrap of this node's network, or set --network to match"

@@ -11,14 +11,18 @@ network fails with ``NetworkMismatch``, whose message names both networks.
 Contract:
 - ``Hello(network, version)``: network ids are 1-64 chars of ``[a-z0-9._-]``.
 - ``mismatch(ours, theirs) -> str | None``: what differs, in words, or None.
-- ``say_hello(open_stream, ours) -> Hello`` (dialer); ``answer_hello(stream, ours) -> Hello``
-  (listener: reads theirs, sends ours back; ``WireError`` on a malformed frame).
+- ``say_hello(open_stream, ours) -> Hello`` (dialer); ``answer_hello(stream, ours, answer)
+  -> Hello`` (listener: reads theirs, sends ``answer(theirs)`` back; ``WireError`` on a
+  malformed frame).
 - Referrals: the listener's answer may carry ``peers``, up to ``MAX_REFERRALS`` addresses
   (``/.../p2p/<id>``) of peers it is connected to. A joiner's first connection is to a
   bootstrap, the busiest node of a growing swarm: the answer it waits for anyway names peers
   to dial, where a DHT lookup would be another negotiated stream to that busy node (measured:
   64 node processes on 2 cores, a quarter of the joiners never got one answered). Addresses
   are hints, not trust: the dial's secure handshake proves who answers.
+- Closed networks (``members.py``): each hello also carries the sender's signed ``member``ship
+  (None in an open network) and up to ``MAX_HELLO_REVOCATIONS`` of the newest revocations it
+  knows, so a late joiner learns them from its first peer.
 """
 
 from __future__ import annotations
@@ -39,8 +43,10 @@ if TYPE_CHECKING:
 __all__ = [
     "DEFAULT_NETWORK",
     "HELLO_PROTOCOL",
+    "MAX_HELLO_REVOCATIONS",
     "Hello",
     "NetworkMismatch",
+    "NotAMember",
     "answer_hello",
     "check_network_id",
     "mismatch",
@@ -49,7 +55,9 @@ __all__ = [
 
 HELLO_PROTOCOL = "/p2pnode/hello/1"
 DEFAULT_NETWORK = "main"
-HELLO_LIMIT = 1024
+MAX_CREDENTIAL = 2048
+MAX_HELLO_REVOCATIONS = 16
+HELLO_LIMIT = 1024 + MAX_CREDENTIAL + MAX_HELLO_REVOCATIONS * (MAX_CREDENTIAL + 8)
 MAX_REFERRALS = 8
 MAX_REFERRAL_LEN = 256
 # An answer with referrals: MAX_REFERRALS addresses of MAX_REFERRAL_LEN characters at most.
@@ -62,6 +70,12 @@ class NetworkMismatch(OverlayError):
     """A peer belongs to another network or speaks another protocol version."""
 
     reason = "network_mismatch"
+
+
+class NotAMember(NetworkMismatch):
+    """A closed network's peer refused this node: no valid membership of it."""
+
+    reason = "not_a_member"
 
 
 def check_network_id(network: str) -> str:
@@ -81,6 +95,25 @@ class Hello:
     peers: tuple[str, ...] = bounded_field(
         default=(), max_len=MAX_REFERRALS, item_max_len=MAX_REFERRAL_LEN
     )
+    member: bytes | None = bounded_field(default=None, max_len=MAX_CREDENTIAL)
+    revocations: tuple[bytes, ...] = bounded_field(
+        default=(), max_len=MAX_HELLO_REVOCATIONS, item_max_len=MAX_CREDENTIAL
+    )
+    # In an answer: why the listener refuses the dialer (a closed network's member check).
+    refused: str | None = bounded_field(default=None, max_len=256)
+
+
+# Fields older releases do not know (their reader refuses unknown fields): sent only when set,
+# so an open network's hello reads the same to them.
+_CLOSED_FIELDS = ("member", "revocations", "refused")
+
+
+def _to_wire(hello: Hello) -> dict[str, object]:
+    obj = to_wire(hello)
+    for name in _CLOSED_FIELDS:
+        if not obj.get(name):
+            obj.pop(name, None)
+    return obj
 
 
 def mismatch(ours: Hello, theirs: Hello) -> str | None:
@@ -95,7 +128,7 @@ async def say_hello(open_stream: Callable[[], Awaitable[Stream]], ours: Hello) -
     stream = await open_stream()
     try:
         with trio.fail_after(HELLO_TIMEOUT_S):
-            await write_frame(stream, to_wire(ours), limit=HELLO_LIMIT)
+            await write_frame(stream, _to_wire(ours), limit=HELLO_LIMIT)
             obj = await read_frame(stream, limit=HELLO_ANSWER_LIMIT)
         if obj is None:
             raise OverlayError("the peer closed the hello stream without answering")
@@ -106,14 +139,16 @@ async def say_hello(open_stream: Callable[[], Awaitable[Stream]], ours: Hello) -
 
 
 async def answer_hello(
-    stream: Stream, ours: Hello, referrals: Callable[[], tuple[str, ...]] = tuple
+    stream: Stream, ours: Hello, answer: Callable[[Hello], Hello] | None = None
 ) -> Hello:
-    """Read the dialer's hello and answer with ours, naming ``referrals()`` as ``peers``."""
+    """Read the dialer's hello and answer with ``answer(theirs)`` (``ours`` with referrals
+    and revocations filled in, once the caller has judged the dialer); returns theirs."""
     with trio.fail_after(HELLO_TIMEOUT_S):
         obj = await read_frame(stream, limit=HELLO_LIMIT)
         if obj is None:
             raise OverlayError("the peer closed the hello stream before its hello")
         theirs = from_wire(obj, Hello)
-        answer = dataclasses.replace(ours, peers=referrals()[:MAX_REFERRALS])
-        await write_frame(stream, to_wire(answer), limit=HELLO_ANSWER_LIMIT)
+        reply = answer(theirs) if answer is not None else ours
+        reply = dataclasses.replace(reply, peers=reply.peers[:MAX_REFERRALS])
+        await write_frame(stream, _to_wire(reply), limit=HELLO_ANSWER_LIMIT)
     return theirs

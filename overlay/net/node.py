@@ -34,7 +34,12 @@ Contract:
   `peers` (PeerTable), `record` (our NodeRecord), `find_providers`, `get_node_record`,
   `publish_record`, `wait_announced`, `set_stream_handler`, `open_stream`, `connect`,
   `connection_kind`, `trim_connections`, `status()`; and `refused`, `counters`, `connmgr`,
-  `address_book`, `limiter` for the services built on it.
+  `address_book`, `limiter` for the services built on it; `membership` (``members.py``,
+  the ``seams.Membership`` the trust code reads: `closed`, `is_member(peer_id)`).
+- A closed network (`OverlayConfig.closed`, ``members.py``): the hello carries memberships,
+  the gate (``patches/gate.py``) holds every other protocol until a peer's is verified,
+  revocations are gossiped (``revocations.py``), and a node able to issue serves invite
+  redemption (``redemption.py``).
 """
 
 from __future__ import annotations
@@ -71,7 +76,9 @@ from p2pnode.overlay.net.discovery import Discovery
 from p2pnode.overlay.net.hello import HELLO_PROTOCOL, Hello
 from p2pnode.overlay.net.host import make_host, parse_multiaddr
 from p2pnode.overlay.net.liveness import PING_LENGTH, PING_PROTOCOL, Liveness, serve_ping
+from p2pnode.overlay.net.members import MEMBERSHIP_PROTOCOL, Members
 from p2pnode.overlay.net.patches.containment import contain_stream_errors
+from p2pnode.overlay.net.patches.gate import install_gate
 from p2pnode.overlay.net.patches.safepubsub import SafePubsub
 from p2pnode.overlay.net.patches.tuning import QuietGossipSub
 from p2pnode.overlay.net.trimming import Trimmer
@@ -158,8 +165,14 @@ class OverlayNode:
             address_book = AddressBook(announce=list(config.announce))
         self.address_book = address_book
         self._nursery: trio.Nursery | None = None
+        # Who belongs to a closed network (members.py); in an open one, no one and no gate.
+        self.membership = Members(config.closed, self.peer_id)
         self.admission = Admission(
-            host, self.peers, Hello(network=config.network, version=config.version), self._spawn
+            host,
+            self.peers,
+            Hello(network=config.network, version=config.version),
+            self._spawn,
+            self.membership,
         )
         self.refused = self.admission.refused  # peer id -> why (another network or version)
         self.dialer = Dialer(host, dht, config, self.admission)
@@ -312,6 +325,7 @@ class OverlayNode:
                 for entry in self.peers.snapshot()
             ],
             "refused": dict(self.refused),
+            "membership": self.membership.status(),
             "dht": {
                 "routing_table": kad.get_routing_table_size(),
                 "values": kad.get_value_store_size(),
@@ -350,6 +364,7 @@ class OverlayNode:
         if peer in self.host.get_connected_peers():
             return  # another connection to this peer is still open
         self.liveness.forget(peer)
+        self.membership.settle(peer.to_base58())  # whoever waits for its hello stops waiting
         self.connmgr.note_disconnected(peer.to_base58())
         self.peers.mark_down(peer.to_base58(), "connection closed")
         if not self.connmgr.may_redial(len(self.host.get_connected_peers())):
@@ -401,6 +416,7 @@ class OverlayNode:
             for pid in self.peers.prune():
                 self.discovery.forget(pid)
                 logger.info("forgot peer %s (down longer than the grace period)", pid)
+            self.admission.refuse_expired()
             if trio.current_time() - last_publish >= self.config.record_refresh:
                 await self.publish_record()
                 last_publish = trio.current_time()
@@ -450,6 +466,17 @@ async def open_overlay_node(config: OverlayConfig) -> AsyncIterator[OverlayNode]
     contain_stream_errors(host, node.counters)
     pubsub.counters = node.counters  # its contained faults show with the node's own
     node.set_stream_handler(HELLO_PROTOCOL, node.admission.serve_hello)
+    closed = config.closed
+    if closed is not None:
+        # Before the host serves: not one stream of a non-member may slip past (gate.py).
+        install_gate(host, node.membership, node.counters)
+        if closed.issuer is not None:
+            from p2pnode.overlay.net.redemption import serve_redemption
+
+            node.set_stream_handler(
+                MEMBERSHIP_PROTOCOL,
+                serve_redemption(node.membership, closed.issuer, node.peer_id, closed.home),
+            )
     node.dialer.bootstrap_infos = [b for b in bootstrap if b.peer_id.to_base58() != node.peer_id]
     host.get_network().register_notifee(_ConnectionWatcher(node))
     host.set_stream_handler(TProtocol(PING_PROTOCOL), partial(serve_ping, limiter=node.limiter))
@@ -471,6 +498,11 @@ async def open_overlay_node(config: OverlayConfig) -> AsyncIterator[OverlayNode]
                     nursery.start_soon(node.discovery.run_record_gossip)
                     nursery.start_soon(node._maintenance_loop)
                     nursery.start_soon(node.trimmer.run)
+                    if closed is not None:
+                        from p2pnode.overlay.net.revocations import Revocations
+
+                        revocations = Revocations(node.membership, pubsub, closed.home)
+                        nursery.start_soon(revocations.run)
                     try:
                         yield node
                     finally:

@@ -88,7 +88,7 @@ class NetnsSwarm:
         raise TimeoutError(f"{host}: no API within {limit_s} s\n{self.log(host)}")
 
     def start_bootstrap(self, host: str, limit_s: float = 60.0) -> str:
-        self._start(host, ["bootstrap"])
+        self._start(host, ["bootstrap", "--open"])  # trials measure the overlay, not invites
         self._wait_api(host, limit_s)
         self.invite = self.cli(host, "invite").strip()
         return self.invite

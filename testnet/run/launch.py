@@ -409,6 +409,7 @@ def _bootstrap_node(
         home=boot_home,
         args=[
             "bootstrap",
+            "--open",  # trials measure routing; several bootstraps link without invites
             "--home",
             str(boot_home),
             "--listen",

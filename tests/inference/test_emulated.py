@@ -56,7 +56,7 @@ def _rss_bytes(pid: int) -> int:
 def test_emulated_node_process_imports_no_torch_and_stays_small(
     tmp_path: Path, node_processes
 ) -> None:
-    boot = node_processes.spawn(["bootstrap"], tmp_path / "boot")
+    boot = node_processes.spawn(["bootstrap", "--open"], tmp_path / "boot")
     addr = node_processes.runtime(tmp_path / "boot", boot)["addrs"][0]
     home = tmp_path / "node"
     node = node_processes.spawn(

@@ -33,7 +33,7 @@ def _peer_states(api: str) -> dict[str, str]:
 @pytest.mark.slow
 def test_join_discover_and_detect_kill_and_hang(tmp_path: Path, node_processes) -> None:
     try:
-        boot = node_processes.spawn(["bootstrap"], tmp_path / "boot")
+        boot = node_processes.spawn(["bootstrap", "--open"], tmp_path / "boot")
         boot_info = node_processes.runtime(tmp_path / "boot", boot)
         joiners = []
         for i in range(3):

@@ -3,8 +3,10 @@
 - ``tuning.py``: stream and connection limits and timeouts py-libp2p hard-codes.
 - ``safepubsub.py``: gossipsub handlers that survive a peer's malformed or oversized message.
 - ``containment.py``: errors in libp2p's background tasks stay inside the task that raised them.
+- ``gate.py``: in a closed network, no protocol but the hello runs with a non-member (inbound
+  negotiation and ``host.new_stream`` both gated).
 
 On a libp2p upgrade: read each module's first lines (what it replaces, and where upstream),
 check the upstream code it names still has the defect, and run ``tests/overlay/test_tuning.py``,
-``test_safepubsub.py`` and ``test_containment.py``; drop a patch whose defect is fixed.
+``test_safepubsub.py``, ``test_containment.py`` and ``test_closed.py``; drop a patch whose defect is fixed.
 """
