@@ -396,6 +396,8 @@ async def _run_locked(settings: NodeSettings, timeouts: dict[str, float], task_s
                 audit_config=audit_config,
                 challenge_config=ChallengeConfig(enabled=settings.probation_challenges),
                 advertise_min_uses=settings.advertise_min_uses,
+                # Members of a closed network are trusted from their first answer.
+                is_member=node.membership.is_member if node.membership.closed else None,
             )
 
         def status() -> dict[str, Any]:
