@@ -21,6 +21,8 @@ Contract:
 
     [network]
     regions = ["eu", "us"]
+    kind = "closed"             # members by invite, trusted from their first answer; "open":
+                                # every node a stranger to the others, on probation
     bandwidth_mbps = 0          # default of every link; 0 = unshaped
     [[network.links]]
     between = ["eu", "us"]      # unordered pair; same-region pairs default to 0 ms
@@ -125,6 +127,7 @@ class Network:
     regions: tuple[str, ...]
     links: tuple[Link, ...]
     bandwidth_mbps: float = 0.0
+    kind: str = "closed"  # "closed" | "open" (see the layout above)
 
     def link(self, a: str, b: str) -> Link:
         """The link between regions `a` and `b` (either order); same region: 0 ms default."""
@@ -350,6 +353,7 @@ def _network(table: _Table) -> Network:
     if len(set(regions)) != len(regions):
         raise table.fail("regions", f"duplicate region names in {list(regions)}")
     default_bw = table.float_("bandwidth_mbps", 0.0, 0.0, 1e6)
+    kind = table.str_("kind", "closed", ("closed", "open"))
     raw_links = table.raw("links", [])
     if not isinstance(raw_links, list):
         raise table.fail("links", "must be an array of tables ([[network.links]])")
@@ -384,7 +388,7 @@ def _network(table: _Table) -> Network:
             "between = [A, B] and delay_ms for every pair of different regions",
         )
     table.finish()
-    return Network(regions, tuple(links), default_bw)
+    return Network(regions, tuple(links), default_bw, kind)
 
 
 def _placement(

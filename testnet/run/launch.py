@@ -186,6 +186,36 @@ def _free_port(ip: str) -> int:
         return sock.getsockname()[1]
 
 
+def _provision(network_home: Path, node: NodeProc) -> None:
+    """A closed network's member, made before it starts: its key and a membership signed by
+    the network key in ``network_home`` (what an invite redeemed at the bootstrap gives it; made
+    here because every process starts at once, before the bootstrap listens)."""
+    from p2pnode.identity import NodeKey
+    from p2pnode.identity.memberhome import MemberHome
+    from p2pnode.identity.membership import Issuer, issue_membership, load_network_key
+
+    network_key = load_network_key(network_home)
+    assert network_key is not None, "the trial's bootstrap holds the network key"
+    node.home.mkdir(parents=True, exist_ok=True)
+    peer_id = NodeKey.load_or_create(node.home).peer_id
+    cred = issue_membership(Issuer(network_key), peer_id, now=time.time())
+    MemberHome(node.home).save_membership(cred.raw)
+
+
+def _close_network(bootstraps: Sequence[NodeProc]) -> None:
+    """Make the trial's network closed: the first bootstrap's home gets the network key, the
+    others a copy (each bootstrap a key holder, as an operator running several would)."""
+    from p2pnode.identity.membership import NETWORK_KEY_FILE, load_or_create_network_key
+
+    first = bootstraps[0]
+    load_or_create_network_key(first.home)
+    for b in bootstraps:
+        b.args.remove("--open")
+        if b is not first:
+            b.home.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(first.home / NETWORK_KEY_FILE, b.home / NETWORK_KEY_FILE)
+
+
 def _prepare_bootstrap(bootstrap: NodeProc, *, default_port: bool = False) -> str:
     """Create the bootstrap's key and pick its port (``default_port``: it listens on the
     default 0.0.0.0:4101 of its own namespace); returns its full multiaddr."""
@@ -245,6 +275,8 @@ class RunningTrial:
         )  # fmt: skip
         node.args[1:1] = ["--bootstrap", self.bootstrap_addr]
         node.zygote = self.bootstrap.zygote
+        if self.spec.network.kind == "closed":
+            _provision(self.bootstrap.home, node)
         self.nodes.append(node)
         return node
 
@@ -409,7 +441,7 @@ def _bootstrap_node(
         home=boot_home,
         args=[
             "bootstrap",
-            "--open",  # trials measure routing; several bootstraps link without invites
+            "--open",  # removed for a closed network (_close_network)
             "--home",
             str(boot_home),
             "--listen",
@@ -573,6 +605,10 @@ def launch_trial(
         # model loading, and nodes retry the bootstrap until it listens.
         addrs = [_prepare_bootstrap(b, default_port=bed is not None) for b in bootstraps]
         addr = trial.bootstrap_addr = addrs[0]
+        if spec.network.kind == "closed":
+            _close_network(bootstraps)
+            for node in nodes:
+                _provision(bootstrap.home, node)
         _spawn(bootstrap)
         for other in extra:  # the other bootstraps link with the first
             other.args[1:1] = ["--bootstrap", addr]
