@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from p2pnode.overlay.routing.router import CandidateEstimate, RoutingDecision
     from p2pnode.overlay.serve.forward import ForwardServer
     from p2pnode.overlay.serve.service import Attempt, RoutedResult
+    from p2pnode.overlay.trust.audit import Auditor
     from p2pnode.overlay.trust.book import TrustBook
     from p2pnode.speculation.edge import EdgeResult
 
@@ -68,6 +69,9 @@ class FeedService(ServiceGauges, Protocol):
 
     @property
     def server(self) -> ForwardServer | None: ...  # None until the service serves peers
+
+    @property
+    def auditor(self) -> Auditor | None: ...  # None: this node audits no one
 
 
 class FeedEngine(EngineGauges, Protocol):
@@ -312,6 +316,7 @@ class ConsoleFeed:
         node = getattr(s, "node", None)
         views = {}
         trust: dict[str, Any] = {}
+        auditor = s.auditor if s is not None else None
         if s is not None:
             views = {v.peer_id: v for v in s.views.views() if v.model_id == s.model_id}
             trust = s.trust.snapshot()
@@ -339,7 +344,12 @@ class ConsoleFeed:
                     "view_age_s": (
                         round(s.views.info_age_s(pid, s.model_id) or 0.0, 3) if view else None
                     ),
-                    "trust": {k: t.get(k) for k in ("score", "usable", "demotions")},
+                    "trust": {
+                        **{k: t.get(k) for k in ("score", "usable", "demotions")},
+                        # member / probation / trusted / demoted, and our audits of it
+                        "state": auditor.state(pid) if auditor is not None else None,
+                        "audits": dict(auditor.by_peer.get(pid, {})) if auditor else {},
+                    },
                     "failures": p.get("failures", 0),
                     "last_error": p.get("last_error"),
                 }

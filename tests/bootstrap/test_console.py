@@ -59,6 +59,7 @@ async def test_console_endpoints_describe_swarm_node_and_decisions(loaded) -> No
         assert peer["peer_id"] == b.node.peer_id and peer["state"] == "up"
         assert peer["rtt_ms"] is not None and peer["connection"] == "direct"
         assert peer["trust"]["usable"] is True
+        assert peer["trust"]["state"] == "member"  # api_cluster is a closed network
         assert swarm["links"] == [
             {"a": a.node.peer_id, "b": b.node.peer_id, "rtt_ms": peer["rtt_ms"]}
         ]

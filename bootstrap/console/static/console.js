@@ -38,6 +38,16 @@ async function getJSON(path) {
 
 // ------------------------------------------------------------------ swarm
 
+// "member 1.00 (audits 3/0/0, 2 by peers)": state, score, audits passed/failed/skipped here.
+function trustText(t) {
+  const state = t.state || (t.usable === false ? "demoted" : "");
+  const a = t.audits || {};
+  const audits = (a.passed || a.failed || a.skipped)
+    ? ` (audits ${a.passed || 0}/${a.failed || 0}/${a.skipped || 0}${a.by_peer ? `, ${a.by_peer} by peers` : ""})`
+    : "";
+  return `${state} ${fmt(t.score, 2)}${audits}`.trim();
+}
+
 function renderSwarm(swarm) {
   state.swarm = swarm;
   state.self = swarm.self;
@@ -52,7 +62,7 @@ function renderSwarm(swarm) {
       [p.connection, ""], [(p.roles || []).join(" "), ""], [(p.models || []).map((m) => m.split("@")[0]).join(" "), ""],
       [fmt(p.queue_depth), "num"], [fmt(p.cache_tokens), "num"],
       [p.push_back === null ? "–" : p.push_back ? "yes" : "no", ""],
-      [p.trust ? `${fmt(p.trust.score, 2)}${p.trust.usable === false ? " (demoted)" : ""}` : "–", "num"],
+      [p.trust ? trustText(p.trust) : "–", "num"],
     ];
     for (const [text, cls] of cells) tr.appendChild(el("td", cls ? { class: cls } : {}, text));
     tr.title = p.peer_id + (p.last_error ? `\nlast error: ${p.last_error}` : "");
