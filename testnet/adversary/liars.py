@@ -24,6 +24,8 @@ Contract:
     lies only to peers, so its own clients are protected by its own, honest, origin code);
     ``caught_by``: the origins whose held audit of one of its answers failed (a liar that
     lies on some answers only may be routed to and never caught lying: nothing to catch);
+    ``released_by``: the origins that passed one of its answers to a client (an attempt that
+    ended ``ok``);
   - ``digest_ignored_by``: the nodes whose router stopped believing its digest (first tokens
     that contradicted its cache claims: how a fake-cache liar is caught);
   - ``liars_demoted``: liars that every origin routing to them demoted or stopped believing
@@ -105,6 +107,7 @@ def adversary_summary(
     until: dict[tuple[int, int], int] = {}
     routed: dict[tuple[int, int], int] = {}
     failed: dict[int, int] = {}
+    released: set[tuple[int, int]] = set()  # (origin, liar): an answer of it reached a client
     for r in ok + [r for r in records if r["status"] != "ok"]:
         origin = r["arrival_node"]
         for target, outcome in r.get("route_attempts") or []:
@@ -113,6 +116,8 @@ def adversary_summary(
                 continue
             key = (origin, liar)
             routed[key] = routed.get(key, 0) + 1
+            if outcome == "ok":
+                released.add(key)
             if outcome == "audit_failed":
                 failed[liar] = failed.get(liar, 0) + 1
                 end = (r["sent_s"] or 0.0) + (r["latency_s"] or 0.0)
@@ -156,6 +161,7 @@ def adversary_summary(
             "routed_by": routed_by,
             "demoted_by": demoted_by,
             "caught_by": sorted(o for (o, liar) in caught if liar == node),
+            "released_by": sorted(o for (o, liar) in released if liar == node),
             "digest_ignored_by": digest_ignored_by,
         }
         # A fake-cache liar serves right answers: it is caught when its digest is ignored.
