@@ -4,7 +4,9 @@ The layers and rooms are contracts in pyproject.toml and the load-time cycle che
 ``load_time_cycles``, both run by ``tools/lint_imports.py`` (``make test`` runs it before
 pytest). These tests run the cycle check over the installed modules too, show that it finds a
 cycle and tells a load-time import from a lazy or type-checking one, and check that the link
-tree both walk holds every module the checkout has, so neither passes on an empty graph.
+tree both walk holds every module the checkout has, so neither passes on an empty graph. And
+a module over ``LONG_MODULE`` lines says in its docstring's first lines why it is one module
+("One file ... on purpose: ..."), so a long module is a choice someone can read, not drift.
 """
 
 from __future__ import annotations
@@ -111,3 +113,23 @@ def test_the_import_linter_tree_holds_every_installed_module(tmp_path):
     }
     assert len(found) > 60
     assert linked == found | root
+
+
+LONG_MODULE = 600
+# Long modules without their reason yet, left to the engineer who is changing them (split or
+# explained): the check holds for every other module now.
+REASON_PENDING = {"p2pnode.inference.engine"}
+
+
+def test_a_module_over_600_lines_says_why_in_its_first_lines(tmp_path):
+    tree = _lint_tool().build_tree(ROOT, tmp_path / "tree")
+    unexplained = set()
+    for path in tree.rglob("*.py"):
+        lines = path.read_text().splitlines()
+        if len(lines) > LONG_MODULE and "on purpose" not in " ".join(lines[:8]):
+            parts = [p for p in path.relative_to(tree).with_suffix("").parts if p != "__init__"]
+            unexplained.add(".".join(parts))
+    assert unexplained <= REASON_PENDING, (
+        f"over {LONG_MODULE} lines with no reason in the docstring's first lines (split the "
+        f"module, or say why it is one): {sorted(unexplained - REASON_PENDING)}"
+    )

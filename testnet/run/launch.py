@@ -1,6 +1,6 @@
 """Start a trial's nodes as separate OS processes on this machine, and stop them all.
 
-One file (~580 lines) on purpose: planning the nodes' addresses, starting them (forked, on
+One file on purpose: planning the nodes' addresses, starting them (forked, on
 loopback or in namespaces), waiting for the overlay and stopping them share ``RunningTrial``'s
 state; what counts as formed is judged apart, in ``formation.py``.
 
