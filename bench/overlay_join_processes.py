@@ -41,7 +41,9 @@ def spawn(args: list[str], home: Path, zygote: Zygote | None = None):
     argv = [*args, "--home", str(home)]
     argv += ["--listen", "/ip4/127.0.0.1/tcp/0", "--api-port", "0", "--log-level", "warning"]
     if zygote is not None:
-        return zygote.spawn(argv, dict(os.environ), home / "node.log", entry="cli")
+        return zygote.spawn(
+            argv, dict(os.environ), home / "node.log", entry="p2pnode.bootstrap.cli"
+        )
     return subprocess.Popen(
         [sys.executable, "-m", "p2pnode.bootstrap.cli", *argv],
         stdout=subprocess.DEVNULL,

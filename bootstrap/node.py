@@ -13,7 +13,7 @@ import logging
 import os
 import signal
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -25,6 +25,7 @@ from p2pnode import __version__
 from p2pnode.bootstrap._runtime import remove_runtime, write_runtime
 from p2pnode.bootstrap.api import build_app, serve_api
 from p2pnode.bootstrap.config import NodeSettings
+from p2pnode.bootstrap.extension import NodeExtension
 from p2pnode.bootstrap.health import StartingApp
 from p2pnode.errors import P2PNodeError
 from p2pnode.identity import IdentityError, NodeKey
@@ -37,11 +38,6 @@ if TYPE_CHECKING:
     from p2pnode.overlay.trust.book import TrustBook
 
 log = logging.getLogger("p2pnode.node")
-
-# Called as ``hook(service, nursery)`` once a node's RoutedService runs. The product registers
-# none; trial nodes (testnet/run/node.py) make an adversary misbehave through it, on the real path.
-# The service itself, not a Protocol: an adversary replaces parts of it wherever it must.
-SERVICE_HOOKS: list[Callable[[RoutedService, trio.Nursery], None]] = []
 
 
 class _AuditedService(Protocol):
@@ -300,7 +296,12 @@ async def _stop_on_signal(cancel_scope: trio.CancelScope) -> None:
             return
 
 
-async def run_node(settings: NodeSettings, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+async def run_node(
+    settings: NodeSettings,
+    *,
+    extensions: Sequence[NodeExtension] = (),
+    task_status=trio.TASK_STATUS_IGNORED,
+) -> None:
     timeouts = {
         "ping_timeout": settings.ping_timeout,
         "connect_timeout": settings.connect_timeout,
@@ -309,12 +310,17 @@ async def run_node(settings: NodeSettings, *, task_status=trio.TASK_STATUS_IGNOR
     }
     lock = _lock_home(settings.home)
     try:
-        await _run_locked(settings, timeouts, task_status)
+        await _run_locked(settings, timeouts, extensions, task_status)
     finally:
         os.close(lock)
 
 
-async def _run_locked(settings: NodeSettings, timeouts: dict[str, float], task_status) -> None:
+async def _run_locked(
+    settings: NodeSettings,
+    timeouts: dict[str, float],
+    extensions: Sequence[NodeExtension],
+    task_status,
+) -> None:
     from p2pnode.overlay.net.hello import NetworkMismatch
     from p2pnode.overlay.net.node import OverlayConfig, open_overlay_node
     from p2pnode.overlay.net.reachability import ReachabilityService
@@ -437,8 +443,8 @@ async def _run_locked(settings: NodeSettings, timeouts: dict[str, float], task_s
                     service.advertise(advert.builder)
             if service is not None:
                 await nursery.start(service.run)
-                for hook in SERVICE_HOOKS:
-                    hook(service, nursery)
+                for extension in extensions:
+                    extension.service_started(service, nursery)
                 from p2pnode.overlay.trust.store import TRUST_FILE, keep_trust_saved
 
                 nursery.start_soon(keep_trust_saved, service.trust, settings.home / TRUST_FILE)

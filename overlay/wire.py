@@ -1,6 +1,6 @@
 """The one wire format of p2pnode: length-prefixed CBOR frames and declarative messages.
 
-One file (~670 lines) on purpose: every byte a peer sends is framed and schema-checked here, so the
+One file on purpose: every byte a peer sends is framed and schema-checked here, so the
 whole decoding surface (frames, then the declarative messages on top of them) is reviewed in one
 reading.
 

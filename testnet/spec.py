@@ -1,6 +1,6 @@
 """Trial specs: one TOML file describes a testnet trial (nodes, regions, links, workload, arms).
 
-One file (~630 lines) on purpose: the spec's dataclasses and the checks that read each table
+One file on purpose: the spec's dataclasses and the checks that read each table
 into them sit side by side, so a key's type, bound, default and error message are read at once.
 
 Contract:

@@ -1,116 +1,23 @@
 """No two modules import each other when loaded; the import layers themselves are import-linter's.
 
-The layers (identity and inference at the bottom, overlay, speculation, bootstrap and testnet on
-top, product code never importing the node assembly or the trials) are contracts in
-pyproject.toml, checked by ``tools/lint_imports.py`` (``make test`` runs it before pytest). What
-stays here is what import-linter cannot judge: a cycle among imports run when a module is
-loaded. Its graph has one edge per imported module, lazy imports (inside functions) and
-``if TYPE_CHECKING`` ones included, and its cycle contract (``acyclic_siblings``) cannot leave
-them out without dropping them from the layer contracts too; yet a lazy or type-checking import
-is exactly how a module legitimately points back at one that imports it. This reads the imports
-with ``ast`` and tells the two kinds apart. It also checks that the link tree the import-linter
-run walks holds every installed module, so the contracts never pass on an empty graph.
+The layers and rooms are contracts in pyproject.toml and the load-time cycle check is
+``load_time_cycles``, both run by ``tools/lint_imports.py`` (``make test`` runs it before
+pytest). These tests run the cycle check over the installed modules too, show that it finds a
+cycle and tells a load-time import from a lazy or type-checking one, and check that the link
+tree both walk holds every module the checkout has, so neither passes on an empty graph. And
+a module over ``LONG_MODULE`` lines says in its docstring's first lines why it is one module
+("One file ... on purpose: ..."), so a long module is a choice someone can read, not drift.
 """
 
 from __future__ import annotations
 
-import ast
 import importlib.util
 import sys
+import textwrap
+import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = (
-    "identity",
-    "inference",
-    "datasets",
-    "overlay",
-    "speculation",
-    "bootstrap",
-    "testnet",
-    "testing",
-)
-
-
-def _imports(path: Path) -> list[tuple[str, bool]]:
-    """(imported p2pnode module or module.name, loaded with the module?) for every import
-    in ``path``:
-    module level and not under ``if TYPE_CHECKING`` counts as loaded with it."""
-    tree = ast.parse(path.read_text(), filename=str(path))
-    out: list[tuple[str, bool]] = []
-
-    def visit(node: ast.AST, at_load: bool) -> None:
-        for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.Import):
-                out.extend((a.name, at_load) for a in child.names if a.name.startswith("p2pnode."))
-            elif isinstance(child, ast.ImportFrom) and (child.module or "").startswith("p2pnode"):
-                # "from p2pnode.x import y": y may be a module of x or a name in it
-                out.extend((f"{child.module}.{a.name}", at_load) for a in child.names)
-            elif (
-                isinstance(child, ast.If)
-                and "TYPE_CHECKING" in ast.unparse(child.test)
-                or isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda)
-            ):
-                visit(child, False)
-            else:
-                visit(child, at_load)
-
-    visit(tree, True)
-    return out
-
-
-def _modules() -> dict[str, Path]:
-    out = {}
-    for package in PACKAGES:
-        for path in (ROOT / package).rglob("*.py"):
-            rel = path.relative_to(ROOT / package).with_suffix("")
-            parts = [p for p in rel.parts if p != "__init__"]
-            out[".".join(["p2pnode", package, *parts])] = path
-    return out
-
-
-def _package(module: str) -> str | None:
-    parts = module.split(".")
-    return parts[1] if len(parts) > 1 and parts[1] in PACKAGES else None
-
-
-def test_no_import_cycles_between_modules_at_load_time():
-    modules = _modules()
-    graph: dict[str, set[str]] = {m: set() for m in modules}
-    for module, path in modules.items():
-        for target, at_load in _imports(path):
-            hit = target if target in modules else target.rsplit(".", 1)[0]
-            hit = hit if hit in modules else None
-            if at_load and hit is not None and hit != module:
-                graph[module].add(hit)
-    cycles: list[list[str]] = []
-    state: dict[str, int] = {}  # 1 = on the stack, 2 = done
-
-    def walk(node: str, stack: list[str]) -> None:
-        state[node] = 1
-        stack.append(node)
-        for nxt in sorted(graph[node]):
-            if state.get(nxt) == 1:
-                cycles.append(stack[stack.index(nxt) :] + [nxt])
-            elif nxt not in state:
-                walk(nxt, stack)
-        stack.pop()
-        state[node] = 2
-
-    for module in sorted(graph):
-        if module not in state:
-            walk(module, [])
-    assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
-
-
-def test_the_checker_sees_the_imports_it_judges():
-    modules = _modules()
-    assert len(modules) > 60
-    node_imports = {t for t, _ in _imports(modules["p2pnode.overlay.net.node"])}
-    assert "p2pnode.overlay.net.addrs.AddressBook" in node_imports
-    lazy = dict(_imports(modules["p2pnode.bootstrap.node"]))
-    # inside a function: lazy
-    assert lazy.get("p2pnode.overlay.net.reachability.ReachabilityService") is False
 
 
 def _lint_tool():
@@ -123,6 +30,63 @@ def _lint_tool():
     return module
 
 
+def test_no_import_cycles_between_modules_at_load_time(tmp_path):
+    lint = _lint_tool()
+    cycles = lint.load_time_cycles(lint.build_tree(ROOT, tmp_path / "tree"))
+    assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def _package(root: Path, files: dict[str, str]) -> Path:
+    for name, text in files.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text))
+    return root
+
+
+def test_the_check_finds_a_cycle_run_at_load_time_and_no_other(tmp_path):
+    lint = _lint_tool()
+    tree = _package(
+        tmp_path,
+        {
+            "pkg/__init__.py": "",
+            # a real circle: loading a loads b, which loads c, which loads a
+            "pkg/a.py": "from pkg import b\n",
+            "pkg/b.py": "import pkg.c\n",
+            "pkg/c.py": "from pkg.a import NAME\nNAME = 1\n",
+            # pointing back lazily or for the type checker only is no circle
+            "pkg/d.py": "import pkg.e\n",
+            "pkg/e.py": """\
+                from typing import TYPE_CHECKING
+                if TYPE_CHECKING:
+                    from pkg import d
+                def later():
+                    from pkg.d import x
+                class K:
+                    def method(self):
+                        import pkg.d
+                """,
+            # a class body runs when the module loads
+            "pkg/f.py": "class K:\n    from pkg import g\n",
+            "pkg/g.py": "from . import f\n",
+        },
+    )
+    cycles = lint.load_time_cycles(tree)
+    assert sorted(map(tuple, cycles)) == [
+        ("pkg.a", "pkg.b", "pkg.c", "pkg.a"),
+        ("pkg.f", "pkg.g", "pkg.f"),
+    ]
+
+
+def test_the_check_sees_the_imports_it_judges(tmp_path):
+    lint = _lint_tool()
+    graph = lint.import_graph(lint.build_tree(ROOT, tmp_path / "tree"))
+    assert "p2pnode.overlay.net.addrs" in graph["p2pnode.overlay.net.node"]
+    # bootstrap/node.py imports the reachability service inside a function: lazy
+    assert "p2pnode.overlay.net.reachability" not in graph["p2pnode.bootstrap.node"]
+    assert sum(map(len, graph.values())) > 300
+
+
 def test_the_import_linter_tree_holds_every_installed_module(tmp_path):
     tree = _lint_tool().build_tree(ROOT, tmp_path / "tree")
     linked = set()
@@ -130,10 +94,42 @@ def test_the_import_linter_tree_holds_every_installed_module(tmp_path):
         assert path.is_symlink() and path.resolve().is_file(), path
         parts = [p for p in path.relative_to(tree).with_suffix("").parts if p != "__init__"]
         linked.add(".".join(parts))
-    # bootstrap/_namespace is the root package itself, not a subpackage of bootstrap
-    installed = {m for m in _modules() if not m.startswith("p2pnode.bootstrap._namespace")}
+    # Every Python file under each top-level package's folder, read from the folders rather
+    # than from the packages list: a subfolder missing from that list is neither installed
+    # nor linted, and this names it.
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    found = set()
+    for package, folder in setuptools["package-dir"].items():
+        if package.count(".") != 1:
+            continue
+        for path in (ROOT / folder).rglob("*.py"):
+            rel = path.relative_to(ROOT / folder).with_suffix("").parts
+            if rel[0] == "_namespace":  # bootstrap/_namespace is the root package itself
+                continue
+            found.add(".".join([package, *(p for p in rel if p != "__init__")]))
     root = {
         "p2pnode" if m.stem == "__init__" else f"p2pnode.{m.stem}"
         for m in (ROOT / "bootstrap" / "_namespace").glob("*.py")
     }
-    assert linked == installed | root
+    assert len(found) > 60
+    assert linked == found | root
+
+
+LONG_MODULE = 600
+# Long modules without their reason yet, left to the engineer who is changing them (split or
+# explained): the check holds for every other module now.
+REASON_PENDING = {"p2pnode.inference.engine"}
+
+
+def test_a_module_over_600_lines_says_why_in_its_first_lines(tmp_path):
+    tree = _lint_tool().build_tree(ROOT, tmp_path / "tree")
+    unexplained = set()
+    for path in tree.rglob("*.py"):
+        lines = path.read_text().splitlines()
+        if len(lines) > LONG_MODULE and "on purpose" not in " ".join(lines[:8]):
+            parts = [p for p in path.relative_to(tree).with_suffix("").parts if p != "__init__"]
+            unexplained.add(".".join(parts))
+    assert unexplained <= REASON_PENDING, (
+        f"over {LONG_MODULE} lines with no reason in the docstring's first lines (split the "
+        f"module, or say why it is one): {sorted(unexplained - REASON_PENDING)}"
+    )

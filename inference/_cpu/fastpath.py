@@ -42,10 +42,10 @@ from torch import nn
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from p2pnode.inference._common import LLAMA_LINEARS
 from p2pnode.inference._cpu import gemm as _gemm
 from p2pnode.inference._cpu import kernels as _kernels
 from p2pnode.inference._cpu.kvslab import Slab, _SlabLayer
-from p2pnode.inference.models import LLAMA_LINEARS
 
 # New tokens per sequence on the exact kernels (a row's bits those of a one-token step). Past
 # 16 the forward is matmul-bound, and the streaming kernels lost to a packed GEMM: after 1,024

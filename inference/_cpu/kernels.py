@@ -2,7 +2,7 @@
 
 Contract:
 - ``library()`` compiles ``kernels.c`` once with the system C compiler (``$CC``, else ``cc``)
-  into ``models.cache_dir()/kernels/`` (keyed by the source, the compiler and the CPU flags;
+  into ``_common.cache_dir()/kernels/`` (keyed by the source, the compiler and the CPU flags;
   ~0.3 s) and loads it with ctypes. It returns ``None`` (and logs why, once) when no compiler
   works or ``P2PNODE_KERNELS=0``: every caller then keeps the plain torch path.
 - ``StreamLinear(weight)`` replaces an ``nn.Linear`` without bias: inputs of at most
@@ -90,7 +90,7 @@ def build(src: bytes, march: str = "native") -> ctypes.CDLL | None:
     (logged) without a working compiler. ``library()`` is this on the current source;
     ``bench/kernel_ab.py`` loads another revision's beside it. ``march``: the compiler's
     ``-march`` (the tests build narrower CPUs' code paths, e.g. ``x86-64-v2``, to run them)."""
-    from p2pnode.inference.models import cache_dir
+    from p2pnode.inference._common import cache_dir
 
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:

@@ -1,8 +1,9 @@
 """vLLM 0.33 KV cache events (msgpack over ZMQ) translated into OUR block events.
 
-One file (~690 lines) on purpose: the wire schema below, the bounded decoder that enforces it
-and the translator to our block events are checked against each other in one reading (the
-decoder reads bytes from another process, so its limits must match the schema exactly).
+One file on purpose: the wire schema below, the structs that decode it (msgspec, declared as
+vLLM declares its own, with our bounds) and the translator to our block events are checked
+against each other in one reading (the decoder reads bytes from another process, so its limits
+must match the schema exactly).
 
 Wire schema, read from vLLM 0.33.0's own source (``vllm/distributed/kv_events.py`` in the
 ``vllm==0.33.0`` wheel; the publisher is ``ZmqEventPublisher`` in the same file, the events are
@@ -26,7 +27,8 @@ built in ``vllm/v1/core/block_pool.py``):
 
 Contract:
 - ``decode_batch(payload, max_bytes=...)`` -> ``VllmEventBatch``: size checked before decoding,
-  strict msgpack limits, exact schema (unknown fields, wrong types, out-of-range values refused).
+  then msgspec decodes it into the structs below, vLLM's own declarations with our bounds: exact
+  schema (unknown fields, wrong types, out-of-range values refused).
   Every failure is a ``VllmEventError`` (``OversizedBatch``, ``MalformedBatch``,
   ``UnsupportedBlockSize``); nothing else escapes.
 - ``VllmEventTranslator(model_id)``: ``feed(payload)`` / ``apply(batch)`` -> list of OUR
@@ -54,8 +56,10 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta
 
 from p2pnode.errors import P2PNodeError
 from p2pnode.inference.blockhash import (
@@ -107,25 +111,38 @@ class UnknownParent(VllmEventError):
 
 
 # --------------------------------------------------------------------------- decoded events
+# vLLM's own structs (``vllm/distributed/kv_events.py``), declared the same way, so msgspec
+# reads exactly what vLLM writes; the bounds below are ours (vLLM trusts its own bytes, we
+# read them from another process). ``forbid_unknown_fields``: a field a newer vLLM adds is
+# refused, not silently dropped, so a schema change shows up as an error naming it.
+
+# an int: any msgpack int fits (int64 or uint64), so it needs no bound of ours
+_Hash = int | Annotated[bytes, Meta(min_length=1, max_length=MAX_HASH_BYTES)]
+_TokenId = Annotated[int, Meta(ge=0, le=MAX_TOKEN_ID)]
+_Str = Annotated[str, Meta(max_length=MAX_STR_LEN)]
+_Index = Annotated[int, Meta(ge=0, lt=1 << 31)]
 
 
-@dataclass(frozen=True, slots=True)
-class VllmBlockStored:
-    block_hashes: tuple[VllmHash, ...]
-    parent_block_hash: VllmHash | None
-    token_ids: tuple[int, ...]
-    block_size: int
-    lora_id: int | None = None
-    medium: str | None = None
-    lora_name: str | None = None
-    extra_keys: tuple[object, ...] | None = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
-    locality: str | None = None
-    ownership: str | None = None
-    session_id: str | None = None
-    lookahead_token_ids: tuple[tuple[int, ...], ...] | None = None
+class _Event(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag=True, gc=False):
+    pass
+
+
+class VllmBlockStored(_Event, tag="BlockStored"):
+    block_hashes: tuple[_Hash, ...]
+    parent_block_hash: _Hash | None
+    token_ids: tuple[_TokenId, ...]
+    block_size: Annotated[int, Meta(ge=1, le=MAX_BLOCK_SIZE)]
+    lora_id: Annotated[int, Meta(ge=-(1 << 63), le=(1 << 63) - 1)] | None
+    medium: _Str | None
+    lora_name: _Str | None
+    extra_keys: tuple[tuple[Any, ...] | None, ...] | None = None
+    group_idx: _Index | None = None
+    kv_cache_spec_kind: _Str | None = None
+    kv_cache_spec_sliding_window: _Index | None = None
+    locality: _Str | None = None
+    ownership: _Str | None = None
+    session_id: _Str | None = None
+    lookahead_token_ids: tuple[tuple[_TokenId, ...], ...] | None = None
 
     @property
     def plain(self) -> bool:
@@ -135,209 +152,49 @@ class VllmBlockStored:
         return self.extra_keys is None or all(k is None for k in self.extra_keys)
 
 
-@dataclass(frozen=True, slots=True)
-class VllmBlockRemoved:
-    block_hashes: tuple[VllmHash, ...]
-    medium: str | None = None
-    group_idx: int | None = None
-    locality: str | None = None
-    ownership: str | None = None
+class VllmBlockRemoved(_Event, tag="BlockRemoved"):
+    block_hashes: tuple[_Hash, ...]
+    medium: _Str | None
+    group_idx: _Index | None = None
+    locality: _Str | None = None
+    ownership: _Str | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class VllmAllBlocksCleared:
+class VllmAllBlocksCleared(_Event, tag="AllBlocksCleared"):
     pass
 
 
 VllmEvent = VllmBlockStored | VllmBlockRemoved | VllmAllBlocksCleared
 
 
-@dataclass(frozen=True, slots=True)
-class VllmEventBatch:
+class VllmEventBatch(
+    msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True, gc=False
+):
     ts: float
     events: tuple[VllmEvent, ...]
-    data_parallel_rank: int | None = None
+    data_parallel_rank: _Index | None = None
 
 
 # --------------------------------------------------------------------------- decoding
 
-_STORED_REQUIRED = (
-    "block_hashes",
-    "parent_block_hash",
-    "token_ids",
-    "block_size",
-    "lora_id",
-    "medium",
-    "lora_name",
-)
-_STORED_OPTIONAL = (
-    "extra_keys",
-    "group_idx",
-    "kv_cache_spec_kind",
-    "kv_cache_spec_sliding_window",
-    "locality",
-    "ownership",
-    "session_id",
-    "lookahead_token_ids",
-)
-_REMOVED_REQUIRED = ("block_hashes", "medium")
-_REMOVED_OPTIONAL = ("group_idx", "locality", "ownership")
+_DECODER = msgspec.msgpack.Decoder(VllmEventBatch)
 
 
-def _is_int(v: object) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _hash(v: object, where: str) -> VllmHash:
-    if _is_int(v):
-        assert isinstance(v, int)
-        if not -(1 << 63) <= v < 1 << 64:
-            raise MalformedBatch(f"{where}: block hash {v} is outside 64 bits")
-        return v
-    if isinstance(v, bytes) and 0 < len(v) <= MAX_HASH_BYTES:
-        return v
-    raise MalformedBatch(f"{where}: a block hash must be an int or 1-{MAX_HASH_BYTES} bytes")
-
-
-def _hashes(v: object, where: str) -> tuple[VllmHash, ...]:
-    if not isinstance(v, list):
-        raise MalformedBatch(f"{where}: block_hashes must be a list")
-    return tuple(_hash(h, where) for h in v)
-
-
-def _opt_str(v: object, where: str) -> str | None:
-    if v is None or isinstance(v, str):
-        return v
-    raise MalformedBatch(f"{where} must be a string or nil, got {type(v).__name__}")
-
-
-def _opt_int(v: object, where: str, lo: int = 0, hi: int = 1 << 31) -> int | None:
-    if v is None:
-        return None
-    if not _is_int(v) or not lo <= v < hi:  # type: ignore[operator]
-        raise MalformedBatch(f"{where} must be an int in [{lo}, {hi}) or nil, got {v!r}")
-    return v  # type: ignore[return-value]
-
-
-def _token_list(v: object, where: str) -> tuple[int, ...]:
-    if not isinstance(v, list):
-        raise MalformedBatch(f"{where} must be a list of token ids")
-    for t in v:
-        if not _is_int(t) or not 0 <= t <= MAX_TOKEN_ID:
-            raise MalformedBatch(f"{where}: token id {t!r} is not an int in [0, 2**32)")
-    return tuple(v)
-
-
-def _freeze(v: object) -> object:
-    return tuple(_freeze(x) for x in v) if isinstance(v, list) else v
-
-
-def _fields(
-    obj: dict, kind: str, required: Sequence[str], optional: Sequence[str]
-) -> dict[str, Any]:
-    keys = set(obj) - {"type"}
-    missing = [k for k in required if k not in keys]
-    if missing:
-        raise MalformedBatch(f"{kind} lacks field(s) {missing}")
-    unknown = sorted(map(str, keys - set(required) - set(optional)))
-    if unknown:
-        raise MalformedBatch(
-            f"{kind} has unknown field(s) {unknown}: this decoder follows vLLM {VLLM_VERSION}'s "
-            "schema; pin that version or update inference/vllm/events.py"
-        )
-    return {k: obj[k] for k in keys}
-
-
-def _stored(obj: dict) -> VllmBlockStored:
-    f = _fields(obj, "BlockStored", _STORED_REQUIRED, _STORED_OPTIONAL)
-    hashes = _hashes(f["block_hashes"], "BlockStored")
-    parent = f["parent_block_hash"]
-    parent = None if parent is None else _hash(parent, "BlockStored.parent_block_hash")
-    block_size = f["block_size"]
-    if not _is_int(block_size) or not 1 <= block_size <= MAX_BLOCK_SIZE:
-        raise MalformedBatch(f"BlockStored.block_size {block_size!r} not in [1, {MAX_BLOCK_SIZE}]")
-    if block_size % BLOCK_SIZE:
-        raise UnsupportedBlockSize(
-            f"vLLM block_size {block_size} is not a multiple of {BLOCK_SIZE}: our digests cannot "
-            f"be derived from it; start vLLM with --block-size {BLOCK_SIZE}"
-        )
-    extra = f.get("extra_keys")
-    if extra is not None:
-        if not isinstance(extra, list) or len(extra) != len(hashes):
+def _check(batch: VllmEventBatch) -> None:
+    """What the types cannot say: a finite time, one extra key per block, whole blocks of
+    ours."""
+    if not math.isfinite(batch.ts):
+        raise MalformedBatch(f"KVEventBatch.ts must be a finite number, got {batch.ts!r}")
+    for ev in batch.events:
+        if not isinstance(ev, VllmBlockStored):
+            continue
+        if ev.extra_keys is not None and len(ev.extra_keys) != len(ev.block_hashes):
             raise MalformedBatch("BlockStored.extra_keys must hold one entry per block hash")
-        extra = tuple(_freeze(x) for x in extra)
-    look = f.get("lookahead_token_ids")
-    if look is not None:
-        if not isinstance(look, list):
-            raise MalformedBatch("BlockStored.lookahead_token_ids must be a list of lists")
-        look = tuple(_token_list(x, "BlockStored.lookahead_token_ids") for x in look)
-    return VllmBlockStored(
-        block_hashes=hashes,
-        parent_block_hash=parent,
-        token_ids=_token_list(f["token_ids"], "BlockStored.token_ids"),
-        block_size=block_size,
-        lora_id=_opt_int(f["lora_id"], "BlockStored.lora_id", -(1 << 63), 1 << 63),
-        medium=_opt_str(f["medium"], "BlockStored.medium"),
-        lora_name=_opt_str(f["lora_name"], "BlockStored.lora_name"),
-        extra_keys=extra,
-        group_idx=_opt_int(f.get("group_idx"), "BlockStored.group_idx"),
-        kv_cache_spec_kind=_opt_str(f.get("kv_cache_spec_kind"), "BlockStored.kv_cache_spec_kind"),
-        kv_cache_spec_sliding_window=_opt_int(
-            f.get("kv_cache_spec_sliding_window"), "BlockStored.kv_cache_spec_sliding_window"
-        ),
-        locality=_opt_str(f.get("locality"), "BlockStored.locality"),
-        ownership=_opt_str(f.get("ownership"), "BlockStored.ownership"),
-        session_id=_opt_str(f.get("session_id"), "BlockStored.session_id"),
-        lookahead_token_ids=look,
-    )
-
-
-def _removed(obj: dict) -> VllmBlockRemoved:
-    f = _fields(obj, "BlockRemoved", _REMOVED_REQUIRED, _REMOVED_OPTIONAL)
-    return VllmBlockRemoved(
-        block_hashes=_hashes(f["block_hashes"], "BlockRemoved"),
-        medium=_opt_str(f["medium"], "BlockRemoved.medium"),
-        group_idx=_opt_int(f.get("group_idx"), "BlockRemoved.group_idx"),
-        locality=_opt_str(f.get("locality"), "BlockRemoved.locality"),
-        ownership=_opt_str(f.get("ownership"), "BlockRemoved.ownership"),
-    )
-
-
-def _event(obj: object) -> VllmEvent:
-    if not isinstance(obj, dict):
-        raise MalformedBatch(f"an event must be a tagged map, got {type(obj).__name__}")
-    kind = obj.get("type")
-    if kind == "BlockStored":
-        return _stored(obj)
-    if kind == "BlockRemoved":
-        return _removed(obj)
-    if kind == "AllBlocksCleared":
-        _fields(obj, kind, (), ())
-        return VllmAllBlocksCleared()
-    raise MalformedBatch(f"unknown event type {kind!r}")
-
-
-def _unpack(payload: bytes, max_bytes: int) -> object:
-    try:
-        import msgpack
-    except ImportError as exc:  # pragma: no cover - depends on the install
-        raise VllmEventError(
-            "decoding vLLM KV events needs msgpack: pip install msgpack==1.2.4"
-        ) from exc
-    try:
-        return msgpack.unpackb(
-            payload,
-            raw=False,
-            use_list=True,
-            strict_map_key=True,
-            max_str_len=MAX_STR_LEN,
-            max_bin_len=MAX_HASH_BYTES,
-            max_array_len=max_bytes,
-            max_map_len=64,
-            max_ext_len=0,
-        )
-    except Exception as exc:  # every decoder failure (format, limits, utf-8, depth) is ours
-        raise MalformedBatch(f"not a msgpack KVEventBatch: {type(exc).__name__}: {exc}") from None
+        if ev.block_size % BLOCK_SIZE:
+            raise UnsupportedBlockSize(
+                f"vLLM block_size {ev.block_size} is not a multiple of {BLOCK_SIZE}: our digests "
+                f"cannot be derived from it; start vLLM with --block-size {BLOCK_SIZE}"
+            )
 
 
 def decode_batch(payload: bytes, *, max_bytes: int = DEFAULT_MAX_BATCH_BYTES) -> VllmEventBatch:
@@ -349,16 +206,18 @@ def decode_batch(payload: bytes, *, max_bytes: int = DEFAULT_MAX_BATCH_BYTES) ->
             f"KV event batch of {len(payload)} bytes exceeds {max_bytes}; raise max_bytes if "
             "vLLM really sends batches this large"
         )
-    top = _unpack(bytes(payload), max_bytes)
-    if not isinstance(top, list) or len(top) not in (2, 3):
-        raise MalformedBatch("a KVEventBatch is the array [ts, events, data_parallel_rank?]")
-    ts, events = top[0], top[1]
-    if isinstance(ts, bool) or not isinstance(ts, int | float) or not math.isfinite(ts):
-        raise MalformedBatch(f"KVEventBatch.ts must be a finite number, got {ts!r}")
-    if not isinstance(events, list):
-        raise MalformedBatch("KVEventBatch.events must be a list")
-    rank = _opt_int(top[2], "KVEventBatch.data_parallel_rank") if len(top) == 3 else None
-    return VllmEventBatch(float(ts), tuple(_event(e) for e in events), rank)
+    payload = bytes(payload)
+    try:
+        batch = _DECODER.decode(payload)
+    except msgspec.ValidationError as exc:  # the schema: msgspec names the path, e.g. $[1][0]
+        raise MalformedBatch(
+            f"not a vLLM {VLLM_VERSION} KVEventBatch: {exc} (this decoder follows that "
+            "version's schema; pin it or update inference/vllm/events.py)"
+        ) from None
+    except Exception as exc:  # every other decoder failure (format, utf-8, depth) is ours too
+        raise MalformedBatch(f"not a msgpack KVEventBatch: {type(exc).__name__}: {exc}") from None
+    _check(batch)
+    return batch
 
 
 # --------------------------------------------------------------------------- translation

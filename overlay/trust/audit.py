@@ -71,9 +71,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 import trio
 from prometheus_client import CollectorRegistry, Counter
 
-from p2pnode.inference.emulated import EmulatedRows
 from p2pnode.inference.sampling import SamplingParams, TokenLogprob
-from p2pnode.inference.scoring import Scorer
+from p2pnode.inference.scoring import LogitRows, Scorer
 from p2pnode.overlay.trust.book import TrustBook
 
 if TYPE_CHECKING:
@@ -119,7 +118,7 @@ class AuditVerdict:
     detail: str = ""
 
 
-def _shape_check(logits: torch.Tensor | EmulatedRows, tokens: Sequence[int]) -> AuditVerdict | None:
+def _shape_check(logits: torch.Tensor | LogitRows, tokens: Sequence[int]) -> AuditVerdict | None:
     """Raise on a row count that is not one per token; a failed verdict for a token outside the
     vocabulary (a lying peer can send one); None when the answer can be checked."""
     n = len(tokens)
@@ -153,16 +152,15 @@ def _sampled_verdict(
 
 
 def check_greedy(
-    logits: torch.Tensor | EmulatedRows, tokens: Sequence[int], margin: float
+    logits: torch.Tensor | LogitRows, tokens: Sequence[int], margin: float
 ) -> AuditVerdict:
     """Every ``tokens[i]`` within ``margin`` logits of the argmax of ``logits[i]``."""
     n = len(tokens)
     refused = _shape_check(logits, tokens)
     if refused is not None:
         return refused
-    if isinstance(logits, EmulatedRows):  # closed form: no tensors on an emulated node
-        rows = zip(logits, tokens, strict=True)
-        return _greedy_verdict([r.logit(r.argmax()) - r.logit(t) for r, t in rows], margin)
+    if isinstance(logits, LogitRows):  # rows that score themselves (no tensors when emulated)
+        return _greedy_verdict(logits.greedy_gaps(tokens), margin)
     import torch
 
     ids = torch.tensor(list(tokens), dtype=torch.long)
@@ -190,7 +188,7 @@ def _nucleus_log_probs(logits: torch.Tensor, temperature: float, top_p: float) -
 
 
 def check_sampled(
-    logits: torch.Tensor | EmulatedRows,
+    logits: torch.Tensor | LogitRows,
     tokens: Sequence[int],
     *,
     temperature: float,
@@ -203,13 +201,9 @@ def check_sampled(
     refused = _shape_check(logits, tokens)
     if refused is not None:
         return refused
-    if isinstance(logits, EmulatedRows):  # the same test in closed form (inference/emulated.py)
+    if isinstance(logits, LogitRows):  # the same test, scored by the rows themselves
         top = min(1.0, top_p + nucleus_slack)
-        chosen = [r.log_prob(t, temperature, top) for r, t in zip(logits, tokens, strict=True)]
-        moments = [r.entropy_and_variance(temperature, top) for r in logits]
-        return _sampled_verdict(
-            chosen, sum(h for h, _ in moments), sum(v for _, v in moments), z_max
-        )
+        return _sampled_verdict(*logits.sampled_scores(tokens, temperature, top), z_max)
     import torch
 
     ids = torch.tensor(list(tokens), dtype=torch.long)
@@ -231,7 +225,7 @@ def check_sampled(
 
 
 def check_answer(
-    logits: torch.Tensor | EmulatedRows,
+    logits: torch.Tensor | LogitRows,
     tokens: Sequence[int],
     params: SamplingParams,
     config: AuditConfig,

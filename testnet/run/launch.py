@@ -1,6 +1,6 @@
 """Start a trial's nodes as separate OS processes on this machine, and stop them all.
 
-One file (~530 lines) on purpose: planning the nodes' addresses, starting them (forked, on
+One file on purpose: planning the nodes' addresses, starting them (forked, on
 loopback or in namespaces), waiting for the overlay and stopping them share ``RunningTrial``'s
 state; what counts as formed is judged apart, in ``formation.py``.
 
@@ -8,11 +8,10 @@ Contract:
 - ``with launch_trial(spec, arm, workdir) as trial:`` starts one bootstrap node and
   ``spec.node_count`` serving nodes (``node_cmd``), each in its own home
   under ``workdir/<arm>/``, each listening on its own loopback IP of its region (``wan.node_ip``)
-  started through ``testnet/run/node.py`` with ``--wan-spec``/``--region`` so its libp2p
-  connections carry the spec's delays, the
-  spec's ``[node]`` settings, ``--backend`` from the compute mode and ``--routing`` or
-  ``--no-routing`` by arm, and ``--adversary KIND --adversary-rate R`` for a node the spec's
-  ``[[adversary]]`` names. It waits for every ``runtime.json`` and for the overlay to form
+  started through ``testnet/run/node.py`` from a ``TrialNode`` plan (``NodeSettings`` values:
+  the spec's ``[node]`` settings, ``backend`` from the compute mode and ``routing`` by arm; the
+  spec and region, so its libp2p connections carry the spec's delays; an ``Adversary`` for a
+  node the spec's ``[[adversary]]`` names), written as ``trial-node.json`` in its home. It waits for every ``runtime.json`` and for the overlay to form
   (``formation.formation_missing``: every serving node sees every other one up in ``GET /status``, or with
   bounded connections at least its low watermark of them less one, the up links make one
   graph, and for the routing arm each node holds a cache view of every peer it sees up), all
@@ -29,16 +28,17 @@ Contract:
   departed node reuses its home, so its peer id; joining index ``len(trial.nodes)`` starts a
   NEW node (fresh home and identity, the region of ``spec.churn_new_nodes()``), appended to
   ``trial.nodes``. Every node started is stopped when the block ends.
-- ``node_cmd`` (default ``python -m p2pnode.bootstrap.cli``) is the command line a node's arguments
-  are appended to (another build of the node, a profiler wrapper). With the default command,
+- ``node_cmd`` (default ``python -m p2pnode.testnet.run.node``) is the command line a node's
+  plan file is appended to (another build of the node, a profiler wrapper). With the default command,
   emulated nodes on this host's loopback are forked from a fork server that imported the
   node's modules once (``testnet/run/zygote.py``): same processes, a fraction of the start-up CPU.
 - Emulated compute loads only the tokenizer (no torch, ~130 MB per node process); real
-  compute pins ``torch_threads`` via the flag and ``OMP_NUM_THREADS``.
+  compute pins ``torch_threads`` via its settings and ``OMP_NUM_THREADS``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -60,6 +60,7 @@ from p2pnode.errors import P2PNodeError
 from p2pnode.testnet.netns import wan
 from p2pnode.testnet.netns.namespaces import Testbed, require_netns
 from p2pnode.testnet.run.formation import FormationState, describe, formation_state
+from p2pnode.testnet.run.node import Adversary, TrialNode
 from p2pnode.testnet.run.zygote import ForkedProc, Zygote
 from p2pnode.testnet.spec import TrialSpec
 
@@ -87,7 +88,7 @@ class NodeProc:
     region: str
     ip: str
     home: Path
-    args: list[str]
+    plan: TrialNode  # what the node process runs: its settings, WAN and adversary
     env: dict[str, str]
     cmd: list[str] = field(default_factory=lambda: list(NODE_CMD))
     proc: subprocess.Popen | ForkedProc | None = None
@@ -123,14 +124,15 @@ def _spawn(node: NodeProc) -> None:
     (node.home / "runtime.json").unlink(missing_ok=True)
     log_path = node.home / f"node-{len(node.log_files)}.log"
     node.log_files.append(log_path)
+    args = [str(node.plan.write(node.home / "trial-node.json"))]
     if node.zygote is not None and tuple(node.cmd) == NODE_CMD:
         log_path.touch()
-        node.proc = node.zygote.spawn(node.args, node.env, log_path)
+        node.proc = node.zygote.spawn(args, node.env, log_path)
         node.info = None
         return
     with log_path.open("wb") as log:
         node.proc = subprocess.Popen(
-            [*node.cmd, *node.args],
+            [*node.cmd, *args],
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
@@ -210,7 +212,7 @@ def _close_network(bootstraps: Sequence[NodeProc]) -> None:
     first = bootstraps[0]
     load_or_create_network_key(first.home)
     for b in bootstraps:
-        b.args.remove("--open")
+        b.plan.settings["open"] = False
         if b is not first:
             b.home.mkdir(parents=True, exist_ok=True)
             shutil.copy2(first.home / NETWORK_KEY_FILE, b.home / NETWORK_KEY_FILE)
@@ -225,8 +227,7 @@ def _prepare_bootstrap(bootstrap: NodeProc, *, default_port: bool = False) -> st
     if default_port:
         return f"/ip4/{bootstrap.ip}/tcp/4101/p2p/{key.peer_id}"
     port = _free_port(bootstrap.ip)
-    listen = bootstrap.args.index("--listen") + 1
-    bootstrap.args[listen] = f"/ip4/{bootstrap.ip}/tcp/{port}"
+    bootstrap.plan.settings["listen"] = [f"/ip4/{bootstrap.ip}/tcp/{port}"]
     return f"/ip4/{bootstrap.ip}/tcp/{port}/p2p/{key.peer_id}"
 
 
@@ -273,7 +274,7 @@ class RunningTrial:
             self.spec, self.arm, self.root.parent, i, regions[i],
             log_level=self.log_level, node_cmd=self.node_cmd,
         )  # fmt: skip
-        node.args[1:1] = ["--bootstrap", self.bootstrap_addr]
+        node.plan.settings["bootstrap"] = [self.bootstrap_addr]
         node.zygote = self.bootstrap.zygote
         if self.spec.network.kind == "closed":
             _provision(self.bootstrap.home, node)
@@ -399,9 +400,7 @@ def plan_nodes(
     of one arm (not started)."""
     spec_path = str(spec.path) if spec.path else ""
     if not spec_path:
-        raise LaunchError(
-            "the spec must come from a file (load_spec): nodes read it for --wan-spec"
-        )
+        raise LaunchError("the spec must come from a file (load_spec): nodes read it for their WAN")
     per_region: dict[str, int] = {}
 
     def next_ip(region: str) -> str:
@@ -434,27 +433,22 @@ def _bootstrap_node(
     name = "bootstrap" if k == 0 else f"bootstrap{k}"
     boot_home = base / name
     boot_home.mkdir(parents=True, exist_ok=True)
+    settings = {
+        "home": str(boot_home),
+        "listen": [f"/ip4/{boot_ip}/tcp/0"],
+        "api_port": 0,
+        "log_level": log_level,
+        # what `p2pnode bootstrap` runs: discovery only
+        "model": "none",
+        "role": ["bootstrap"],
+        "open": True,  # False for a closed network (_close_network)
+    }
     return NodeProc(
         name=name,
         region=region,
         ip=boot_ip,
         home=boot_home,
-        args=[
-            "bootstrap",
-            "--open",  # removed for a closed network (_close_network)
-            "--home",
-            str(boot_home),
-            "--listen",
-            f"/ip4/{boot_ip}/tcp/0",
-            "--api-port",
-            "0",
-            "--log-level",
-            log_level,
-            "--wan-spec",
-            spec_path,
-            "--region",
-            region,
-        ],  # fmt: skip
+        plan=TrialNode(settings, spec_path, region),
         env=node_env(1),
         cmd=list(node_cmd),
     )
@@ -491,37 +485,24 @@ def _serving_node(
     s = spec.node
     spec_path = str(spec.path)
     home = base / f"node{i}"
-    args = [
-        "join",
-        "--home", str(home),
-        "--listen", f"/ip4/{ip}/tcp/0",
-        "--api-port", "0",
-        "--model", spec.model,
-        "--backend", spec.backend,
-        "--torch-threads", str(s.torch_threads),
-        "--routing" if arm == "routing" else "--no-routing",
-        "--pushback-threshold", str(s.pushback_threshold),
-        "--gossip-interval", str(s.gossip_interval),
-        "--gossip-budget", str(s.gossip_budget),
-        "--gossip-degree", str(s.gossip_degree),
-        "--cache-budget-tokens", str(s.cache_budget_tokens),
-        "--max-batch", str(s.max_batch),
-        "--ping-interval", str(s.ping_interval),
-        "--min-connections", str(s.min_connections),
-        "--max-connections", str(s.max_connections),
-        "--wan-spec", spec_path,
-        "--region", region,
-        "--log-level", log_level,
-    ]  # fmt: skip
+    settings = {
+        "home": str(home),
+        "listen": [f"/ip4/{ip}/tcp/0"],
+        "api_port": 0,
+        "model": spec.model,
+        "backend": spec.backend,
+        "routing": arm == "routing",
+        "log_level": log_level,
+        **dataclasses.asdict(s),  # the spec's [node] table holds NodeSettings fields
+    }
     liar = spec.adversary_of(i)
-    if liar is not None:  # testnet/run/node.py wires it into the node's own service
-        args += ["--adversary", liar.kind]
-        if liar.rate is not None:
-            args += ["--adversary-rate", repr(liar.rate)]
-        if liar.forge_digest:
-            args += ["--adversary-forge"]
+    adversary = None
+    if liar is not None:  # testnet/run/node.py hands it to the node as an extension
+        rate = {} if liar.rate is None else {"rate": liar.rate}
+        adversary = Adversary(liar.kind, forge=liar.forge_digest, **rate)
+    plan = TrialNode(settings, spec_path, region, adversary)
     env = node_env(s.torch_threads)
-    return NodeProc(f"node{i}", region, ip, home, args, env, list(node_cmd))
+    return NodeProc(f"node{i}", region, ip, home, plan, env, list(node_cmd))
 
 
 # Trials on namespace hosts: this namespace joins the hosts' bridge here, so the driver
@@ -544,11 +525,8 @@ def _onto_testbed(spec: TrialSpec, nodes: list[NodeProc]) -> Testbed:
         root_leg=DRIVER_LEG,
     ).build()
     for node in nodes:
-        at = node.args.index("--listen")
-        del node.args[at : at + 2]
-        at = node.args.index("--api-port")
-        node.args[at : at + 2] = ["--api-host", node.ip, "--api-port", str(NETNS_API_PORT)]
-        node.args += NETNS_API_FLAGS
+        node.plan.settings.pop("listen")  # the default: 0.0.0.0:4101 in its namespace
+        node.plan.settings.update(api_host=node.ip, api_port=NETNS_API_PORT, **NETNS_API)
         node.cmd = bed.cmd(node.name, node.cmd)
     return bed
 
@@ -556,7 +534,7 @@ def _onto_testbed(spec: TrialSpec, nodes: list[NodeProc]) -> Testbed:
 NETNS_API_PORT = 8731
 # The API listens on the host's address (the driver is outside the namespace): no key, on a
 # testbed that nothing but the trial can reach.
-NETNS_API_FLAGS = ["--api-insecure"]
+NETNS_API = {"api_insecure": True}
 
 
 @contextmanager
@@ -611,10 +589,10 @@ def launch_trial(
                 _provision(bootstrap.home, node)
         _spawn(bootstrap)
         for other in extra:  # the other bootstraps link with the first
-            other.args[1:1] = ["--bootstrap", addr]
+            other.plan.settings["bootstrap"] = [addr]
             _spawn(other)
         for k, node in enumerate(nodes):
-            node.args[1:1] = ["--bootstrap", addrs[spec.bootstrap_of(node.region)]]
+            node.plan.settings["bootstrap"] = [addrs[spec.bootstrap_of(node.region)]]
             if k and len(nodes) > STAGGER_ABOVE:
                 time.sleep(STAGGER_S)
             _spawn(node)

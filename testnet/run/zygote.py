@@ -11,8 +11,9 @@ Contract:
   imports the node's modules and loads the light model (``PRELOAD``), then answers on a Unix
   socket. No trio loop, thread or connection exists in it before it forks.
 - ``zygote.spawn(argv, env, log_path, cwd)`` -> ``ForkedProc``: a child that runs
-  ``p2pnode.testnet.run.node.main(argv)`` (the trial node entry point; ``entry="cli"``: the plain
-  ``p2pnode`` command line) in its own session, with
+  ``p2pnode.testnet.run.node.main(argv)`` (the trial node entry point; ``entry`` names another
+  module whose ``main(argv)`` runs instead, e.g. ``p2pnode.bootstrap.cli``, the plain ``p2pnode``
+  command line) in its own session, with
   ``env`` as its environment and stdout/stderr appended to ``log_path``. ``ForkedProc`` has
   the ``subprocess.Popen`` surface the launcher uses (``pid``, ``poll``, ``wait``,
   ``send_signal``, ``terminate``, ``kill``, ``returncode``); it follows the child through a
@@ -24,6 +25,7 @@ Contract:
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import os
 import select
@@ -43,7 +45,8 @@ from p2pnode.errors import P2PNodeError
 PRELOAD = (
     "p2pnode.testnet.run.node",
     "p2pnode.testnet.netns.wan",
-    "p2pnode.bootstrap.cli",
+    "p2pnode.bootstrap.config",
+    "p2pnode.bootstrap.cli",  # the plain command line, for benchmarks that fork it
     "p2pnode.bootstrap.node",
     "p2pnode.bootstrap.api",
     "p2pnode.overlay.net.node",
@@ -57,6 +60,12 @@ PRELOAD = (
     "p2pnode.inference.tokenizer",
     "hypercorn.trio",
 )
+
+
+# The module whose ``main(argv)`` a forked child runs unless ``spawn`` names another. A name,
+# not an import: the fork server runs the trials' node and the product's command line alike,
+# and neither becomes an import of this module (the command line imports the trials).
+TRIAL_NODE = "p2pnode.testnet.run.node"
 
 
 class ZygoteError(P2PNodeError, RuntimeError):
@@ -160,7 +169,7 @@ class Zygote:
         log_path: Path,
         cwd: Path | None = None,
         *,
-        entry: str = "trial",
+        entry: str = TRIAL_NODE,
     ) -> ForkedProc:
         self._n += 1
         exit_file = self.workdir / f"exit-{self._n}"
@@ -216,10 +225,7 @@ def _child(request: dict, server: socket.socket) -> None:
         sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115 - own streams
         os.environ.clear()
         os.environ.update(request["env"])
-        if request.get("entry") == "cli":  # plain `p2pnode` (benchmarks of the product)
-            from p2pnode.bootstrap.cli import main
-        else:
-            from p2pnode.testnet.run.node import main
+        main = importlib.import_module(request.get("entry") or TRIAL_NODE).main
         sys.argv = ["p2pnode", *request["argv"]]
         main(request["argv"])
         code = 0

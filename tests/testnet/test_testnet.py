@@ -147,9 +147,10 @@ def test_spec_errors_name_the_key(data, expected):
     assert str(info.value).startswith("t.toml")
 
 
-def test_adversaries_reach_the_node_command_line(tmp_path):
+def test_adversaries_reach_the_node_as_extensions(tmp_path):
+    from p2pnode.bootstrap.config import NodeSettings
     from p2pnode.testnet.run.launch import plan_nodes
-    from p2pnode.testnet.run.node import split_adversary_args
+    from p2pnode.testnet.run.node import Adversary, TrialNode
 
     spec = load_spec(builtin_spec_path("adversarial-liar"))
     kinds = {a.node: (a.kind, a.rate, a.forge_digest) for a in spec.adversaries}
@@ -160,13 +161,21 @@ def test_adversaries_reach_the_node_command_line(tmp_path):
     }
     _, nodes = plan_nodes(spec, "routing", tmp_path)
     for k, node in enumerate(nodes):
-        kind, rate, forge, rest = split_adversary_args(node.args)
-        assert (kind, forge) == ((kinds[k][0], kinds[k][2]) if k in kinds else (None, False))
-        assert rate == (kinds[k][1] or 0.05 if k in kinds else 0.05)
-        assert not any(a.startswith("--adversary") for a in rest)
-        assert rest[:2] == ["join", "--home"]
-    with pytest.raises(SystemExit, match="use one of"):
-        split_adversary_args(["--adversary", "liar"])
+        # what the node process reads back is what the launcher planned
+        plan = TrialNode.read(node.plan.write(tmp_path / f"{node.name}.json"))
+        assert plan == node.plan
+        adversary = plan.adversary
+        if k in kinds:
+            kind, rate, forge = kinds[k]
+            assert adversary == Adversary(kind, rate=rate or 0.05, forge=forge)
+        else:
+            assert adversary is None
+        settings = plan.node_settings()
+        assert isinstance(settings, NodeSettings)
+        assert settings.home == node.home and settings.routing and settings.backend == spec.backend
+        assert settings.max_batch == spec.node.max_batch
+    with pytest.raises(ValueError, match="use one of"):
+        Adversary("liar")
 
 
 def test_a_spec_with_a_bootstrap_per_region_plans_them_apart(tmp_path):
@@ -180,7 +189,8 @@ def test_a_spec_with_a_bootstrap_per_region_plans_them_apart(tmp_path):
     ips = [n.ip for n in [*bootstraps, *nodes]]
     assert len(set(ips)) == len(ips)  # every process its own address
     for b in bootstraps:
-        assert b.args[0] == "bootstrap" and b.args[b.args.index("--region") + 1] == b.region
+        assert b.plan.region == b.region
+        assert b.plan.settings["model"] == "none" and b.plan.settings["role"] == ["bootstrap"]
     assert {spec.bootstrap_of(r) for r in spec.placement} == {0, 1, 2, 3}
     one = load_spec(builtin_spec_path("paper-lan-zipf"))
     assert one.bootstraps == 1 and one.bootstrap_of(one.placement[-1]) == 0
@@ -362,9 +372,9 @@ def test_region_addressing():
     assert wan.region_of_ip(spec, "127.0.0.1") is None
     with pytest.raises(wan.WanError, match="outside region r0"):
         wan.install(str(spec.path), "r0", source_ip=wan.node_ip(spec, "r1", 0))
-    assert node_listen_ip(["--home", "h", "--listen", "/ip4/127.10.0.7/tcp/0"]) == "127.10.0.7"
-    assert node_listen_ip(["--listen", "/ip4/0.0.0.0/tcp/4101"]) is None  # a namespace host
-    assert node_listen_ip(["--home", "h"]) is None
+    assert node_listen_ip(["/ip4/127.10.0.7/tcp/0"]) == "127.10.0.7"
+    assert node_listen_ip(["/ip4/0.0.0.0/tcp/4101"]) is None  # a namespace host
+    assert node_listen_ip([]) is None
     assert wan.region_of_ip(spec, "10.1.0.2") is None
     assert wan.link_params(spec, "r0", "r2").delay_s == 0.2
     with pytest.raises(wan.WanError, match="not in the spec"):
