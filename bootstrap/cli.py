@@ -175,43 +175,18 @@ def _running(home: Path | None) -> tuple[Path, dict[str, Any]]:
 @click.option("--expires", default="7d", show_default=True, help="Lifetime: 90s, 30m, 12h, 7d.")
 def invite(home: Path | None, admin: bool, uses: int | None, expires: str) -> None:
     """Print an invite of the running node's network (`p2pnode join --bootstrap STRING`)."""
-    import time
-
-    from p2pnode.bootstrap.closed import issuer_in
-    from p2pnode.bootstrap.invite import InviteError, make_invite
-    from p2pnode.identity.membership import MembershipError, issue_grant
-    from p2pnode.overlay.net.node import VERSION
+    from p2pnode.bootstrap.closed import CommandRefused, invite_text
 
     ttl = _duration(expires)
     home_path, running = _running(home)
-    network = running.get("network", "main")
-    addrs = list(running["addrs"])
     try:
-        if not running.get("closed"):
-            if admin or uses is not None:
-                raise click.UsageError("--admin and --uses are for closed networks only")
-            text = make_invite(network, VERSION, addrs)
-        else:
-            issuer, why = issuer_in(home_path)
-            if issuer is None:
-                raise click.ClickException(f"this node cannot issue invites: {why}")
-            if admin and issuer.admin is not None:
-                raise click.ClickException(
-                    "an admin member cannot make admins; ask the network key holder"
-                )
-            grant = issue_grant(
-                issuer, running["peer_id"], admin=admin, max_uses=uses, ttl=ttl, now=time.time()
-            )
-            text = make_invite(network, VERSION, addrs, network_key=issuer.network, grant=grant.raw)
-            uses_text = f"{uses} joiner(s)" if uses is not None else "any number of joiners"
-            role = "admins" if admin else "members"
-            click.echo(
-                f"invite to the closed network for {uses_text} as {role}, valid {expires}: "
-                "whoever holds it can join, so send it privately",
-                err=True,
-            )
-    except (InviteError, MembershipError) as exc:
+        text, note = invite_text(home_path, running, admin=admin, uses=uses, ttl=ttl)
+    except CommandRefused as exc:
         raise click.ClickException(str(exc)) from None
+    if note:
+        click.echo(
+            f"{note}, valid {expires}: whoever holds it can join, so send it privately", err=True
+        )
     click.echo(text)
 
 
@@ -220,27 +195,15 @@ def invite(home: Path | None, admin: bool, uses: int | None, expires: str) -> No
 @click.argument("peer")
 def revoke(home: Path | None, peer: str) -> None:
     """Revoke PEER (a peer id) from the running node's closed network, for every member."""
-    import time
+    from p2pnode.bootstrap.closed import CommandRefused, revoke_peer
 
-    from p2pnode.bootstrap.closed import issuer_in
-    from p2pnode.identity.memberhome import MemberHome
-    from p2pnode.identity.membership import MembershipError, issue_revocation
-
-    home_path, running = _running(home)
-    if not running.get("closed"):
-        raise click.ClickException("this node's network is open: there is nothing to revoke")
     if not re.fullmatch(r"[1-9A-HJ-NP-Za-km-z]{40,64}", peer):  # base58btc
         raise click.BadParameter(f"{peer!r} is not a peer id (`p2pnode peers` lists them)")
-    issuer, why = issuer_in(home_path)
-    if issuer is None:
-        raise click.ClickException(f"this node cannot revoke: {why}")
-    if peer == running["peer_id"]:
-        raise click.ClickException("a node cannot revoke itself")
+    home_path, running = _running(home)
     try:
-        rev = issue_revocation(issuer, peer, now=time.time())
-    except MembershipError as exc:
+        revoke_peer(home_path, running, peer)
+    except CommandRefused as exc:
         raise click.ClickException(str(exc)) from None
-    MemberHome(home_path).post_revocation(rev.raw)  # the node applies and gossips it
     click.echo(f"revoked {peer}: the running node gossips it to every member")
 
 

@@ -17,6 +17,9 @@ Contract:
   or refused, or the invite cannot be redeemed.
 - ``issuer_in(home) -> (Issuer | None, why)``: the network key of the home, or its node key
   with an admin membership; None and the reason when this home may not issue.
+- ``invite_text(home, running, admin=, uses=, ttl=) -> (invite, note)`` and
+  ``revoke_peer(home, running, peer)``: what ``p2pnode invite`` and ``p2pnode revoke`` do for
+  the node running on ``home`` (``running``: its runtime file); ``CommandRefused`` says why not.
 """
 
 from __future__ import annotations
@@ -24,9 +27,11 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
+from typing import Any
 
 from p2pnode.bootstrap.config import NodeSettings
 from p2pnode.bootstrap.node import NodeStartError
+from p2pnode.errors import P2PNodeError
 from p2pnode.identity import NodeKey
 from p2pnode.identity.memberhome import MemberHome
 from p2pnode.identity.membership import (
@@ -39,7 +44,7 @@ from p2pnode.identity.membership import (
     verify_membership,
 )
 
-__all__ = ["closed_network", "issuer_in"]
+__all__ = ["CommandRefused", "closed_network", "invite_text", "issuer_in", "revoke_peer"]
 
 log = logging.getLogger("p2pnode.node")
 
@@ -142,3 +147,59 @@ def _short(network_key: bytes) -> str:
     from p2pnode.identity.membership import network_id_of
 
     return network_id_of(network_key)
+
+
+class CommandRefused(P2PNodeError):
+    """``p2pnode invite`` or ``revoke`` cannot be done here; the message says why."""
+
+    reason = "command_refused"
+
+
+def invite_text(
+    home: Path, running: dict[str, Any], *, admin: bool, uses: int | None, ttl: float
+) -> tuple[str, str]:
+    """The invite of the network of the node running on ``home``, and a note for the user
+    (empty for an open network)."""
+    from p2pnode.bootstrap.invite import InviteError, make_invite
+    from p2pnode.identity.membership import issue_grant
+    from p2pnode.overlay.net.node import VERSION
+
+    network, addrs = running.get("network", "main"), list(running["addrs"])
+    try:
+        if not running.get("closed"):
+            if admin or uses is not None:
+                raise CommandRefused("--admin and --uses are for closed networks only")
+            return make_invite(network, VERSION, addrs), ""
+        issuer, why = issuer_in(home)
+        if issuer is None:
+            raise CommandRefused(f"this node cannot issue invites: {why}")
+        if admin and issuer.admin is not None:
+            raise CommandRefused("an admin member cannot make admins; ask the network key holder")
+        grant = issue_grant(
+            issuer, running["peer_id"], admin=admin, max_uses=uses, ttl=ttl, now=time.time()
+        )
+        text = make_invite(network, VERSION, addrs, network_key=issuer.network, grant=grant.raw)
+    except (InviteError, MembershipError) as exc:
+        raise CommandRefused(str(exc)) from None
+    uses_text = f"{uses} joiner(s)" if uses is not None else "any number of joiners"
+    role = "admins" if admin else "members"
+    return text, f"invite to the closed network for {uses_text} as {role}"
+
+
+def revoke_peer(home: Path, running: dict[str, Any], peer: str) -> None:
+    """Sign a revocation of ``peer`` and hand it to the running node, which applies and
+    gossips it."""
+    from p2pnode.identity.membership import issue_revocation
+
+    if not running.get("closed"):
+        raise CommandRefused("this node's network is open: there is nothing to revoke")
+    issuer, why = issuer_in(home)
+    if issuer is None:
+        raise CommandRefused(f"this node cannot revoke: {why}")
+    if peer == running["peer_id"]:
+        raise CommandRefused("a node cannot revoke itself")
+    try:
+        rev = issue_revocation(issuer, peer, now=time.time())
+    except MembershipError as exc:
+        raise CommandRefused(str(exc)) from None
+    MemberHome(home).post_revocation(rev.raw)

@@ -1,5 +1,9 @@
 """The inference engine: a trio scheduler over one model, with an exact radix prefix cache.
 
+One file (~650 lines) on purpose: admission, chunked prefill, batched decode, scoring and the
+cache's pins all act on the one scheduler loop's requests; the compute lives behind the
+``Backend`` seam (``_backend.py``), the cache in ``radix.py``, costs in ``costmodel.py``.
+
 Contract:
 - ``async with open_engine(loaded, cache_budget_tokens=..., max_batch=...) as engine:`` starts
   the scheduler task (and, unless ``calibrate=False``, a ~1-2 s cost-model calibration). On exit

@@ -116,9 +116,7 @@ def test_the_import_linter_tree_holds_every_installed_module(tmp_path):
 
 
 LONG_MODULE = 600
-# Long modules without their reason yet, left to the engineer who is changing them (split or
-# explained): the check holds for every other module now.
-REASON_PENDING = {"p2pnode.inference.engine"}
+REASON_PENDING: set[str] = set()  # none: every long module says why
 
 
 def test_a_module_over_600_lines_says_why_in_its_first_lines(tmp_path):
