@@ -10,7 +10,7 @@ cannot tell which engine sits behind a node.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import trio
 
@@ -19,11 +19,26 @@ from p2pnode.inference.blockhash import BlockEvent
 from p2pnode.inference.sampling import SamplingParams
 
 
+class _CachedBlocks(Protocol):
+    """What an engine's ``tree`` answers about the prefix cache (the radix tree, or vLLM's)."""
+
+    def prefix_len(self, tokens: Sequence[int]) -> int: ...
+    def cached_block_hashes(self) -> set[int]: ...
+
+
 class EngineFront:
     tokenizer: Any
     vocab_size: int
     context_length: int
+    tree: _CachedBlocks
     _listeners: list[Callable[[BlockEvent], None]]
+
+    # ---- cache views -----------------------------------------------------------------------
+    def cached_prefix_len(self, prompt_ids: Sequence[int]) -> int:
+        return self.tree.prefix_len(prompt_ids)
+
+    def cached_block_hashes(self) -> set[int]:
+        return self.tree.cached_block_hashes()
 
     # ---- text helpers ----------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:

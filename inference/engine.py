@@ -52,7 +52,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import trio
 
@@ -122,6 +122,38 @@ class GenerationResult:
     finish_reason: str  # "stop" | "length"
     request_id: int = 0
     logprobs: list[TokenLogprob] | None = None  # one per token when params.logprobs is set
+
+    @classmethod
+    def of(
+        cls,
+        req: _Finished,
+        finish_reason: str,
+        request_id: int,
+        *,
+        now: float,
+        logprobs: list[TokenLogprob] | None = None,
+    ) -> GenerationResult:
+        """The result of a finished request of either engine (its timings measured at ``now``)."""
+        return cls(
+            tokens=list(req.tokens),
+            prompt_tokens=len(req.prompt),
+            cached_tokens=req.cached,
+            ttft_s=(req.t_first or now) - req.t_submit,
+            total_s=now - req.t_submit,
+            finish_reason=finish_reason,
+            request_id=request_id,
+            logprobs=logprobs,
+        )
+
+
+class _Finished(Protocol):
+    """What a result is made of: an engine's request as it ends."""
+
+    tokens: list[int]
+    prompt: list[int]
+    cached: int
+    t_first: float | None
+    t_submit: float
 
 
 @dataclass(eq=False)
@@ -235,13 +267,7 @@ class Engine(EngineFront):
         self.steps = 0
         self.totals = {"prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0, "requests": 0}
 
-    # ---- cache views -----------------------------------------------------------------------
-    def cached_prefix_len(self, prompt_ids: Sequence[int]) -> int:
-        return self.tree.prefix_len(prompt_ids)
-
-    def cached_block_hashes(self) -> set[int]:
-        return self.tree.cached_block_hashes()
-
+    # ---- cache views (cached_prefix_len, cached_block_hashes: EngineFront) ----------------
     @property
     def kv_bytes_per_token(self) -> int:
         return self._backend.kv_bytes_per_token
@@ -409,16 +435,9 @@ class Engine(EngineFront):
             req.state = None
         req.error = error
         if error is None and req.finish_reason is not None:
-            now = time.perf_counter()
-            req.result = GenerationResult(
-                tokens=list(req.tokens),
-                prompt_tokens=len(req.prompt),
-                cached_tokens=req.cached,
-                ttft_s=(req.t_first or now) - req.t_submit,
-                total_s=now - req.t_submit,
-                finish_reason=req.finish_reason,
-                request_id=req.id,
-                logprobs=list(req.logprobs) if req.params.logprobs is not None else None,
+            logprobs = list(req.logprobs) if req.params.logprobs is not None else None
+            req.result = GenerationResult.of(
+                req, req.finish_reason, req.id, now=time.perf_counter(), logprobs=logprobs
             )
             if req.score_from is None:  # a score is no answer: it says nothing of lengths
                 self.totals["requests"] += 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable
+from typing import Any
 
 import trio
 
@@ -36,14 +37,8 @@ async def wait_until(
 
 
 def wait_until_blocking(
-    predicate: Callable[[], object],
-    limit_s: float,
-    what: str,
-    *,
-    step_s: float = 0.05,
-    detail: Callable[[], str] | None = None,
+    predicate: Callable[[], object], limit_s: float, what: str, **options: Any
 ) -> float:
-    """``wait_until`` for code outside an event loop (tests that drive processes)."""
-    return trio.run(
-        functools.partial(wait_until, predicate, limit_s, what, step_s=step_s, detail=detail)
-    )
+    """``wait_until`` (same arguments) for code outside an event loop (tests that drive
+    processes)."""
+    return trio.run(functools.partial(wait_until, predicate, limit_s, what, **options))

@@ -145,6 +145,9 @@ class _CacheView:
     def prefix_len(self, tokens: Sequence[int]) -> int:
         return self._tr.cached_prefix_len(tokens)
 
+    def cached_block_hashes(self) -> set[int]:
+        return self._tr.cached_block_hashes()
+
     def clear(self) -> None:
         """Empty vLLM's prefix cache (the events that follow empty the digest)."""
         self._engine.reset_prefix_cache_soon()
@@ -196,13 +199,7 @@ class VllmEngine(EngineFront):
         self._aio: _AsyncioThread | None = None
         self._token: trio.lowlevel.TrioToken | None = None
 
-    # ---- cache views -----------------------------------------------------------------------
-    def cached_prefix_len(self, prompt_ids: Sequence[int]) -> int:
-        return self.translator.cached_prefix_len(prompt_ids)
-
-    def cached_block_hashes(self) -> set[int]:
-        return self.translator.cached_block_hashes()
-
+    # ---- cache views (cached_prefix_len, cached_block_hashes: EngineFront on ``tree``) ----
     @property
     def kv_bytes_per_token(self) -> int:
         c = self.config
@@ -320,15 +317,7 @@ class VllmEngine(EngineFront):
         if len(req.tokens) > 1 and req.t_first is not None:
             self.cost.observe_decode((now - req.t_first) / (len(req.tokens) - 1))
         self.lengths.observe(len(req.tokens), hit_limit=finish == "length")
-        req.result = GenerationResult(
-            tokens=list(req.tokens),
-            prompt_tokens=len(req.prompt),
-            cached_tokens=req.cached,
-            ttft_s=(req.t_first or now) - req.t_submit,
-            total_s=now - req.t_submit,
-            finish_reason=finish,
-            request_id=int(req.id.rsplit("-", 1)[1]),
-        )
+        req.result = GenerationResult.of(req, finish, int(req.id.rsplit("-", 1)[1]), now=now)
         self._inflight.pop(req.id, None)
         t = self.totals
         t["prompt_tokens"] += len(req.prompt)

@@ -19,12 +19,12 @@ Contract:
 - ``request_audit(node, peer, request, timeout_s) -> AuditVerdict``; ``RemoteAuditFailed`` on
   any failure (error code, bad or foreign signature, another nonce or request digest).
 - ``ThirdPeerAudits(node, views, model_id, salt, trusted, local_cost_s, rtt_s)`` is the
-  ``SecondAuditor`` the origin's ``Auditor`` uses: ``audit(server, prompt, answer, params)``
-  picks, among peers that ``trusted`` allows (members, or peers past probation) other than the
-  server, the one whose estimated cost (a round trip plus its prefill of what its digest does
-  not hold, plus the answer) is lowest, and only when that beats the origin's own pass;
-  returns ``(verdict, auditor)`` or None (nobody cheaper, or the call failed: the origin then
-  audits itself). ``second(...)`` asks a different peer (a disagreement's tie-breaker).
+  ``SecondAuditor`` the origin's ``Auditor`` uses: ``audit(prompt, answer, params,
+  not_by=...)`` picks, among peers that ``trusted`` allows (members, or peers past probation)
+  and not in ``not_by`` (the server; for a tie-breaker, the first auditor too), the one whose
+  estimated cost (a round trip plus its prefill of what its digest does not hold, plus the
+  answer) is lowest, and only when that beats the origin's own pass; returns ``(verdict,
+  auditor)`` or None (nobody cheaper, or the call failed: the origin then audits itself).
 """
 
 from __future__ import annotations
@@ -243,22 +243,7 @@ class ThirdPeerAudits:
         return [peer for cost, peer in ranked if cost < local]
 
     async def audit(
-        self, server: str, prompt: list[int], answer: list[int], params: SamplingParams
-    ) -> tuple[AuditVerdict, str] | None:
-        return await self._ask({server}, prompt, answer, params)
-
-    async def second(
-        self,
-        server: str,
-        first: str,
-        prompt: list[int],
-        answer: list[int],
-        params: SamplingParams,
-    ) -> tuple[AuditVerdict, str] | None:
-        return await self._ask({server, first}, prompt, answer, params)
-
-    async def _ask(
-        self, exclude: set[str], prompt: list[int], answer: list[int], params: SamplingParams
+        self, prompt: list[int], answer: list[int], params: SamplingParams, *, not_by: set[str]
     ) -> tuple[AuditVerdict, str] | None:
         request = AuditRequest(
             model_id=self.model_id,
@@ -268,7 +253,7 @@ class ThirdPeerAudits:
             top_p=params.top_p,
             nonce=secrets.token_bytes(16),
         )
-        for peer in self._ranked(exclude | {self.node.peer_id}, prompt, len(answer))[:2]:
+        for peer in self._ranked(not_by | {self.node.peer_id}, prompt, len(answer))[:2]:
             self.counts["asked"] += 1
             try:
                 return await request_audit(self.node, peer, request, self.timeout_s), peer

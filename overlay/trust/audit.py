@@ -246,19 +246,11 @@ def check_answer(
 
 
 class SecondAuditor(Protocol):
-    """Audits on other peers (``overlay/serve/audits.py``): ``(verdict, auditor)`` or None."""
+    """Audits on other peers, none of ``not_by`` (``overlay/serve/audits.py``): ``(verdict,
+    auditor)``, or None when nobody cheaper than this node could give one."""
 
     async def audit(
-        self, server: str, prompt: list[int], answer: list[int], params: SamplingParams
-    ) -> tuple[AuditVerdict, str] | None: ...
-
-    async def second(
-        self,
-        server: str,
-        first: str,
-        prompt: list[int],
-        answer: list[int],
-        params: SamplingParams,
+        self, prompt: list[int], answer: list[int], params: SamplingParams, *, not_by: set[str]
     ) -> tuple[AuditVerdict, str] | None: ...
 
 
@@ -530,14 +522,15 @@ class Auditor:
         self, peer: str, prompt: list[int], answer: list[int], params: SamplingParams
     ) -> tuple[AuditVerdict, str]:
         """The verdict and who computed it (``self`` or ``peer``)."""
-        got = None if self.others is None else await self.others.audit(peer, prompt, answer, params)
+        others = self.others
+        got = None if others is None else await others.audit(prompt, answer, params, not_by={peer})
         if got is None:
             return await self._own(prompt, answer, params), "self"
         verdict, auditor = got
         if verdict.passed:
             return verdict, "peer"
-        assert self.others is not None
-        second = await self.others.second(peer, auditor, prompt, answer, params)
+        assert others is not None
+        second = await others.audit(prompt, answer, params, not_by={peer, auditor})
         again, by = (
             second if second is not None else (await self._own(prompt, answer, params), "self")
         )

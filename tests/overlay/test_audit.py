@@ -194,19 +194,14 @@ class _Others:
 
     def __init__(self, first: tuple[bool, str] | None, second: tuple[bool, str] | None) -> None:
         self.first, self.second_answer = first, second
-        self.asked: list[str] = []
+        self.asked: list[set[str]] = []  # who each call excluded
 
-    async def audit(self, server, prompt, answer, params):
-        self.asked.append("first")
-        if self.first is None:
+    async def audit(self, prompt, answer, params, *, not_by):
+        got = self.first if not self.asked else self.second_answer
+        self.asked.append(set(not_by))
+        if got is None:
             return None
-        return AuditVerdict(self.first[0], len(answer)), self.first[1]
-
-    async def second(self, server, first, prompt, answer, params):
-        self.asked.append("second")
-        if self.second_answer is None:
-            return None
-        return AuditVerdict(self.second_answer[0], len(answer)), self.second_answer[1]
+        return AuditVerdict(got[0], len(answer)), got[1]
 
 
 async def test_a_third_peers_failed_verdict_is_checked_before_anyone_is_demoted() -> None:
@@ -232,6 +227,9 @@ async def test_a_third_peers_failed_verdict_is_checked_before_anyone_is_demoted(
         assert book.usable("server") == server_ok, (first, second)
         assert (book.score("a") == 1.0) == auditor_ok, (first, second)
         assert auditor.by_auditor[by] == 1, (first, second, auditor.by_auditor)
+        assert others.asked[0] == {"server"}  # never the serving peer
+        if len(others.asked) > 1:  # the tie-breaker is neither the server nor the first auditor
+            assert others.asked[1] == {"server", "a"}
 
 
 def test_every_trusted_peer_is_audited_at_least_every_max_gap_answers() -> None:
