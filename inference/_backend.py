@@ -19,7 +19,9 @@ Contract (``Backend``): all calls come from one thread at a time (the engine's s
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -28,6 +30,10 @@ from p2pnode.inference._cpu import fastpath as _fastpath
 from p2pnode.inference._cpu import kernels as _kernels
 from p2pnode.inference._cpu.kvslab import Slab, SlabPool
 from p2pnode.inference.emulated import EmulatedBackend, EmulatedLogits
+
+if TYPE_CHECKING:
+    from p2pnode.inference.costmodel import CostModel
+    from p2pnode.inference.scoring import ModelScorer
 
 __all__ = ["Backend", "EmulatedBackend", "HFBackend", "emulated_logits"]
 
@@ -122,6 +128,19 @@ class HFBackend:
 
     def concat_rows(self, parts: list[torch.Tensor]) -> torch.Tensor:
         return torch.cat(parts)
+
+    def make_generator(self, seed: int | None) -> torch.Generator:
+        from p2pnode.inference.sampling import make_generator
+
+        return make_generator(seed)
+
+    def no_grad(self) -> contextlib.AbstractContextManager:
+        return torch.inference_mode()
+
+    def scorer(self, cost: CostModel) -> ModelScorer:
+        from p2pnode.inference.scoring import ModelScorer
+
+        return ModelScorer(self.model, cost)
 
     def _extend(self, state: _HFState, tokens: list[int], keep: int) -> torch.Tensor:
         if state.row is not None:

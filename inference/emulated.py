@@ -21,6 +21,7 @@ Contract:
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 import time
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
     import torch
 
     from p2pnode.inference.sampling import SamplingParams
+    from p2pnode.inference.scoring import EmulatedScorer
 
 VALUE = 10.0  # the picked token's logit; every other token's is 0
 
@@ -189,6 +191,14 @@ class EmulatedBackend:
 
     def make_generator(self, seed: int | None) -> random.Random:
         return random.Random(seed)
+
+    def no_grad(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()  # no tensors: torch stays unloaded
+
+    def scorer(self, cost: CostModel) -> EmulatedScorer:
+        from p2pnode.inference.scoring import EmulatedScorer
+
+        return EmulatedScorer(self.vocab_size, self.eos_token_id, cost)
 
     def new_state(self, prefix_kv: object, prefix_len: int, expect: int = 0) -> _EmuState:
         return _EmuState(prefix_len)

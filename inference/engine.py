@@ -72,7 +72,6 @@ from p2pnode.inference.radix import LockHandle, RadixCache
 from p2pnode.inference.sampling import (
     SamplingParams,
     TokenLogprob,
-    make_generator,
     sample_token,
     token_logprob,
 )
@@ -278,16 +277,10 @@ class Engine(EngineFront):
         return self._backend
 
     def _make_generator(self, seed: int | None) -> torch.Generator | random.Random:
-        if isinstance(self._backend, EmulatedBackend):
-            return self._backend.make_generator(seed)
-        return make_generator(seed)
+        return self._backend.make_generator(seed)
 
     def _no_grad(self) -> contextlib.AbstractContextManager:
-        if isinstance(self._backend, EmulatedBackend):
-            return contextlib.nullcontext()  # no tensors: torch stays unloaded
-        import torch
-
-        return torch.inference_mode()
+        return self._backend.no_grad()
 
     # ---- load views ------------------------------------------------------------------------
     @property
@@ -661,7 +654,7 @@ async def open_engine(
         async with trio.open_nursery() as nursery:
             nursery.start_soon(engine._run)
             try:
-                if calibrate_cost and isinstance(engine.backend, EmulatedBackend):
+                if calibrate_cost and backend == "emulated":  # fixed speeds: the shipped ones
                     load_calibration(engine.model_id).apply_to(engine.cost)
                 elif calibrate_cost:
                     await calibrate(engine)

@@ -24,13 +24,12 @@ Contract:
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from p2pnode.inference.costmodel import CostModel
-from p2pnode.inference.emulated import EmulatedBackend, EmulatedLogits, EmulatedRows, emulated_pick
+from p2pnode.inference.emulated import EmulatedLogits, EmulatedRows, emulated_pick
 
 if TYPE_CHECKING:
     import torch
@@ -125,11 +124,8 @@ def emulated_answer(
 
 
 def scorer_for(engine: Any) -> Scorer | None:
-    """The scorer that recomputes what ``engine``'s backend computes, or None."""
+    """The scorer that recomputes what ``engine``'s backend computes, or None (an engine with
+    no ``Backend`` of ours, e.g. vLLM)."""
     backend = getattr(engine, "backend", None)
-    if isinstance(backend, EmulatedBackend):
-        return EmulatedScorer(backend.vocab_size, backend.eos_token_id, engine.cost)
-    hf = sys.modules.get("p2pnode.inference._backend")  # a model backend has loaded it
-    if hf is not None and isinstance(backend, hf.HFBackend):
-        return ModelScorer(backend.model, engine.cost)
-    return None
+    make = getattr(backend, "scorer", None)
+    return make(engine.cost) if make is not None else None
