@@ -109,7 +109,7 @@ def main() -> None:
     paths = [("draft decode", "draft", 1), ("verify 1", "target", 1), ("verify 5", "target", 5)]
 
     c_time = [0.0]
-    run = _fastpath._run
+    run = _fastpath.run
 
     def timed_run(*a, **kw):
         t0 = time.perf_counter()
@@ -118,7 +118,7 @@ def main() -> None:
         finally:
             c_time[0] = time.perf_counter() - t0
 
-    _fastpath._run = timed_run
+    _fastpath.run = timed_run
     flush = torch.ones(40_000_000)
     times: dict[tuple[str, str, str], list[float]] = {}
     for rep in range(args.reps + 1):  # rep 0 warms up
@@ -140,7 +140,7 @@ def main() -> None:
                     times.setdefault((name, arm.name, "step"), []).append(step)
                     times.setdefault((name, arm.name, "C stack"), []).append(c_time[0])
         print(f"rep {rep}/{args.reps}", flush=True)
-    _fastpath._run = run
+    _fastpath.run = run
     for arm in arms:
         _fastpath.plan(arm.target).lib = _fastpath.plan(arm.draft).lib = _kernels.library()
 

@@ -57,30 +57,19 @@ MAX_ROWS = 16
 MAX_PREFILL_ROWS = 4096
 
 
-class _Lin(ctypes.Structure):
-    _fields_ = [
-        ("kind", ctypes.c_int32),
-        ("N", ctypes.c_int32),
-        ("K", ctypes.c_int32),
-        ("G", ctypes.c_int32),
-        ("w", ctypes.c_void_p),
-        ("s", ctypes.c_void_p),
-        ("p", ctypes.c_void_p),  # the panel-packed weight for prefill rows, or None
-    ]
+def _c_struct(name: str, **fields: type) -> type[ctypes.Structure]:
+    """A ctypes mirror of a struct of ``kernels.c``: its fields in declaration order."""
+    return type(name, (ctypes.Structure,), {"_fields_": list(fields.items())})
 
 
-class _KVCopy(ctypes.Structure):  # kv_copy_t: a deferred prefix span (``Slab.take_pending``)
-    _fields_ = [
-        ("src", ctypes.c_void_p),
-        ("s_layer", ctypes.c_int64),
-        ("s_kv", ctypes.c_int64),
-        ("s_head", ctypes.c_int64),
-        ("s_pos", ctypes.c_int64),
-        ("n", ctypes.c_int32),
-        ("row", ctypes.c_int32),
-        ("pos", ctypes.c_int32),
-        ("pad", ctypes.c_int32),
-    ]
+_i32, _i64, _ptr = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p
+# lin_t: one linear layer; ``p`` is the panel-packed weight for prefill rows, or None.
+_Lin = _c_struct("_Lin", kind=_i32, N=_i32, K=_i32, G=_i32, w=_ptr, s=_ptr, p=_ptr)
+# kv_copy_t: a deferred prefix span (``Slab.take_pending``).
+_KVCopy = _c_struct(
+    "_KVCopy", src=_ptr, s_layer=_i64, s_kv=_i64, s_head=_i64, s_pos=_i64, n=_i32, row=_i32,
+    pos=_i32, pad=_i32,
+)  # fmt: skip
 
 
 def _copies(kv: torch.Tensor, pending: list[tuple[int, int, torch.Tensor]]) -> ctypes.Array:
@@ -257,22 +246,14 @@ def run(
     slots: list[int],
     lo: list[int],
     positions: torch.Tensor,
-) -> torch.Tensor:
-    """See the module contract; ``ids`` and ``positions`` hold one entry per row."""
-    return _run(_required_plan(model), model, ids, slab, batch_rows, slots, lo, positions)
-
-
-def _run(
-    p: _Plan,
-    model: nn.Module,
-    ids: torch.Tensor,
-    slab: Slab,
-    batch_rows: list[int],
-    slots: list[int],
-    lo: list[int],
-    positions: torch.Tensor,
+    *,
+    plan: _Plan | None = None,
     lins: ctypes.Array | None = None,
 ) -> torch.Tensor:
+    """See the module contract; ``ids`` and ``positions`` hold one entry per row. ``plan``
+    (default: the model's) and ``lins`` (default: the plan's decode linears) are the prefill
+    path's: its panel-packed linears."""
+    p = plan if plan is not None else _required_plan(model)
     inner = model.model
     rows = ids.numel()
     x = inner.embed_tokens(ids.reshape(1, rows)).float().contiguous()
@@ -411,7 +392,7 @@ def _try(model, input_ids, cache, attention_mask, position_ids, use_cache, logit
     rows_b = [b for b in range(batch) for _ in range(t)]
     slots = [n + i for _ in range(batch) for i in range(t)]
     ids = input_ids.reshape(-1)
-    hidden = _run(p, model, ids, slab, rows_b, slots, [0] * len(slots), position_ids, lins)
+    hidden = run(model, ids, slab, rows_b, slots, [0] * len(slots), position_ids, plan=p, lins=lins)
     slab.set_length(n + t)
     hidden = hidden.reshape(batch, t, -1)
     keep = logits_to_keep if isinstance(logits_to_keep, int) else 0
