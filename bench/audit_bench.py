@@ -34,7 +34,6 @@ Prints the figures and writes ``bench/results/audit.json``. A few minutes on 2 c
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import json
 import logging
@@ -42,7 +41,6 @@ import os
 import random
 import statistics
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -271,24 +269,6 @@ def emulated_reference(prompt: list[int], n: int, vocab: int, eos: int) -> list[
     return seq[len(prompt) :]
 
 
-@contextlib.asynccontextmanager
-async def overlays(n: int) -> AsyncIterator[list[Any]]:
-    from p2pnode.identity import NodeKey
-    from p2pnode.overlay.net.node import OverlayConfig, open_overlay_node
-
-    async with contextlib.AsyncExitStack() as stack:
-        nodes: list[Any] = []
-        for i in range(n):
-            cfg = OverlayConfig(
-                key=NodeKey.generate(),
-                bootstrap=[nodes[0].addrs[0]] if i else [],
-                ping_timeout=5.0,
-                health_ping_timeout=10.0,
-            )
-            nodes.append(await stack.enter_async_context(open_overlay_node(cfg)))
-        yield nodes
-
-
 async def detect_kind(kind: str, max_requests: int) -> dict[str, Any]:
     from p2pnode.inference.models import ShapeOnlyModel
     from p2pnode.overlay.cache.antientropy import AntiEntropyConfig
@@ -298,7 +278,9 @@ async def detect_kind(kind: str, max_requests: int) -> dict[str, Any]:
 
     model = ShapeOnlyModel("audit-bench-model")
     out: dict[str, Any] = {"kind": kind, "liars": []}
-    async with overlays(4) as nodes:
+    from p2pnode.testing.localcluster import loopback_overlays
+
+    async with loopback_overlays(4) as nodes:
         await wait_until(lambda: all(len(x.peers.up_peers()) == 3 for x in nodes), 30, "mesh")
         async with emulated_routed_services(
             nodes,

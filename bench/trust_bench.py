@@ -44,14 +44,12 @@ from typing import Any
 
 import trio
 
-from p2pnode.identity import NodeKey
 from p2pnode.inference.blockhash import block_hashes
 from p2pnode.inference.models import ShapeOnlyModel
 from p2pnode.overlay.cache.antientropy import AntiEntropyConfig
-from p2pnode.overlay.net.node import OverlayConfig, open_overlay_node
 from p2pnode.overlay.serve.forward import ForwardConfig
 from p2pnode.overlay.serve.service import RoutedService
-from p2pnode.testing.localcluster import emulated_routed_services, forge_liar
+from p2pnode.testing.localcluster import emulated_routed_services, forge_liar, loopback_overlays
 from p2pnode.testing.waiting import wait_until
 
 RESULTS = Path(__file__).resolve().parent / "results" / "trust.json"
@@ -78,16 +76,7 @@ def tenant_prompt(tenant: int, question: int) -> list[int]:
 
 @contextlib.asynccontextmanager
 async def cluster() -> AsyncIterator[list[RoutedService]]:
-    async with contextlib.AsyncExitStack() as stack:
-        nodes = []
-        for i in range(4):
-            cfg = OverlayConfig(
-                key=NodeKey.generate(),
-                bootstrap=[nodes[0].addrs[0]] if i else [],
-                ping_timeout=5.0,
-                health_ping_timeout=10.0,
-            )
-            nodes.append(await stack.enter_async_context(open_overlay_node(cfg)))
+    async with loopback_overlays(4) as nodes:
         await wait_until(lambda: all(len(n.peers.up_peers()) == 3 for n in nodes), 60, "mesh")
         async with emulated_routed_services(
             nodes,

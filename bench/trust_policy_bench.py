@@ -41,15 +41,13 @@ from typing import Any
 
 import trio
 
-from p2pnode.identity import NodeKey
 from p2pnode.inference.blockhash import block_hashes
 from p2pnode.inference.models import ShapeOnlyModel
 from p2pnode.inference.scoring import emulated_answer
 from p2pnode.overlay.cache.antientropy import AntiEntropyConfig
-from p2pnode.overlay.net.node import OverlayConfig, open_overlay_node
 from p2pnode.overlay.serve.forward import ForwardConfig
 from p2pnode.overlay.trust.audit import AuditConfig
-from p2pnode.testing.localcluster import emulated_routed_services
+from p2pnode.testing.localcluster import emulated_routed_services, loopback_overlays
 from p2pnode.testing.waiting import wait_until
 from p2pnode.testnet.adversary.trial import make_adversary
 
@@ -64,16 +62,7 @@ logging.getLogger("libp2p").setLevel(logging.CRITICAL)
 
 @contextlib.asynccontextmanager
 async def cluster(n: int, **service_kw: Any) -> AsyncIterator[list[Any]]:
-    async with contextlib.AsyncExitStack() as stack:
-        nodes: list[Any] = []
-        for i in range(n):
-            cfg = OverlayConfig(
-                key=NodeKey.generate(),
-                bootstrap=[nodes[0].addrs[0]] if i else [],
-                ping_timeout=5.0,
-                health_ping_timeout=10.0,
-            )
-            nodes.append(await stack.enter_async_context(open_overlay_node(cfg)))
+    async with loopback_overlays(n) as nodes:
         await wait_until(lambda: all(len(x.peers.up_peers()) == n - 1 for x in nodes), 60, "mesh")
         async with emulated_routed_services(
             nodes,

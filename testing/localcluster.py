@@ -7,6 +7,9 @@ order of ``overlays``; leaving the block stops the services, then the engines. `
 every router's round-trip estimate (one process has no real WAN to measure); further keywords
 go to ``RoutedService``. The overlays stay open: the caller owns them.
 
+``loopback_overlays(n)`` opens ``n`` overlay nodes on 127.0.0.1 (node i > 0 bootstraps from node
+0; pings patient enough for a loaded machine) and closes them on exit.
+
 ``forge_liar(liar, victim, prefill_s=..., decode_s=...)`` turns one of those services into a
 lying peer (the trust benchmark and tests use it).
 
@@ -25,6 +28,24 @@ from prometheus_client import CollectorRegistry
 from p2pnode.inference.engine import open_engine
 from p2pnode.overlay.cache.digest import DigestBuilder, LoadInfo
 from p2pnode.overlay.serve.service import RoutedService
+
+
+@contextlib.asynccontextmanager
+async def loopback_overlays(n: int) -> AsyncIterator[list[Any]]:
+    from p2pnode.identity import NodeKey
+    from p2pnode.overlay.net.node import OverlayConfig, open_overlay_node
+
+    async with contextlib.AsyncExitStack() as stack:
+        nodes: list[Any] = []
+        for i in range(n):
+            cfg = OverlayConfig(
+                key=NodeKey.generate(),
+                bootstrap=[nodes[0].addrs[0]] if i else [],
+                ping_timeout=5.0,
+                health_ping_timeout=10.0,
+            )
+            nodes.append(await stack.enter_async_context(open_overlay_node(cfg)))
+        yield nodes
 
 
 @contextlib.asynccontextmanager
