@@ -146,7 +146,10 @@ class ProbationChallenges:
         now, local = time.monotonic(), decision.local_total_s
         for c in decision.candidates:
             unheld = c.total_s - c.hold_s
-            if c.hold_s > 0 and c.skipped is None and unheld + decision.margin_s < local:
+            # A peer skipped because its answer could not be audited in time is held too: known
+            # answers are its one way out of probation.
+            held = c.hold_s > 0 and c.skipped is None or c.skipped == "no_audit"
+            if held and unheld + decision.margin_s < local:
                 e = self.earned.setdefault(c.peer_id, Earned(0.0, now))
                 e.seconds = min(self.config.max_banked_s, e.seconds + local - unheld)
                 e.at = now
