@@ -290,11 +290,15 @@ async def test_lying_peer_is_demoted_and_hit_rate_and_latency_recover(overlay_ne
         assert 1 <= len(lied_to) <= MAX_LIAR_REQUESTS, [r.served_by for r, _ in lied_to]
         assert demoted_after_s is not None and a.trust.demotions(liar) == 1
         # The liar's digests no longer drive decisions: skipped, its inflated speed ignored.
+        # An honest peer that holds the prefix serves: B, or C when a sampled audit of one of
+        # B's answers ran on C (cheaper there than on A's busy CPU) and left the prompt in C's
+        # cache; the two then tie, so which one wins is not for this test to say.
+        honest = {b.node.peer_id, _c.node.peer_id}
         after = [await ask(t, 2) for t in (0, 1, 2)]
         for res, _ in after:
             est = res.decision.estimate_for(liar)
             assert est is not None and est.skipped == "untrusted", res.decision.to_log()
-            assert res.served_by == b.node.peer_id and res.cached_tokens >= PREFIX_TOKENS, (
+            assert res.served_by in honest and res.cached_tokens >= PREFIX_TOKENS, (
                 res.decision.to_log(),
                 a.router.learned(),
                 [x.as_dict() for x in res.attempts],
