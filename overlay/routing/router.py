@@ -1,8 +1,9 @@
 """WAN-aware, cache-aware routing: pick the node (local included) that should serve a request.
 
-One file (~650 lines) on purpose: the cost formula, its margin rule and every knob with the
+One file (~690 lines) on purpose: the cost formula, its margin rule and every knob with the
 measurement behind it read best beside the one class that applies them; what the router learns from
-lives in its own modules (``netcost.py``, ``inference/lengths.py``, ``sessions.py``).
+lives in its own modules (``netcost.py``, ``inference/lengths.py``, ``sessions.py``), and where a
+miss is placed in ``placement.py``.
 
 Contract:
 - For every candidate the router estimates the completion time of the request there:
@@ -43,17 +44,9 @@ Contract:
   residuals (one round trip before any forward was measured). Peers in push-back, down in the
   peer table, demoted by the ``trust`` book (``overlay/trust/book.py``: "untrusted"), or without a
   live view are skipped (the reason is recorded).
-- **Placement on misses.** When no eligible candidate (local included) holds the prompt's
-  leading ``placement_blocks`` blocks (its *placement key*), the cache it is about to create
-  should live where the next request for that prefix will look: its rendezvous home, the
-  candidate with the highest ``hash(key, peer id)`` among those whose total is within
-  ``placement_share`` of a full prefill of the best total. Every entry node ranks the same
-  peers the same way, so misses of one prefix converge on one home; a home in push-back (or
-  with a queue that takes it out of the budget) drops out and the next in rank becomes a
-  second home. Far peers never qualify: their network cost exceeds the budget. Given a
-  ``placement_pool``, the ranking runs over those peers only (and this node): with scoped
-  views, the node's cell (``overlay/cache/scope.py``), one set every node of the cell has in view,
-  where the peers of each node's own scope differ from node to node.
+- **Placement on misses** (``overlay/routing/placement.py``): a prompt whose leading blocks no
+  eligible candidate holds goes to its rendezvous home, so misses of one prefix converge on one
+  node.
 - ``decide`` returns a ``RoutingDecision``: every candidate's estimate, the choice, and
   ``attempts``: the order to try (the chosen peer, then other peers that also beat local, at most
   ``max_remote_attempts``, then local when the node serves the model). Each decision is logged as
@@ -80,7 +73,6 @@ Contract:
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import math
@@ -95,6 +87,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from p2pnode.inference.blockhash import BLOCK_SIZE
 from p2pnode.overlay.cache.views import PeerView, PeerViews, prefix_tokens
 from p2pnode.overlay.routing.netcost import ForwardCost
+from p2pnode.overlay.routing.placement import LOCAL, placement_home
 
 if TYPE_CHECKING:
     from p2pnode.overlay.peers import PeerTable
@@ -102,7 +95,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("p2pnode.overlay.routing.router")
 
-LOCAL = "local"
 # Bytes of a forward request: CBOR ints up to 65535 take 3 bytes, plus framing and parameters.
 REQUEST_BYTES_PER_TOKEN = 3
 REQUEST_OVERHEAD_BYTES = 256
@@ -452,13 +444,11 @@ class Router:
         expected_tokens: float | None = None,
         future_turns: float = 0.0,
     ) -> RoutingDecision:
-        cfg = self.config
         expected = max_tokens if expected_tokens is None else min(expected_tokens, max_tokens)
-        candidates: list[CandidateEstimate] = []
-        local_est = None
-        if local.available:
-            local_est = self._local_estimate(local, prompt_tokens, expected)
-            candidates.append(local_est)
+        local_est = (
+            self._local_estimate(local, prompt_tokens, expected) if local.available else None
+        )
+        candidates = [] if local_est is None else [local_est]
         # Per decision, not per peer: the prompt's fingerprints (per width), bytes, clock.
         fps_by_bits: dict[int, list[int]] = {}
         nbytes = request_bytes(prompt_tokens)
@@ -488,40 +478,12 @@ class Router:
             key=lambda c: c.total_s,
         )
         home = self._placement_home(candidates, prompt_block_hashes, prompt_tokens, local, eligible)
-        margin = cfg.abs_margin_s
-        if local_est is not None:
-            differing = local_est.wait_s + local_est.prefill_s
-            margin = max(cfg.abs_margin_s, cfg.rel_margin * differing)
-            better = [
-                c for c in eligible if c.total_s + self._margin(c, margin) < local_est.total_s
-            ]
-            remote_order = [c.peer_id for c in better[: cfg.max_remote_attempts]]
-            if home is not None and cfg.max_remote_attempts > 0:
-                remote_order = [] if home == LOCAL else [home]
-            attempts = (*remote_order, LOCAL)
-            if remote_order:
-                chosen = remote_order[0]
-                reason = "placement_home" if home is not None else "remote_faster"
-            else:
-                chosen = LOCAL
-                if home == LOCAL:
-                    reason = "placement_home"
-                elif not eligible:
-                    reason = "local_best"
-                elif cfg.max_remote_attempts == 0:
-                    reason = "forwarding_off"
-                else:
-                    reason = "remote_saving_below_margin"
+        if local_est is None:
+            margin = self.config.abs_margin_s
+            attempts, reason = self._order_without_local(eligible, home)
         else:
-            remote_order = [c.peer_id for c in eligible[: max(1, cfg.max_remote_attempts)]]
-            if home is not None and home in remote_order:
-                remote_order.remove(home)
-                remote_order.insert(0, home)
-            elif home is not None:
-                remote_order = [home, *remote_order[: max(0, cfg.max_remote_attempts - 1)]]
-            attempts = tuple(remote_order)
-            chosen = remote_order[0] if remote_order else LOCAL
-            reason = "no_local_engine" if remote_order else "no_candidate"
+            margin, attempts, reason = self._order_with_local(local_est, eligible, home)
+        chosen = attempts[0] if attempts else LOCAL
         decision = RoutingDecision(
             request_id=uuid.uuid4().hex[:16],
             model_id=model_id,
@@ -540,6 +502,47 @@ class Router:
             self._record(decision)
         return decision
 
+    def _order_with_local(
+        self,
+        local_est: CandidateEstimate,
+        eligible: list[CandidateEstimate],
+        home: str | None,
+    ) -> tuple[float, tuple[str, ...], str]:
+        """(margin, attempts, reason) on a node that serves the model: the peers that beat
+        local by the margin, best first (the home alone on a miss), then local."""
+        cfg = self.config
+        differing = local_est.wait_s + local_est.prefill_s
+        margin = max(cfg.abs_margin_s, cfg.rel_margin * differing)
+        better = [c for c in eligible if c.total_s + self._margin(c, margin) < local_est.total_s]
+        remote = [c.peer_id for c in better[: cfg.max_remote_attempts]]
+        if home is not None and cfg.max_remote_attempts > 0:
+            remote = [] if home == LOCAL else [home]
+        if remote:
+            reason = "placement_home" if home is not None else "remote_faster"
+        elif home == LOCAL:
+            reason = "placement_home"
+        elif not eligible:
+            reason = "local_best"
+        elif cfg.max_remote_attempts == 0:
+            reason = "forwarding_off"
+        else:
+            reason = "remote_saving_below_margin"
+        return margin, (*remote, LOCAL), reason
+
+    def _order_without_local(
+        self, eligible: list[CandidateEstimate], home: str | None
+    ) -> tuple[tuple[str, ...], str]:
+        """(attempts, reason) on a node with no engine for the model: the best peers, the
+        home of a miss first; no margin, as there is nothing to beat."""
+        n = max(1, self.config.max_remote_attempts)
+        remote = [c.peer_id for c in eligible[:n]]
+        if home is not None and home in remote:
+            remote.remove(home)
+            remote.insert(0, home)
+        elif home is not None:
+            remote = [home, *remote[: n - 1]]
+        return tuple(remote), ("no_local_engine" if remote else "no_candidate")
+
     def _margin(self, c: CandidateEstimate, margin: float) -> float:
         return max(margin, self.config.margin_sigmas * self.netcost.spread_s(c.rtt_s))
 
@@ -551,31 +554,22 @@ class Router:
         local: LocalState,
         eligible: list[CandidateEstimate],
     ) -> str | None:
-        """The rendezvous home of a prompt nobody eligible holds, or None (see the contract)."""
         cfg = self.config
-        if not cfg.placement or not prompt_block_hashes:
+        if not cfg.placement:
             return None
-        blocks = min(cfg.placement_blocks, len(prompt_block_hashes))
-        pool = [c for c in candidates if c.is_local or c.skipped is None]
-        if not pool or any(c.cached_tokens >= blocks * BLOCK_SIZE - 1 for c in pool):
-            return None  # somebody holds the key: ordinary cost routing finds them
-        if self.placement_pool is not None:
-            pool = [c for c in pool if c.is_local or self.placement_pool(c.peer_id)]
-            if not pool:
-                return None  # nobody of the pool is a candidate (no local engine either)
-        if any(c.is_local for c in pool) and self.self_id is None:
-            return None  # without our own name the ranking would differ from our peers'
-        best = min(c.total_s for c in pool)
         rate = local.prefill_s_per_token or max(
             (c.prefill_s / max(1, prompt_tokens - c.cached_tokens) for c in eligible), default=0
         )
-        budget = best + cfg.placement_share * prompt_tokens * rate
-        key = placement_key(prompt_block_hashes, cfg.placement_blocks)
-        home = max(
-            (c for c in pool if c.total_s <= budget),
-            key=lambda c: rendezvous_rank(key, self.self_id if c.is_local else c.peer_id),
+        return placement_home(
+            candidates,
+            prompt_block_hashes,
+            prompt_tokens * rate,
+            blocks=cfg.placement_blocks,
+            share=cfg.placement_share,
+            block_size=BLOCK_SIZE,
+            pool=self.placement_pool,
+            self_id=self.self_id,
         )
-        return LOCAL if home.is_local else home.peer_id
 
     def _local_estimate(
         self, local: LocalState, prompt_tokens: int, expected_tokens: float
@@ -692,17 +686,6 @@ class Router:
 
 def request_bytes(prompt_tokens: int) -> int:
     return REQUEST_OVERHEAD_BYTES + REQUEST_BYTES_PER_TOKEN * prompt_tokens
-
-
-def placement_key(prompt_block_hashes: Sequence[int], placement_blocks: int) -> bytes:
-    """The key a prompt's cache is placed by on a miss: its leading blocks' chained hash."""
-    blocks = min(placement_blocks, len(prompt_block_hashes))
-    return prompt_block_hashes[blocks - 1].to_bytes(8, "little")
-
-
-def rendezvous_rank(key: bytes, peer_id: str) -> int:
-    """A peer's rank for a placement key: the highest-ranked candidate within budget is home."""
-    return int.from_bytes(hashlib.blake2b(key + peer_id.encode(), digest_size=8).digest(), "big")
 
 
 def _usable_cached(cached: int, prompt_tokens: int) -> int:

@@ -19,7 +19,8 @@ import trio
 from p2pnode.inference.blockhash import block_hashes, model_salt
 from p2pnode.inference.engine import SamplingParams, open_engine
 from p2pnode.inference.models import load_model
-from p2pnode.overlay.routing.router import RouterConfig, placement_key, rendezvous_rank
+from p2pnode.overlay.routing.placement import placement_key, rendezvous_rank
+from p2pnode.overlay.routing.router import RouterConfig
 from p2pnode.testnet.netns.namespaces import Testbed, require_netns
 from p2pnode.testnet.netns.swarm import NetnsSwarm
 
