@@ -6,7 +6,7 @@ serves the model): no listen or announce address is set by hand, so discovery, a
 dial-backs and relays are all the product's own.
 
 Contract:
-- ``NetnsSwarm(testbed, workdir)``; ``start_bootstrap(host)`` -> invite string;
+- ``NetnsSwarm(testbed, workdir)``; ``start_bootstrap(host, open_network=False)`` -> invite string;
   ``start_join(host, model="none", extra=())``; ``wait_full_view(limit_s)`` -> seconds until
   every node sees every other one up (``TimeoutError`` with each node's view otherwise);
   ``peers(host)`` / ``status(host)`` read the node's HTTP API inside its namespace;
@@ -87,8 +87,12 @@ class NetnsSwarm:
                 time.sleep(0.5)
         raise TimeoutError(f"{host}: no API within {limit_s} s\n{self.log(host)}")
 
-    def start_bootstrap(self, host: str, limit_s: float = 60.0) -> str:
-        self._start(host, ["bootstrap", "--open"])  # trials measure the overlay, not invites
+    def start_bootstrap(
+        self, host: str, limit_s: float = 60.0, *, open_network: bool = False
+    ) -> str:
+        """A closed network by default, as a user's ``p2pnode bootstrap`` starts one: every
+        joiner redeems the invite through the NATs before it may speak any other protocol."""
+        self._start(host, ["bootstrap", "--open"] if open_network else ["bootstrap"])
         self._wait_api(host, limit_s)
         self.invite = self.cli(host, "invite").strip()
         return self.invite

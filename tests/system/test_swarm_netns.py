@@ -3,7 +3,8 @@
 Six hosts, each a network namespace of its own (testnet/netns/namespaces.py): a public bootstrap, two
 public volunteers, two volunteers behind one NAT router each (both on 192.168.1.2, as home
 routers hand out), one behind a port-randomizing NAT. The bootstrap runs ``p2pnode
-bootstrap``, every other host ``p2pnode join --invite <invite>``, nothing else set by hand
+bootstrap`` (a closed network), every other host ``p2pnode join --invite <invite>``, nothing
+else set by hand
 (the two NAT'd hosts serve the real default model, the rest ``--model none``). The nodes must
 find each other, learn by dial-backs who is reachable, reserve relay slots on public members
 for the NAT'd ones, and route a request that enters at one NAT'd node to the other, which
@@ -110,6 +111,11 @@ def test_default_flags_across_nats_form_one_swarm_and_route_to_the_prefix(testbe
         raise AssertionError(f"{exc}\n{logs()}") from None
     print(f"full view of {len(HOSTS)} namespace hosts {took:.1f} s after the joins started")
     ids = swarm.peer_ids()
+    # A closed network, as `p2pnode bootstrap` starts one: every joiner, NAT'd ones included,
+    # redeemed the invite and holds its own membership (refusals: test_closed_processes.py).
+    for host in HOSTS:
+        if host != "boot":
+            assert (swarm.home(host) / "membership").exists(), swarm.log(host)
 
     # Addresses: nobody advertises 0.0.0.0; each node's record carries its own interface
     # address; NAT'd nodes add circuit addresses through public members.
