@@ -1,0 +1,256 @@
+"""A trial on an inventory of hosts over SSH (needs root: namespaces, and sshd).
+
+Five hosts, each a network namespace running a real OpenSSH server (keys made here, in a temp
+dir): a public bootstrap, a public relay, a public serving node, and two serving nodes behind
+NAT routers (both on 192.168.1.2, as home routers hand out), each reached through its site's
+gateway as the SSH jump host (the router namespace runs an sshd too, as a lab's bastion
+does). The controller is the user's command, ``p2pnode testnet SPEC --inventory hosts.toml``,
+on a chat spec with emulated engines: it must answer every request, write the report and the
+preflight (every host reachable, same code, an RTT row from every node), and leave no
+p2pnode process in any namespace, also when SIGINT stops it mid-workload.
+
+Five hosts rather than six: on the 2 shared cores, each extra emulated node adds start-up time
+to every wave. All hosts share this machine's file system, so they run the worktree's own
+environment (``[env] python``): the preflight's same-code check passes by construction here;
+``create`` (a wheel per host) is not exercised (the namespaces have no package index).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from p2pnode.testnet.netns.namespaces import Testbed, require_netns
+
+from testkit import wait_until_blocking
+
+HOSTS = {"boot": "public", "relay": "public", "pub": "public", "nat1": "nat", "nat2": "nat"}
+ROLES = {"boot": "bootstrap", "relay": "relay", "pub": "serving", "nat1": "serving",
+         "nat2": "serving"}  # fmt: skip
+REGIONS = {"boot": "eu", "relay": "eu", "pub": "eu", "nat1": "us", "nat2": "asia"}
+WORKLOAD = ("pub", "nat1", "nat2")
+SSHD = "/usr/sbin/sshd"
+RUN_LIMIT_S = 600.0
+SPEC = """
+name = "chat-hosts"
+seed = 5
+compute = "emulated"
+model = "default"
+arms = ["routing"]
+max_duration_s = 300
+
+# On real hosts the links are real: the spec's network only applies to local trials.
+[network]
+regions = ["lan"]
+
+[[network.links]]
+between = ["lan", "lan"]
+delay_ms = 1.0
+
+[nodes]
+count = 3  # locally; on an inventory its serving hosts are the nodes
+
+[node]
+cache_budget_tokens = 4096
+gossip_interval = 1.0
+max_batch = 4
+torch_threads = 1
+
+[workload]
+kind = "chat"
+sessions = 6
+turns = 2
+system_prompts = 2
+popularity = "uniform"
+think_time_s = 0.5
+arrival = "poisson"
+rate_per_s = 2.0
+concurrency = 4
+max_tokens = 4
+request_timeout_s = 120
+"""
+
+
+def _sshd_config(tmp: Path, name: str) -> Path:
+    key = tmp / "hostkeys" / name
+    key.parent.mkdir(exist_ok=True)
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(key)], check=True)
+    cfg = tmp / f"sshd-{name}.conf"
+    cfg.write_text(
+        f"Port 22\nHostKey {key}\nPidFile {tmp}/sshd-{name}.pid\n"
+        f"AuthorizedKeysFile {tmp}/authorized_keys\nStrictModes no\nUsePAM no\n"
+        "PasswordAuthentication no\nKbdInteractiveAuthentication no\n"
+        "PermitRootLogin prohibit-password\nAllowTcpForwarding yes\nX11Forwarding no\n"
+        "PrintMotd no\nUseDNS no\nLogLevel ERROR\n"
+    )
+    return cfg
+
+
+def _p2pnode_pids(namespaces: list[str]) -> dict[str, list[str]]:
+    """namespace -> command lines of p2pnode processes in it."""
+    found: dict[str, list[str]] = {}
+    for ns in namespaces:
+        pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True)
+        for pid in pids.stdout.split():
+            try:
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+            if "p2pnode" in cmd:
+                found.setdefault(ns, []).append(f"{pid}: {cmd[:160]}")
+    return found
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory):
+    reason = require_netns()
+    if reason is not None:
+        pytest.skip(reason)
+    if not os.path.exists(SSHD) or shutil.which("ssh") is None:
+        pytest.skip("needs OpenSSH: `make setup` installs openssh-server as root")
+    tmp = tmp_path_factory.mktemp("ssh-site")
+    # A /24 of its own, so that the controller's leg onto the bridge never meets another
+    # testbed's routes.
+    net = f"10.{200 + os.getpid() % 50}.{os.getpid() % 250}"
+    addresses = {n: f"{net}.{i}/24" for i, n in enumerate(HOSTS, start=2)}
+    bed = Testbed(HOSTS, addresses=addresses, root_leg=f"{net}.254/24")
+    sshds: list[subprocess.Popen] = []
+    try:
+        bed.build()
+        Path("/run/sshd").mkdir(exist_ok=True)  # sshd's privilege separation folder
+        key = tmp / "id_ed25519"
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(key)], check=True)
+        shutil.copy(f"{key}.pub", tmp / "authorized_keys")
+        where = {n: bed.ns(n) for n in HOSTS}
+        where.update({f"{n}-gw": bed.router_ns(n) for n, kind in HOSTS.items() if kind == "nat"})
+        for name, ns in where.items():
+            argv = ["ip", "netns", "exec", ns, SSHD, "-D", "-e", "-f", str(_sshd_config(tmp, name))]
+            log = (tmp / f"sshd-{name}.log").open("wb")
+            sshds.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT))
+        hosts = []
+        for name in HOSTS:
+            jumped = HOSTS[name] == "nat"
+            host = {
+                "name": name,
+                "address": bed.ip(name),
+                "user": "root",
+                "region": REGIONS[name],
+                "role": ROLES[name],
+                "workdir": str(tmp / "hosts" / name),
+                **({"jump": f"root@{bed.public_ip(name)}:22"} if jumped else {}),
+                **({"engine": "emulated"} if ROLES[name] == "serving" else {}),
+            }
+            hosts.append(host)
+        inventory = tmp / "hosts.toml"
+        inventory.write_text(_toml(key, tmp / "known_hosts", hosts))
+        spec = tmp / "chat-hosts.toml"
+        spec.write_text(SPEC)
+        namespaces = list(where.values())
+        yield {"tmp": tmp, "inventory": inventory, "spec": spec, "namespaces": namespaces}
+    finally:
+        for proc in sshds:
+            proc.terminate()
+        for proc in sshds:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        bed.close()
+
+
+def _toml(key: Path, known: Path, hosts: list[dict]) -> str:
+    lines = [
+        "[ssh]",
+        f'identity_file = "{key}"',
+        f'known_hosts = "{known}"',
+        'strict_host_keys = "accept-new"',
+        "connect_timeout_s = 30",
+        "",
+        "[env]",
+        f'python = "{sys.executable}"',
+    ]
+    for h in hosts:
+        lines += ["", "[[host]]"] + [f"{k} = {json.dumps(v)}" for k, v in h.items()]
+    return "\n".join(lines) + "\n"
+
+
+def _command(site, out: Path) -> list[str]:
+    return [sys.executable, "-m", "p2pnode.bootstrap.cli", "testnet", str(site["spec"]),
+            "--inventory", str(site["inventory"]), "--out", str(out)]  # fmt: skip
+
+
+def _none_left(site) -> None:
+    wait_until_blocking(
+        lambda: not _p2pnode_pids(site["namespaces"]),
+        60.0,
+        "no p2pnode process left in any namespace",
+        step_s=0.5,
+        detail=lambda: json.dumps(_p2pnode_pids(site["namespaces"]), indent=1),
+    )
+
+
+def test_trial_on_an_inventory_over_ssh(site):
+    out = site["tmp"] / "run"
+    done = subprocess.run(_command(site, out), capture_output=True, text=True,
+                          timeout=RUN_LIMIT_S)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-6000:]
+    results = json.loads((out / "results.json").read_text())
+    arm = results["arms"]["routing"]
+    planned = 6 * 2
+    assert arm["summary"]["requests"] == planned, arm
+    assert arm["summary"]["answered"] == planned, arm["summary"]
+    assert not arm["consistency"], arm["consistency"]
+    assert results["hosts"] == "inventory"
+    assert (out / "report.md").read_text().startswith("#")
+    # The preflight: every host reached over SSH, the same code, its clock compared.
+    pf = json.loads((out / "preflight.json").read_text())
+    assert set(pf["hosts"]) == set(HOSTS)
+    for name, check in pf["hosts"].items():
+        assert check["reachable"] and not check["problem"], (name, check)
+        assert check["clock_offset_ms"] is not None
+    assert "| nat1 | us | serving | ok |" in (out / "preflight.md").read_text()
+    # An RTT row from every node (it answered /peers), covering every other host.
+    assert set(pf["rtt_ms"]) == set(HOSTS)
+    for name, row in pf["rtt_ms"].items():
+        assert row is not None, f"{name} gave no RTT row"
+        assert set(row) == set(HOSTS) - {name}
+    assert any(v is not None for row in pf["rtt_ms"].values() for v in row.values())
+    for name in HOSTS:
+        assert (out / "nodes" / "routing" / "logs" / f"{name}.log").stat().st_size > 0
+        assert (out / "routing" / "metrics" / f"{name}.prom").is_file()
+    inventory = json.loads((out / "inventory.json").read_text())
+    assert inventory["ssh"]["identity_file"] == "(set)"
+    _none_left(site)
+
+
+def test_sigint_to_the_controller_leaves_no_node(site):
+    out = site["tmp"] / "interrupted"
+    out.mkdir()
+    log = out.parent / "interrupted.log"
+    with log.open("wb") as err:
+        proc = subprocess.Popen(_command(site, out), stdout=subprocess.DEVNULL, stderr=err)
+    try:
+        # Mid-workload: the first progress line of the driver.
+        wait_until_blocking(
+            lambda: proc.poll() is not None or " done (" in log.read_text(errors="replace"),
+            RUN_LIMIT_S,
+            "the workload under way",
+            step_s=0.5,
+            detail=lambda: log.read_text(errors="replace")[-3000:],
+        )
+        assert proc.poll() is None, log.read_text(errors="replace")[-4000:]
+        assert _p2pnode_pids(site["namespaces"]), "the nodes run before the interrupt"
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=120) == 130, log.read_text(errors="replace")[-4000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+    _none_left(site)
