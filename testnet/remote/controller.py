@@ -38,7 +38,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -285,20 +285,31 @@ def _snapshot(swarm: RemoteSwarm, arm_dir: Path) -> tuple[dict, dict]:
     return statuses, peers
 
 
+def _trio_run(fn: Callable[[], Awaitable[list[dict[str, Any]]]]) -> list[dict[str, Any]]:
+    """``trio.run``, with a Ctrl-C that arrived inside a nursery (wrapped in a group) raised
+    as the plain KeyboardInterrupt the command line answers with exit status 130."""
+    try:
+        return trio.run(fn)
+    except BaseExceptionGroup as group:
+        if group.subgroup(KeyboardInterrupt) is not None:
+            raise KeyboardInterrupt from None
+        raise
+
+
 def _drive(spec: TrialSpec, arm: str, workers: list[RemoteNode]):
     """The spec's workload through the tunnels -> (records, planned requests)."""
     apis, ids = [n.api for n in workers], [n.peer_id for n in workers]
     progress = Progress(arm, spec.workload.planned_requests)
     if spec.workload.kind == "chat":
         sessions = chat.build_sessions(spec.workload, spec.seed, len(workers))
-        return [], trio.run(
+        return [], _trio_run(
             lambda: chat.drive_chat(
                 apis, sessions, spec.workload, max_duration_s=spec.max_duration_s,
                 peer_ids=ids, tokenize=chat_tokenize(spec), on_record=progress,
             )
         )  # fmt: skip
     requests = driver.build_requests(spec.workload, spec.seed, len(workers))
-    return requests, trio.run(
+    return requests, _trio_run(
         lambda: driver.drive(
             apis, requests, spec.workload, max_duration_s=spec.max_duration_s,
             peer_ids=ids, on_record=progress,
@@ -359,7 +370,6 @@ def _preflight(
     client: SshClient, inv: Inventory, allow_missing: int, run_id: str
 ) -> tuple[Inventory, preflight.Preflight]:
     local = probe.describe()
-    local.pop("time")
     checks = preflight.check_hosts(client, inv, local)
     pf = preflight.Preflight(controller=local, hosts=checks)
     failed = pf.failed()

@@ -3,7 +3,8 @@
 Contract:
 - ``check_hosts(client, inventory, local)`` probes every host at once over SSH
   (``probe.py``) -> ``{name: HostCheck}``: reachable or the SSH error, clock offset against
-  this controller (the probe's clock minus the midpoint of the round trip), the round trip,
+  this controller (of ``CLOCK_EXCHANGES`` clock reads in the open session, the one with the
+  shortest round trip: its clock minus the round trip's midpoint), that round trip,
   version, code fingerprint and commit, hardware; ``problem`` says why a host cannot take part
   (unreachable, other code than ``local``, the controller's own ``probe.describe()``).
 - ``rtt_matrix(peers, names)`` -> ``{host: {peer host: ms}}`` from each node's ``/peers``
@@ -14,7 +15,10 @@ Contract:
 
 from __future__ import annotations
 
+import contextlib
 import json
+import subprocess
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -22,9 +26,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from p2pnode.testnet.remote.inventory import Host, Inventory
-from p2pnode.testnet.remote.ssh import SshClient, SshError, python_command
+from p2pnode.testnet.remote.ssh import SshClient, python_command
 
 PROBE_TIMEOUT_S = 60.0
+CLOCK_EXCHANGES = 5
 CLOCK_WARN_S = 1.0  # latencies are timed on the controller; offsets only skew log times
 
 
@@ -35,34 +40,62 @@ class HostCheck:
     role: str
     reachable: bool = False
     clock_offset_ms: float | None = None
-    probe_rtt_ms: float | None = None
+    ssh_rtt_ms: float | None = None
     info: dict[str, Any] = field(default_factory=dict)
     problem: str = ""  # why the host cannot take part ("" when it can)
     warnings: list[str] = field(default_factory=list)
 
 
+def _clock(proc: subprocess.Popen, exchanges: int) -> tuple[float, float]:
+    """(offset, round trip) in seconds of the exchange with the shortest round trip, as NTP
+    picks: its midpoint is closest to when the host read its clock."""
+    best: tuple[float, float] | None = None
+    for _ in range(exchanges):
+        t0 = time.time()
+        proc.stdin.write("t\n")
+        proc.stdin.flush()
+        remote = float(proc.stdout.readline())
+        t1 = time.time()
+        if best is None or t1 - t0 < best[1]:
+            best = (remote - (t0 + t1) / 2, t1 - t0)
+    assert best is not None
+    return best
+
+
 def _check(client: SshClient, host: Host, local: Mapping[str, Any]) -> HostCheck:
     check = HostCheck(host.name, host.region, host.role)
-    t0 = time.time()
+    proc = client.pipe(host, python_command(host, "p2pnode.testnet.remote.probe", []))
+    timer = threading.Timer(PROBE_TIMEOUT_S, proc.kill)  # a hung host must not hang the run
+    timer.start()
     try:
-        out = client.run(
-            host, python_command(host, "p2pnode.testnet.remote.probe", []), timeout=PROBE_TIMEOUT_S
-        )
-        t1 = time.time()
-        info = json.loads(out.strip().splitlines()[-1])
-    except SshError as exc:
-        check.problem = f"unreachable: {exc}"
-        return check
-    except (ValueError, IndexError):
+        first = proc.stdout.readline()
+        if not first:
+            err = proc.stderr.read().strip()[-1500:]
+            check.problem = f"unreachable: SSH exited {proc.wait()}: {err}"
+            return check
         check.reachable = True
-        check.problem = f"the probe printed no JSON: {out[-300:]!r}"
-        return check
-    check.reachable = True
+        try:
+            info = json.loads(first)
+            offset, rtt = _clock(proc, CLOCK_EXCHANGES)
+        except (ValueError, OSError) as exc:
+            check.problem = f"the probe failed: {exc}: {first[-300:]!r}"
+            return check
+    finally:
+        timer.cancel()
+        with contextlib.suppress(OSError):
+            proc.stdin.close()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        for stream in (proc.stdout, proc.stderr):
+            stream.close()
     check.info = info
-    check.probe_rtt_ms = round((t1 - t0) * 1e3, 1)
-    check.clock_offset_ms = round((float(info["time"]) - (t0 + t1) / 2) * 1e3, 1)
-    if abs(check.clock_offset_ms) > CLOCK_WARN_S * 1e3:
-        check.warnings.append(f"clock {check.clock_offset_ms / 1e3:+.1f} s off (run NTP)")
+    check.ssh_rtt_ms = round(rtt * 1e3, 1)
+    check.clock_offset_ms = round(offset * 1e3, 1)
+    if abs(offset) > CLOCK_WARN_S:
+        check.warnings.append(f"clock {offset:+.1f} s off (run NTP)")
     if (info.get("version"), info.get("fingerprint")) != (local["version"], local["fingerprint"]):
         check.problem = (
             f"runs other code: version {info.get('version')} fingerprint "
@@ -144,7 +177,7 @@ def table(pf: Mapping[str, Any]) -> str:
         f"Controller: p2pnode {c['version']} (code {c['fingerprint']}, commit "
         f"{_cell(c.get('commit'))}) on {c['hostname']}",
         "",
-        "| host | region | role | SSH | clock offset ms | probe ms | code | python | cpus "
+        "| host | region | role | SSH | clock offset ms | SSH RTT ms | code | python | cpus "
         "| reachability | problem |",
         "|---|---|---|---|---:|---:|---|---|---:|---|---|",
     ]
@@ -153,7 +186,7 @@ def table(pf: Mapping[str, Any]) -> str:
         code = f"{info.get('version')} {info.get('fingerprint')}" if info else "-"
         lines.append(
             f"| {name} | {h['region']} | {h['role']} | {'ok' if h['reachable'] else 'FAILED'} "
-            f"| {_cell(h['clock_offset_ms'])} | {_cell(h['probe_rtt_ms'])} | {code} "
+            f"| {_cell(h['clock_offset_ms'])} | {_cell(h['ssh_rtt_ms'])} | {code} "
             f"| {_cell(info.get('python'))} | {_cell(info.get('cpus'))} "
             f"| {_cell(pf['reachability'].get(name))} "
             f"| {_cell('; '.join([h['problem'], *h['warnings']]).strip('; '))} |"

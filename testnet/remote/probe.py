@@ -1,10 +1,11 @@
 """What a host says about itself before a trial: ``python -m p2pnode.testnet.remote.probe``.
 
-Prints one JSON object: ``time`` (its clock, for the offset against the controller's),
-``hostname``, ``version``, ``fingerprint`` (``code_fingerprint()``), ``commit`` (of the git
+Prints one JSON object: ``hostname``, ``version``, ``fingerprint`` (``code_fingerprint()``), ``commit`` (of the git
 checkout the code runs from, if any), ``python``, ``platform``, ``cpus``, ``memory_bytes``.
 The controller runs the same function on itself: two hosts with one fingerprint run the
-same p2pnode code, however it was installed (a wheel, an editable checkout).
+same p2pnode code, however it was installed (a wheel, an editable checkout). Then, for each
+line it reads on stdin, it prints its clock (``time.time()``) at once: the controller times
+these exchanges alone, so neither SSH's handshake nor Python's start-up skews the offset.
 """
 
 from __future__ import annotations
@@ -101,7 +102,6 @@ def describe() -> dict[str, Any]:
     from p2pnode import __version__
 
     return {
-        "time": time.time(),
         "hostname": socket.gethostname(),
         "version": __version__,
         "fingerprint": code_fingerprint(),
@@ -113,5 +113,11 @@ def describe() -> dict[str, Any]:
     }
 
 
+def main() -> None:
+    print(json.dumps(describe()), flush=True)
+    for _line in sys.stdin:
+        print(repr(time.time()), flush=True)
+
+
 if __name__ == "__main__":
-    print(json.dumps(describe()))
+    main()

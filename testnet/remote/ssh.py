@@ -15,6 +15,8 @@ Contract:
   (``SshError`` with stderr's tail on failure or timeout); ``start(host, command, log,
   forward=(local_port, remote_port))`` starts a session (stdin a pipe: the controller's
   heartbeat, see ``hold.py``) whose output goes to ``log``.
+- ``pipe(host, command)``: a session whose stdin and stdout are text pipes (the probe's
+  clock exchange).
 - ``rpath(path)`` quotes a remote path for the remote shell, ``~/...`` as ``"$HOME"/...``.
 """
 
@@ -119,6 +121,18 @@ class SshClient:
             what = "SSH connection failed" if done.returncode == 255 else "command failed"
             raise SshError(f"{host.name}: {what} (exit {done.returncode}): {err}")
         return done.stdout.decode(errors="replace")
+
+    def pipe(self, host: Host, command: str) -> subprocess.Popen:
+        """A session with its stdin and stdout as pipes (text, line-buffered)."""
+        return subprocess.Popen(
+            self.argv(host, command),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            bufsize=1,
+            start_new_session=True,
+        )
 
     def start(
         self, host: Host, command: str, log: Path, *, forward: tuple[int, int] | None = None

@@ -7,7 +7,7 @@ gateway as the SSH jump host (the router namespace runs an sshd too, as a lab's 
 does). The controller is the user's command, ``p2pnode testnet SPEC --inventory hosts.toml``,
 on a chat spec with emulated engines: it must answer every request, write the report and the
 preflight (every host reachable, same code, an RTT row from every node), and leave no
-p2pnode process in any namespace, also when SIGINT stops it mid-workload.
+p2pnode process in any namespace, also when SIGINT stops it mid-workload or it is killed.
 
 Five hosts rather than six: on the 2 shared cores, each extra emulated node adds start-up time
 to every wave. All hosts share this machine's file system, so they run the worktree's own
@@ -230,10 +230,17 @@ def test_trial_on_an_inventory_over_ssh(site):
     _none_left(site)
 
 
-def test_sigint_to_the_controller_leaves_no_node(site):
-    out = site["tmp"] / "interrupted"
+@pytest.mark.parametrize(
+    ("signum", "status"),
+    [(signal.SIGINT, 130), (signal.SIGKILL, -signal.SIGKILL)],
+    ids=["sigint", "controller-killed"],
+)
+def test_a_stopped_controller_leaves_no_node(site, signum, status):
+    """Ctrl-C tears down in order; a controller killed outright cannot, and its nodes still
+    stop: each SSH session's stdin closes with it, and the hold wrapper sees end of file."""
+    out = site["tmp"] / f"stopped-{signum}"
     out.mkdir()
-    log = out.parent / "interrupted.log"
+    log = out.parent / f"stopped-{signum}.log"
     with log.open("wb") as err:
         proc = subprocess.Popen(_command(site, out), stdout=subprocess.DEVNULL, stderr=err)
     try:
@@ -246,9 +253,9 @@ def test_sigint_to_the_controller_leaves_no_node(site):
             detail=lambda: log.read_text(errors="replace")[-3000:],
         )
         assert proc.poll() is None, log.read_text(errors="replace")[-4000:]
-        assert _p2pnode_pids(site["namespaces"]), "the nodes run before the interrupt"
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=120) == 130, log.read_text(errors="replace")[-4000:]
+        assert _p2pnode_pids(site["namespaces"]), "the nodes run before the signal"
+        proc.send_signal(signum)
+        assert proc.wait(timeout=120) == status, log.read_text(errors="replace")[-4000:]
     finally:
         if proc.poll() is None:
             proc.kill()
