@@ -228,6 +228,27 @@ def test_trial_on_an_inventory_over_ssh(site):
     inventory = json.loads((out / "inventory.json").read_text())
     assert inventory["ssh"]["identity_file"] == "(set)"
     _none_left(site)
+    # The same spec on this host's loopback: the same results and report format.
+    local = site["tmp"] / "local"
+    argv = [sys.executable, "-m", "p2pnode.bootstrap.cli", "testnet", str(site["spec"]),
+            "--hosts", "local", "--out", str(local)]  # fmt: skip
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=RUN_LIMIT_S)
+    assert done.returncode == 0, done.stderr[-6000:]
+    here = json.loads((local / "results.json").read_text())["arms"]["routing"]
+    assert set(here["summary"]) == set(arm["summary"])
+    assert set(here["chat"]) == set(arm["chat"])
+    layout = _layout(out / "report.md")
+    assert len(layout) >= 3 and _layout(local / "report.md") == layout
+
+
+def _layout(report: Path) -> list[str]:
+    """A report's headings and table header rows: its format, without its figures."""
+    lines = report.read_text().splitlines()
+    return [
+        line
+        for k, line in enumerate(lines)
+        if line.startswith("#") or (k + 1 < len(lines) and lines[k + 1].startswith("|---"))
+    ]
 
 
 @pytest.mark.parametrize(
