@@ -156,3 +156,17 @@ def test_each_role_runs_the_command_a_user_types():
     assert lab[lab.index("--cache-budget-tokens") + 1] == str(spec.node.cache_budget_tokens)
     light = node_args(inv.host("home"), spec, "routing", "INV", "H")
     assert light[light.index("--model") + 1] == "none" and "--engine" not in light
+
+
+def test_results_page_lists_a_run_on_hosts_beside_the_local_one(tmp_path):
+    from p2pnode.testnet.report import page
+
+    runs = []
+    for k, hosts in enumerate(("local", "inventory")):
+        d = tmp_path / hosts
+        d.mkdir()
+        results = {"spec": {"name": "chat-lan"}, "arms": {"routing": {}}, "hosts": hosts,
+                   "started": f"2026-12-07T00:0{k}:00Z"}  # fmt: skip
+        (d / "results.json").write_text(json.dumps(results))
+        runs.append(d)
+    assert sorted(page.load_runs(runs)) == ["chat-lan", "chat-lan (hosts)"]
