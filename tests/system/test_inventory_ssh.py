@@ -1,7 +1,7 @@
 """A trial on an inventory of hosts over SSH (needs root: namespaces, and sshd).
 
-Five hosts, each a network namespace running a real OpenSSH server (keys made here, in a temp
-dir): a public bootstrap, a public relay, a public serving node, and two serving nodes behind
+Six hosts, each a network namespace running a real OpenSSH server (keys made here, in a temp
+dir): a public bootstrap, a public relay, two public serving nodes, and two serving nodes behind
 NAT routers (both on 192.168.1.2, as home routers hand out), each reached through its site's
 gateway as the SSH jump host (the router namespace runs an sshd too, as a lab's bastion
 does). The controller is the user's command, ``p2pnode testnet SPEC --inventory hosts.toml``,
@@ -9,8 +9,7 @@ on a chat spec with emulated engines: it must answer every request, write the re
 preflight (every host reachable, same code, an RTT row from every node), and leave no
 p2pnode process in any namespace, also when SIGINT stops it mid-workload or it is killed.
 
-Five hosts rather than six: on the 2 shared cores, each extra emulated node adds start-up time
-to every wave. All hosts share this machine's file system, so they run the worktree's own
+All hosts share this machine's file system, so they run the worktree's own
 environment (``[env] python``): the preflight's same-code check passes by construction here;
 ``create`` (a wheel per host) is not exercised (the namespaces have no package index).
 """
@@ -31,11 +30,11 @@ from p2pnode.testnet.netns.namespaces import Testbed, require_netns
 
 from testkit import wait_until_blocking
 
-HOSTS = {"boot": "public", "relay": "public", "pub": "public", "nat1": "nat", "nat2": "nat"}
-ROLES = {"boot": "bootstrap", "relay": "relay", "pub": "serving", "nat1": "serving",
-         "nat2": "serving"}  # fmt: skip
-REGIONS = {"boot": "eu", "relay": "eu", "pub": "eu", "nat1": "us", "nat2": "asia"}
-WORKLOAD = ("pub", "nat1", "nat2")
+HOSTS = {"boot": "public", "relay": "public", "pub1": "public", "pub2": "public", "nat1": "nat",
+         "nat2": "nat"}  # fmt: skip
+ROLES = {"boot": "bootstrap", "relay": "relay", "pub1": "serving", "pub2": "serving",
+         "nat1": "serving", "nat2": "serving"}  # fmt: skip
+REGIONS = {"boot": "eu", "relay": "eu", "pub1": "eu", "pub2": "us", "nat1": "us", "nat2": "asia"}
 SSHD = "/usr/sbin/sshd"
 RUN_LIMIT_S = 600.0
 SPEC = """
@@ -55,7 +54,7 @@ between = ["lan", "lan"]
 delay_ms = 1.0
 
 [nodes]
-count = 3  # locally; on an inventory its serving hosts are the nodes
+count = 4  # locally; on an inventory its serving hosts are the nodes
 
 [node]
 cache_budget_tokens = 4096
