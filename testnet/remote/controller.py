@@ -367,17 +367,19 @@ def run_arm(
 
 
 def _preflight(
-    client: SshClient, inv: Inventory, allow_missing: int, run_id: str
+    client: SshClient, inv: Inventory, allow_missing: int, out_dir: Path
 ) -> tuple[Inventory, preflight.Preflight]:
+    """The checks before anything starts, saved and printed whatever they find."""
     local = probe.describe()
     checks = preflight.check_hosts(client, inv, local)
     pf = preflight.Preflight(controller=local, hosts=checks)
     failed = pf.failed()
-    keep_out = {inv.bootstrap.name}
-    if failed and (len(failed) > allow_missing or keep_out & set(failed)):
+    stop = failed and (len(failed) > allow_missing or inv.bootstrap.name in failed)
+    pf.dropped = [] if stop else sorted(failed)
+    _write_preflight(out_dir, pf)
+    if stop:
         detail = "; ".join(f"{h}: {why}" for h, why in failed.items())
         raise PreflightFailed(f"preflight failed on {len(failed)} host(s): {detail}")
-    pf.dropped = sorted(failed)
     hosts = tuple(h for h in inv.hosts if h.name not in failed)
     if not any(h.takes_workload for h in hosts):
         raise PreflightFailed("no workload host passed the preflight")
@@ -416,7 +418,7 @@ def run_inventory_trial(
     (out_dir / "inventory.json").write_text(json.dumps(inventory.redacted(), indent=1))
     cleaned = _cleanup(client, inventory)
     envs.prepare(client, inventory)
-    inv, pf = _preflight(client, inventory, allow_missing, run_id)
+    inv, pf = _preflight(client, inventory, allow_missing, out_dir)
     workers = inv.workload_hosts
     spec = replace(spec, placement=tuple(h.region for h in workers))
     results: dict[str, Any] = {
@@ -432,7 +434,6 @@ def run_inventory_trial(
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     results["spec"]["max_delay_ms"] = 0.0  # real links, no emulated delay
-    _write_preflight(out_dir, pf)
     for arm in arms:
         results["arms"][arm] = result = run_arm(spec, inv, client, run_id, arm, out_dir)
         if "rtt_ms" in result and not pf.rtt_ms:

@@ -180,9 +180,10 @@ def _toml(key: Path, known: Path, hosts: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _command(site, out: Path) -> list[str]:
+def _command(site, out: Path, inventory: Path | None = None) -> list[str]:
+    inventory = inventory or site["inventory"]
     return [sys.executable, "-m", "p2pnode.bootstrap.cli", "testnet", str(site["spec"]),
-            "--inventory", str(site["inventory"]), "--out", str(out)]  # fmt: skip
+            "--inventory", str(inventory), "--out", str(out)]  # fmt: skip
 
 
 def _none_left(site) -> None:
@@ -248,6 +249,23 @@ def _layout(report: Path) -> list[str]:
         for k, line in enumerate(lines)
         if line.startswith("#") or (k + 1 < len(lines) and lines[k + 1].startswith("|---"))
     ]
+
+
+def test_a_host_failing_preflight_stops_the_run_before_anything_starts(site):
+    """A host whose SSH server does not answer (port 2222 is closed there) is named with the
+    reason, and no node starts anywhere."""
+    inventory = site["tmp"] / "ghost.toml"
+    text = site["inventory"].read_text()
+    ghost = text.split("[[host]]")[3].replace('"pub1"', '"ghost"')
+    inventory.write_text(f"{text}\n[[host]]{ghost}port = 2222\n")
+    out = site["tmp"] / "ghost-run"
+    done = subprocess.run(_command(site, out, inventory), capture_output=True, text=True,
+                          timeout=RUN_LIMIT_S)  # fmt: skip
+    assert done.returncode == 1, done.stderr[-4000:]
+    assert "preflight failed on 1 host(s): ghost: unreachable" in done.stderr, done.stderr
+    assert "| ghost | eu | serving | FAILED |" in done.stderr  # the table, printed
+    assert not (out / "results.json").exists()
+    assert not _p2pnode_pids(site["namespaces"])
 
 
 @pytest.mark.parametrize(
