@@ -49,11 +49,12 @@ import trio
 
 from p2pnode.errors import P2PNodeError
 from p2pnode.testnet.remote import envs, hold, preflight, probe
+from p2pnode.testnet.remote.faults import RemoteChurn
 from p2pnode.testnet.remote.inventory import Host, Inventory
 from p2pnode.testnet.remote.ssh import SshClient, SshError, python_command, rpath
 from p2pnode.testnet.report.tables import write_report
 from p2pnode.testnet.run import formation
-from p2pnode.testnet.run.trial import Progress, chat_tokenize, finish_arm, spec_echo
+from p2pnode.testnet.run.trial import Progress, chat_tokenize, drive_churn, finish_arm, spec_echo
 from p2pnode.testnet.spec import TrialSpec
 from p2pnode.testnet.workload import chat, driver
 
@@ -157,18 +158,45 @@ class RemoteSwarm:
     def start(self, host: Host, spec: TrialSpec, invite: str) -> RemoteNode:
         node_dir = f"{host.workdir}/{self.run_id}/{self.arm}-{host.name}"
         node = RemoteNode(host, node_dir, _free_port())
+        self.launch(node, spec, invite)
+        self.nodes.append(node)
+        return node
+
+    def launch(self, node: RemoteNode, spec: TrialSpec, invite: str) -> None:
+        """Start (or restart, with the same home and so the same peer id) ``node``'s session."""
+        host = node.host
         py = rpath(host.env.interpreter)
-        argv = node_args(host, spec, self.arm, invite, rpath(node_dir + "/home"))
+        argv = node_args(host, spec, self.arm, invite, rpath(node.dir + "/home"))
         command = (
-            f"{py} -m p2pnode.testnet.remote.hold --run {self.run_id} --dir {rpath(node_dir)}"
+            f"{py} -m p2pnode.testnet.remote.hold --run {self.run_id} --dir {rpath(node.dir)}"
             f" -- {py} -m {CLI} " + " ".join(argv)
         )
-        node.session_log = self.local_dir / f"{host.name}.ssh.log"
+        node.local_port = _free_port()
+        restarts = sum(1 for p in self.local_dir.glob(f"{host.name}*.ssh.log"))
+        suffix = f".{restarts}" if restarts else ""
+        node.session_log = self.local_dir / f"{host.name}{suffix}.ssh.log"
         node.session = self.client.start(
             host, command, node.session_log, forward=(node.local_port, host.api_port)
         )
-        self.nodes.append(node)
-        return node
+
+    def stop_node(self, node: RemoteNode, *, kill: bool = False) -> None:
+        """A clean stop (end of its session: SIGTERM) or SIGKILL of its process group; returns
+        once its session has ended."""
+        s = node.session
+        if s is None or s.poll() is not None:
+            return
+        if kill:
+            py = rpath(node.host.env.interpreter)
+            command = f"{py} -m p2pnode.testnet.remote.hold --signal KILL --dir {rpath(node.dir)}"
+            self.client.run(node.host, command, timeout=60)
+        elif s.stdin is not None:
+            with contextlib.suppress(OSError):
+                s.stdin.close()
+        try:
+            s.wait(timeout=STOP_LIMIT_S)
+        except subprocess.TimeoutExpired:
+            s.kill()
+            s.wait(timeout=10)
 
     def remote_log(self, node: RemoteNode, tail: int = 3000) -> str:
         with contextlib.suppress(SshError):
@@ -296,8 +324,10 @@ def _trio_run(fn: Callable[[], Awaitable[list[dict[str, Any]]]]) -> list[dict[st
         raise
 
 
-def _drive(spec: TrialSpec, arm: str, workers: list[RemoteNode]):
-    """The spec's workload through the tunnels -> (records, planned requests)."""
+def _drive(spec: TrialSpec, arm: str, workers: list[RemoteNode], churn_trial: RemoteChurn):
+    """The spec's workload through the tunnels -> (planned requests, records, churn figures);
+    an MMLU workload with ``[[churn]]`` goes through ``trial.drive_churn``, as on this machine
+    (chat sessions stay with their node, as there)."""
     apis, ids = [n.api for n in workers], [n.peer_id for n in workers]
     progress = Progress(arm, spec.workload.planned_requests)
     if spec.workload.kind == "chat":
@@ -307,14 +337,18 @@ def _drive(spec: TrialSpec, arm: str, workers: list[RemoteNode]):
                 apis, sessions, spec.workload, max_duration_s=spec.max_duration_s,
                 peer_ids=ids, tokenize=chat_tokenize(spec), on_record=progress,
             )
-        )  # fmt: skip
+        ), {}  # fmt: skip
     requests = driver.build_requests(spec.workload, spec.seed, len(workers))
+    if spec.churn:
+        out: dict[str, Any] = {}
+        records = _trio_run(lambda: drive_churn(churn_trial, requests, False, progress, out))
+        return requests, records, out
     return requests, _trio_run(
         lambda: driver.drive(
             apis, requests, spec.workload, max_duration_s=spec.max_duration_s,
             peer_ids=ids, on_record=progress,
         )
-    )  # fmt: skip
+    ), {}  # fmt: skip
 
 
 @contextmanager
@@ -351,7 +385,8 @@ def run_arm(
             result["peer_ids"] = [n.peer_id for n in workers]
             result["apis"] = [f"{n.name}:{n.host.api_port} via {n.api}" for n in workers]
             result["hosts"] = {n.name: n.host.role for n in swarm.nodes}
-            requests, records = _drive(spec, arm, workers)
+            churn_trial = RemoteChurn(swarm, workers, spec, arm, invite)
+            requests, records, churn_out = _drive(spec, arm, workers, churn_trial)
             statuses, peers = _snapshot(swarm, arm_dir)
             names = {n.peer_id: n.name for n in swarm.nodes}
             result["rtt_ms"] = preflight.rtt_matrix(peers, names)
@@ -361,7 +396,7 @@ def run_arm(
         result["error"] = str(exc)[:4000]
         return result
     result["logs"] = str(out_dir / "nodes" / arm / "logs")
-    finish_arm(spec, arm, out_dir, records, requests, result)
+    finish_arm(spec, arm, out_dir, records, requests, result, churn_out)
     result["wall_s"] = round(time.monotonic() - t0, 1)
     return result
 
@@ -410,8 +445,18 @@ def run_inventory_trial(
     allow_missing: int = 0,
     command: str = "",
 ) -> dict[str, Any]:
-    if spec.churn or spec.adversaries:
-        raise RemoteTrialError("trials on an inventory run no [[churn]] or [[adversary]] yet")
+    if spec.adversaries:
+        raise RemoteTrialError("trials on an inventory run no [[adversary]] yet")
+    if spec.churn_new_nodes():
+        raise RemoteTrialError(
+            "[[churn]] joins of new nodes need hosts of their own: not on an inventory"
+        )
+    workers_n = len(inventory.workload_hosts)
+    beyond = sorted({e.node for e in spec.churn if e.node >= workers_n})
+    if beyond:
+        raise RemoteTrialError(
+            f"[[churn]] names nodes {beyond}; the inventory has {workers_n} workload hosts"
+        )
     out_dir.mkdir(parents=True, exist_ok=True)
     run_id = time.strftime("%Y%m%d%H%M%S", time.gmtime()) + "-" + secrets.token_hex(3)
     client = SshClient(inventory, out_dir)

@@ -9,6 +9,10 @@ stopped, crashed or lost the link), on ``SILENCE_S`` without a byte (a link that
 without closing), on SIGTERM / SIGHUP, or when the node exits, it stops the node's process
 group (SIGTERM, SIGKILL after ``STOP_GRACE_S``) and exits with the node's status.
 
+``python -m p2pnode.testnet.remote.hold --signal KILL --dir DIR`` sends a signal to the
+node's process group (a trial's fault injection: ``kill`` churn events); the wrapper then sees
+the node exit and ends its session.
+
 ``python -m p2pnode.testnet.remote.hold --cleanup WORKDIR`` is the pass a controller runs
 first on every host: any process still running from a pid file under ``WORKDIR/*/*/`` whose
 environment carries that file's run id (so a reused pid is never hit) gets its group
@@ -122,16 +126,34 @@ def cleanup(workdir: Path) -> list[dict[str, object]]:
     return killed
 
 
+def signal_node(workdir: Path, name: str) -> int:
+    """Send SIG<name> to the node of ``workdir``'s pid file; 1 when none runs there."""
+    try:
+        info = json.loads((workdir / PID_FILE).read_text())
+        pid, run = int(info["pid"]), str(info["run"])
+    except (OSError, ValueError, KeyError, TypeError):
+        print(f"no running node in {workdir}", file=sys.stderr)
+        return 1
+    if not _runs_in(pid, run):
+        print(f"pid {pid} is not this run's node", file=sys.stderr)
+        return 1
+    os.killpg(pid, getattr(signal, f"SIG{name}"))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m p2pnode.testnet.remote.hold")
     parser.add_argument("--run", help="the trial's run id")
     parser.add_argument("--dir", help="the node's folder (log, pid file)")
     parser.add_argument("--cleanup", metavar="WORKDIR", help="kill leftovers of earlier runs")
+    parser.add_argument("--signal", choices=("KILL", "TERM", "STOP", "CONT"), help="to the node")
     parser.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     if args.cleanup:
         print(json.dumps({"killed": cleanup(Path(args.cleanup).expanduser())}))
         return 0
+    if args.signal and args.dir:
+        return signal_node(Path(args.dir).expanduser(), args.signal)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not (args.run and args.dir and command):
         parser.error("give --run, --dir and -- COMMAND (or --cleanup WORKDIR)")

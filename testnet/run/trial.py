@@ -120,8 +120,8 @@ class Progress:
             )
 
 
-async def _drive_churn(
-    trial: RunningTrial,
+async def drive_churn(
+    trial: churn.ChurnTrial,
     requests: list[driver.PlannedRequest],
     stream: bool,
     progress: Progress,
@@ -168,7 +168,7 @@ async def _drive_arm(
     spec = trial.spec
     progress = Progress(trial.arm, len(requests))
     if spec.churn:
-        return await _drive_churn(
+        return await drive_churn(
             trial, requests, stream, progress, {} if churn_out is None else churn_out
         )
     return await driver.drive(

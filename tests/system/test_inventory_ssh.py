@@ -299,3 +299,90 @@ def test_a_stopped_controller_leaves_no_node(site, signum, status):
             proc.kill()
             proc.wait(timeout=30)
     _none_left(site)
+
+
+CHURN_SPEC = """
+name = "churn-hosts"
+seed = 3
+compute = "emulated"
+arms = ["routing"]
+max_duration_s = 120
+
+[network]
+regions = ["lan"]
+[[network.links]]
+between = ["lan", "lan"]
+delay_ms = 1.0
+
+[nodes]
+count = 4
+
+[node]
+cache_budget_tokens = 4096
+gossip_interval = 0.5
+max_batch = 2
+ping_interval = 0.5
+
+[workload]
+subjects = 2
+per_subject = 5
+requests = 40
+arrival = "poisson"
+rate_per_s = 2.5
+concurrency = 4
+max_tokens = 2
+request_timeout_s = 30
+
+[[churn]]
+at_s = 3.0
+action = "kill"
+node = 1
+
+[[churn]]
+at_s = 8.0
+action = "join"
+node = 1
+
+[[churn]]
+at_s = 10.0
+action = "leave"
+node = 3
+"""
+
+
+def test_churn_on_hosts_kills_stops_and_restarts_remote_nodes(site, monkeypatch):
+    """The spec's [[churn]] on remote nodes: pub2 SIGKILLed on its host and started again with
+    its home (same peer id), nat2 stopped cleanly; every request answered exactly once."""
+    from p2pnode.testnet.remote.controller import run_inventory_trial
+    from p2pnode.testnet.remote.inventory import load_inventory
+    from p2pnode.testnet.spec import load_spec
+    from p2pnode.testnet.workload import churn
+
+    monkeypatch.setattr(churn, "WATCH_LIMIT_S", 6.0)  # views take 30 s to expire
+    spec_path = site["tmp"] / "churn-hosts.toml"
+    spec_path.write_text(CHURN_SPEC)
+    spec = load_spec(spec_path)
+    out = site["tmp"] / "churn-run"
+    results = run_inventory_trial(spec, load_inventory(site["inventory"]), ["routing"], out)
+    arm = results["arms"]["routing"]
+    assert "error" not in arm, arm.get("error")
+    c = arm["churn"]
+    bad = [(r["i"], r["error"], r["attempts"]) for r in
+           driver_records(out) if r["status"] != "ok"]  # fmt: skip
+    assert c["lost"] == 0 and c["duplicates"] == 0, bad
+    assert arm["summary"]["answered"] == spec.workload.requests
+    assert {(a["action"], a["node"]) for a in c["applied"]} == {
+        ("kill", 1),
+        ("join", 1),
+        ("leave", 3),
+    }
+    assert all(a.get("done_after_s") is not None for a in c["applied"] if a["action"] != "join")
+    logs = out / "nodes" / "routing" / "ssh"
+    assert (logs / "pub2.ssh.log").is_file() and (logs / "pub2.1.ssh.log").is_file()
+    _none_left(site)
+
+
+def driver_records(out: Path) -> list[dict]:
+    from p2pnode.testnet.workload import driver
+
+    return driver.read_jsonl(out / "routing" / "requests.jsonl")
