@@ -12,7 +12,9 @@ Contract:
 
 from __future__ import annotations
 
+import importlib.util
 import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -44,14 +46,50 @@ def checkout_root() -> Path:
     return root
 
 
+def _source_copy(root: Path, dest: Path) -> Path:
+    """The checkout's files (git's tracked and untracked-but-not-ignored, else all but the
+    usual build outputs) copied to ``dest``: setuptools writes ``build/`` beside the source,
+    and a stale one there would put deleted modules into the wheel."""
+    listed = subprocess.run(
+        ["git", "-C", str(root), "ls-files", "-co", "--exclude-standard", "-z"],
+        capture_output=True,
+        timeout=60,
+    )
+    if listed.returncode == 0:
+        for name in filter(None, listed.stdout.decode().split("\0")):
+            src = root / name
+            if src.is_file():
+                (dest / name).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(src, dest / name)
+        return dest
+    skip = shutil.ignore_patterns(".git", ".venv*", "build", "*.egg-info", "results", "__pycache__")
+    shutil.copytree(root, dest, ignore=skip, dirs_exist_ok=True)
+    return dest
+
+
 def build_wheel(out: Path) -> Path:
     root = checkout_root()
-    done = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "-w", str(out), str(root)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    # The controller's own setuptools where it has one: no package index needed to build.
+    isolation = [] if importlib.util.find_spec("setuptools") is None else ["--no-build-isolation"]
+    with tempfile.TemporaryDirectory(prefix="p2pnode-src-") as tmp:
+        src = _source_copy(root, Path(tmp))
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "wheel",
+                "--quiet",
+                "--no-deps",
+                *isolation,
+                "-w",
+                str(out),
+                str(src),
+            ],  # fmt: skip
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
     wheels = sorted(out.glob("p2pnode-*.whl"))
     if done.returncode != 0 or not wheels:
         raise EnvError(f"building a wheel of {root} failed: {done.stderr[-1500:]}")

@@ -170,3 +170,23 @@ def test_results_page_lists_a_run_on_hosts_beside_the_local_one(tmp_path):
         (d / "results.json").write_text(json.dumps(results))
         runs.append(d)
     assert sorted(page.load_runs(runs)) == ["chat-lan", "chat-lan (hosts)"]
+
+
+def test_a_wheel_of_the_checkout_runs_the_same_code(tmp_path):
+    """What ``env create`` installs on a host (envs.build_wheel) has the controller's
+    fingerprint: the preflight's same-code check holds across install methods."""
+    from p2pnode.testnet.remote import envs
+
+    wheel = envs.build_wheel(tmp_path / "wheel")
+    target = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps",
+                    "--target", str(target), str(wheel)], check=True, timeout=300)  # fmt: skip
+    code = (
+        "from p2pnode.testnet.remote import probe; print(probe.__file__, probe.code_fingerprint())"
+    )
+    env = {**os.environ, "PYTHONPATH": str(target)}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          check=True, timeout=120, cwd=tmp_path)  # fmt: skip
+    where, fingerprint = done.stdout.split()
+    assert where.startswith(str(target))  # the wheel's copy, not the checkout
+    assert fingerprint == probe.code_fingerprint()
