@@ -18,6 +18,9 @@ Contract:
   (``ssh -L``): the workload driver, the health gate and the snapshots use those tunnels; the
   APIs never listen on the network and need no key. A heartbeat byte goes down every session
   every ``hold.HEARTBEAT_S``.
+- A spec's ``[[churn]]`` runs as on this machine (``trial.drive_churn``), node ``i`` being
+  the i-th workload host (``faults.RemoteChurn``); joins of new nodes and ``[[adversary]]``
+  specs are refused before anything starts.
 - After the workload: each node's ``/status``, ``/metrics`` and ``/peers`` (the RTT matrix and
   reachability verdicts join the preflight), then teardown, always (also on Ctrl-C, SIGTERM or
   an error): every session's stdin is closed, so every node stops, then each node's log comes

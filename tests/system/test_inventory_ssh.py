@@ -278,9 +278,15 @@ def test_a_stopped_controller_leaves_no_node(site, signum, status):
     stop: each SSH session's stdin closes with it, and the hold wrapper sees end of file."""
     out = site["tmp"] / f"stopped-{signum}"
     out.mkdir()
+    # Four times the sessions: the workload runs on for many seconds after its first answer,
+    # so the signal lands mid-workload however late the poll below sees that answer.
+    spec = site["tmp"] / "chat-hosts-long.toml"
+    spec.write_text(SPEC.replace("sessions = 6", "sessions = 24"))
     log = out.parent / f"stopped-{signum}.log"
     with log.open("wb") as err:
-        proc = subprocess.Popen(_command(site, out), stdout=subprocess.DEVNULL, stderr=err)
+        argv = _command(site, out)
+        argv[argv.index(str(site["spec"]))] = str(spec)
+        proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=err)
     try:
         # Mid-workload: the first progress line of the driver.
         wait_until_blocking(
