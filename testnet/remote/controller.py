@@ -454,12 +454,7 @@ def run_inventory_trial(
         raise RemoteTrialError(
             "[[churn]] joins of new nodes need hosts of their own: not on an inventory"
         )
-    workers_n = len(inventory.workload_hosts)
-    beyond = sorted({e.node for e in spec.churn if e.node >= workers_n})
-    if beyond:
-        raise RemoteTrialError(
-            f"[[churn]] names nodes {beyond}; the inventory has {workers_n} workload hosts"
-        )
+
     out_dir.mkdir(parents=True, exist_ok=True)
     run_id = time.strftime("%Y%m%d%H%M%S", time.gmtime()) + "-" + secrets.token_hex(3)
     client = SshClient(inventory, out_dir)
@@ -468,6 +463,11 @@ def run_inventory_trial(
     envs.prepare(client, inventory)
     inv, pf = _preflight(client, inventory, allow_missing, out_dir)
     workers = inv.workload_hosts
+    beyond = sorted({e.node for e in spec.churn if e.node >= len(workers)})
+    if beyond:  # after the preflight: a dropped host takes its index with it
+        raise RemoteTrialError(
+            f"[[churn]] names nodes {beyond}; {len(workers)} workload hosts passed the preflight"
+        )
     spec = replace(spec, placement=tuple(h.region for h in workers))
     results: dict[str, Any] = {
         "spec": spec_echo(spec),

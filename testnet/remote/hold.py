@@ -5,8 +5,8 @@
 process group and run id in ``DIR/node.pid``, and ``P2PNODE_TRIAL_RUN=RUN`` in its
 environment. It then reads its stdin, which the controller's SSH session feeds with a
 heartbeat byte every ``HEARTBEAT_S``: on end of file (the session closed: the controller
-stopped, crashed or lost the link), on ``SILENCE_S`` without a byte (a link that hangs
-without closing), on SIGTERM / SIGHUP, or when the node exits, it stops the node's process
+stopped, crashed or lost the link), on ``SILENCE_S`` (``--silence-s``) without a byte (a
+link that hangs without closing), on SIGTERM / SIGHUP, or when the node exits, it stops the node's process
 group (SIGTERM, SIGKILL after ``STOP_GRACE_S``) and exits with the node's status.
 
 ``python -m p2pnode.testnet.remote.hold --signal KILL --dir DIR`` sends a signal to the
@@ -60,7 +60,7 @@ def _stop_group(proc: subprocess.Popen) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
 
 
-def _watch(proc: subprocess.Popen) -> str:
+def _watch(proc: subprocess.Popen, silence_s: float) -> str:
     """Block until the node should stop; returns why."""
     last = time.monotonic()
     fd = sys.stdin.fileno()
@@ -72,11 +72,11 @@ def _watch(proc: subprocess.Popen) -> str:
             if not os.read(fd, 4096):
                 return "the SSH session closed"
             last = time.monotonic()
-        elif time.monotonic() - last > SILENCE_S:
-            return f"no heartbeat for {SILENCE_S:.0f} s"
+        elif time.monotonic() - last > silence_s:
+            return f"no heartbeat for {silence_s:g} s"
 
 
-def hold(run: str, workdir: Path, argv: Sequence[str]) -> int:
+def hold(run: str, workdir: Path, argv: Sequence[str], silence_s: float = SILENCE_S) -> int:
     workdir.mkdir(parents=True, exist_ok=True)
     signal.signal(signal.SIGTERM, _raise_stop)
     signal.signal(signal.SIGHUP, _raise_stop)
@@ -93,7 +93,7 @@ def hold(run: str, workdir: Path, argv: Sequence[str]) -> int:
     pid_file.write_text(json.dumps({"pid": proc.pid, "run": run}) + "\n")
     print(f"hold: node pid {proc.pid} (run {run})", flush=True)
     try:
-        why = _watch(proc)
+        why = _watch(proc, silence_s)
     except (_Stop, KeyboardInterrupt) as exc:
         why = f"stopped ({exc})"
     print(f"hold: stopping the node: {why}", flush=True)
@@ -147,6 +147,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--dir", help="the node's folder (log, pid file)")
     parser.add_argument("--cleanup", metavar="WORKDIR", help="kill leftovers of earlier runs")
     parser.add_argument("--signal", choices=("KILL", "TERM", "STOP", "CONT"), help="to the node")
+    parser.add_argument(
+        "--silence-s", type=float, default=SILENCE_S, help="stop after this long without a byte"
+    )
     parser.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     if args.cleanup:
@@ -157,7 +160,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not (args.run and args.dir and command):
         parser.error("give --run, --dir and -- COMMAND (or --cleanup WORKDIR)")
-    return hold(args.run, Path(args.dir).expanduser(), command)
+    return hold(args.run, Path(args.dir).expanduser(), command, args.silence_s)
 
 
 if __name__ == "__main__":

@@ -251,13 +251,19 @@ def _layout(report: Path) -> list[str]:
     ]
 
 
-def test_a_host_failing_preflight_stops_the_run_before_anything_starts(site):
-    """A host whose SSH server does not answer (port 2222 is closed there) is named with the
-    reason, and no node starts anywhere."""
+def _with_ghost(site) -> Path:
+    """The inventory plus host "ghost": pub1's address, on a port no sshd listens on."""
     inventory = site["tmp"] / "ghost.toml"
     text = site["inventory"].read_text()
     ghost = text.split("[[host]]")[3].replace('"pub1"', '"ghost"')
     inventory.write_text(f"{text}\n[[host]]{ghost}port = 2222\n")
+    return inventory
+
+
+def test_a_host_failing_preflight_stops_the_run_before_anything_starts(site):
+    """A host whose SSH server does not answer (port 2222 is closed there) is named with the
+    reason, and no node starts anywhere."""
+    inventory = _with_ghost(site)
     out = site["tmp"] / "ghost-run"
     done = subprocess.run(_command(site, out, inventory), capture_output=True, text=True,
                           timeout=RUN_LIMIT_S)  # fmt: skip
@@ -358,7 +364,8 @@ node = 3
 
 def test_churn_on_hosts_kills_stops_and_restarts_remote_nodes(site, monkeypatch):
     """The spec's [[churn]] on remote nodes: pub2 SIGKILLed on its host and started again with
-    its home (same peer id), nat2 stopped cleanly; every request answered exactly once."""
+    its home (same peer id), nat2 stopped cleanly; every request answered exactly once. The
+    inventory also holds a host that fails the preflight, left out by ``allow_missing``."""
     from p2pnode.testnet.remote.controller import run_inventory_trial
     from p2pnode.testnet.remote.inventory import load_inventory
     from p2pnode.testnet.spec import load_spec
@@ -369,7 +376,11 @@ def test_churn_on_hosts_kills_stops_and_restarts_remote_nodes(site, monkeypatch)
     spec_path.write_text(CHURN_SPEC)
     spec = load_spec(spec_path)
     out = site["tmp"] / "churn-run"
-    results = run_inventory_trial(spec, load_inventory(site["inventory"]), ["routing"], out)
+    # With a host that fails the preflight, which --allow-missing 1 lets the run go on without.
+    inventory = load_inventory(_with_ghost(site))
+    results = run_inventory_trial(spec, inventory, ["routing"], out, allow_missing=1)
+    assert results["preflight"]["dropped"] == ["ghost"]
+    assert "ghost" not in {h["name"] for h in results["inventory"]["hosts"]}
     arm = results["arms"]["routing"]
     assert "error" not in arm, arm.get("error")
     c = arm["churn"]

@@ -52,8 +52,8 @@ def test_ssh_config_jumps_and_settings(tmp_path):
     assert rpath("~/trials/a b") == "\"$HOME\"/'trials/a b'"
 
 
-def _hold(tmp_path: Path, run: str, code: str) -> subprocess.Popen:
-    argv = [sys.executable, "-m", "p2pnode.testnet.remote.hold", "--run", run,
+def _hold(tmp_path: Path, run: str, code: str, *extra: str) -> subprocess.Popen:
+    argv = [sys.executable, "-m", "p2pnode.testnet.remote.hold", "--run", run, *extra,
             "--dir", str(tmp_path / "node"), "--", sys.executable, "-c", code]  # fmt: skip
     return subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
@@ -81,6 +81,20 @@ def test_the_node_stops_when_its_session_ends(tmp_path):
         wait_until_blocking(lambda: not _alive(pid), 30.0, "the node process gone")
         assert not (tmp_path / "node" / hold.PID_FILE).exists()
         assert "the SSH session closed" in proc.stdout.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_a_silent_session_stops_the_node(tmp_path):
+    """A link that hangs without closing: no heartbeat byte for --silence-s."""
+    proc = _hold(tmp_path, "r3", "import time\nwhile True: time.sleep(1)", "--silence-s", "1")
+    try:
+        pid = int(proc.stdout.readline().split("pid ")[1].split()[0])
+        assert proc.wait(timeout=hold.STOP_GRACE_S + 30) != 0  # stdin still open
+        wait_until_blocking(lambda: not _alive(pid), 30.0, "the node process gone")
+        assert "no heartbeat for 1 s" in proc.stdout.read()
     finally:
         if proc.poll() is None:
             proc.kill()
