@@ -4,10 +4,11 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-# Debian packages the tests use: iptables (NAT routers in network namespaces) and Chromium with
-# its driver (the console's browser test). Installed only when run as root on Debian/Ubuntu;
+# Debian packages the tests use: iptables (NAT routers in network namespaces), Chromium with
+# its driver (the console's browser test) and openssh-server (sshd on namespace hosts: trials
+# over SSH from an inventory). Installed only when run as root on Debian/Ubuntu;
 # elsewhere the tests that need them skip and say why.
-SYSTEM_PACKAGES := iptables chromium chromium-driver
+SYSTEM_PACKAGES := iptables chromium chromium-driver openssh-server
 
 .PHONY: setup system demo test test-vllm gpu-check lint format bench
 

@@ -493,7 +493,9 @@ def testnet(args: tuple[str, ...]) -> None:
 
     SPEC is a trial TOML file or a built-in name (paper-lan, paper-wan-200, paper-wan-1000, each
     also -zipf; paper-lan-zipf-real; chat-lan, chat-wan, chat-lan-real; mixed-6; scale-64,
-    scale-128; smoke; adversarial-liar); `p2pnode testnet --help` lists every option.
+    scale-128; smoke; adversarial-liar). `--hosts netns` runs each node in a network namespace;
+    `--inventory hosts.toml` runs the trial on your own machines over SSH (docs/testnet.md).
+    `p2pnode testnet --help` lists every option.
     """
     from p2pnode.testnet.run.trial import main as run_trial_main
 

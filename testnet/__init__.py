@@ -16,6 +16,9 @@ Map of the package:
 - ``report/``: ``tables.py`` (tables, plots) and ``page.py`` (docs/results.md).
 - ``netns/``: ``namespaces.py`` (network namespaces, bridges, NAT routers), ``swarm.py`` (nodes
   started with the flags a user types), ``wan.py`` (the userspace WAN delay).
+- ``remote/``: trials on an inventory of real hosts over SSH (``--inventory``): ``inventory.py``,
+  ``ssh.py``, ``hold.py`` (the remote wrapper), ``probe.py``, ``preflight.py``, ``envs.py``,
+  ``controller.py``.
 - ``sim/``: ``p2pnode simulate`` (the real router, digests and views on a simpy clock; its
   package doc maps the modules), entered by ``simulate.py``; ``sim/simspec.py`` runs a trial
   spec on it.

@@ -121,6 +121,10 @@ class Testbed:
     def public_ip(self, name: str) -> str:
         return self._public[name]
 
+    def router_ns(self, name: str) -> str:
+        """The namespace of a NAT'd host's router (its site's gateway, on the bridge)."""
+        return self._router(name)
+
     def cmd(self, name: str, argv: Sequence[str]) -> list[str]:
         return ["ip", "netns", "exec", self.ns(name), *argv]
 

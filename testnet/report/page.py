@@ -2,7 +2,8 @@
 
 Contract:
 - Reads each trial output folder's ``results.json`` (default: every folder under
-  ``testnet/results/``) and keeps the newest run of each spec, then rewrites the part of the page
+  ``testnet/results/``) and keeps the newest run of each spec (a run on an inventory's hosts
+  is its own row, ``<spec> (hosts)``), then rewrites the part of the page
   (default ``docs/results.md``) between ``<!-- trials:begin -->`` and ``<!-- trials:end -->``
   with one table row per spec and arm pair: routing / baseline mean latency (and the floor no
   routing can beat, where the run recorded one), hit rate and its
@@ -56,6 +57,8 @@ def load_runs(dirs: Sequence[Path]) -> dict[str, dict[str, Any]]:
         name = results.get("spec", {}).get("name")
         if not name or not results.get("arms"):
             continue
+        if results.get("hosts") == "inventory":  # real hosts: a row beside the spec's own
+            name = f"{name} (hosts)"
         old = newest.get(name)
         if old is None or results.get("started", "") > old.get("started", ""):
             results["_dir"] = str(d)

@@ -92,6 +92,15 @@ def _fmt(x: Any, pct: bool = False) -> str:
     return f"{100 * x:.1f} %" if pct else f"{x:.3f}"
 
 
+def _hosts_line(results: dict[str, Any]) -> list[str]:
+    """Where the nodes ran, for trials on an inventory (testnet/remote/)."""
+    if results.get("hosts") != "inventory":
+        return []
+    hosts = results.get("inventory", {}).get("hosts", [])
+    named = ", ".join(f"{h['name']} ({h['role']}, {h['region']})" for h in hosts)
+    return [f"- hosts (inventory, over SSH): {named}; checks in `preflight.md`"]
+
+
 def markdown(results: dict[str, Any]) -> str:
     name = results["spec"]["name"]
     lines = [
@@ -104,6 +113,7 @@ def markdown(results: dict[str, Any]) -> str:
         f"- workload: {results['spec']['workload']}",
         f"- command: `{results.get('command', '')}`",
         f"- machine: {results.get('machine', {})}",
+        *_hosts_line(results),
         "",
         "| arm | answered | mean s | p50 s | p90 s | p95 s | hit rate | hit ceiling | busiest node "
         "| forwarded | accuracy |",

@@ -59,7 +59,7 @@ from p2pnode.testnet.workload import chat, churn, driver
 CHURN_RETRIES = 3  # churn: attempts after the first for a request whose node left
 
 
-def _spec_echo(spec: TrialSpec) -> dict[str, Any]:
+def spec_echo(spec: TrialSpec) -> dict[str, Any]:
     w = spec.workload
     return {
         "name": spec.name,
@@ -100,7 +100,7 @@ def _spec_echo(spec: TrialSpec) -> dict[str, Any]:
     }
 
 
-class _Progress:
+class Progress:
     """One stderr line per ~10 % of the requests (plain text: works in logs and CI)."""
 
     def __init__(self, arm: str, total: int) -> None:
@@ -120,11 +120,11 @@ class _Progress:
             )
 
 
-async def _drive_churn(
-    trial: RunningTrial,
+async def drive_churn(
+    trial: churn.ChurnTrial,
     requests: list[driver.PlannedRequest],
     stream: bool,
-    progress: _Progress,
+    progress: Progress,
     churn_out: dict[str, Any],
 ) -> list[dict[str, Any]]:
     """Churn (testnet/workload/churn.py): nodes leave and join while requests run; a request
@@ -166,9 +166,9 @@ async def _drive_arm(
     churn_out: dict[str, Any] | None = None,
 ):
     spec = trial.spec
-    progress = _Progress(trial.arm, len(requests))
+    progress = Progress(trial.arm, len(requests))
     if spec.churn:
-        return await _drive_churn(
+        return await drive_churn(
             trial, requests, stream, progress, {} if churn_out is None else churn_out
         )
     return await driver.drive(
@@ -192,7 +192,7 @@ async def _drive_chat_arm(trial: RunningTrial) -> list[dict[str, Any]]:
         max_duration_s=spec.max_duration_s,
         peer_ids=trial.peer_ids,
         tokenize=chat_tokenize(spec),
-        on_record=_Progress(trial.arm, spec.workload.planned_requests),
+        on_record=Progress(trial.arm, spec.workload.planned_requests),
     )
 
 
@@ -324,6 +324,64 @@ def _adversaries(
     return adv
 
 
+def finish_arm(
+    spec: TrialSpec,
+    arm: str,
+    out_dir: Path,
+    records: list[dict[str, Any]],
+    requests: list[driver.PlannedRequest],
+    result: dict[str, Any],
+    churn_out: dict[str, Any] | None = None,
+) -> None:
+    """From an arm's request records to its result (every kind of trial, local or on an
+    inventory): the hit rate ceiling, ``requests.jsonl``, the summary, chat / churn /
+    adversary figures and consistency problems, added to ``result``."""
+    arm_dir = out_dir / arm
+    is_chat = spec.workload.kind == "chat"
+    ids = None
+    if is_chat:
+        warning = _attach_chat_oracle(records)
+        for r in records:
+            r.pop("prompt_ids", None)
+            r.pop("sent_order", None)
+    else:
+        ids = prompt_token_ids(spec, requests)
+        warning = _attach_oracle(records, ids)
+    if warning:
+        result["warnings"].append(warning)
+    if spec.adversaries:
+        result["adversaries"] = _adversaries(spec, arm, out_dir, records, ids, result)
+    driver.write_jsonl(arm_dir / "requests.jsonl", records)
+    summary = driver.summarize(records, churn.max_nodes(spec))  # churn: joiners serve too
+    summary["latency_floor_s"] = _latency_floor(spec, records)
+    result["summary"] = summary
+    if is_chat:
+        result["chat"] = chat.chat_summary(records)
+        print(f"[{arm}] chat: {result['chat']}", file=sys.stderr)
+    if spec.churn:  # churn
+        out = churn_out or {}
+        result["churn"] = churn.churn_summary(
+            records, spec.churn, out.get("watches", []), out.get("applied", [])
+        )
+        c = result["churn"]
+        print(
+            f"[{arm}] churn: lost {c['lost']}, duplicates {c['duplicates']}, retried "
+            f"{c['retried']} {c['retry_causes']}, overlay fallbacks {c['overlay_fallbacks']}, "
+            f"latency near churn {c['latency_near_churn_s']} vs away "
+            f"{c['latency_away_from_churn_s']}",
+            file=sys.stderr,
+        )
+    result["consistency"] = check_consistency(records, summary, spec.workload.planned_requests)
+    lat = summary["latency_s"]
+    print(
+        f"[{arm}] {summary['answered']}/{summary['requests']} answered, mean {lat['mean']} s, "
+        f"p95 {lat['p95']} s, hit rate {summary['hit_rate']} (ceiling "
+        f"{summary['hit_rate_ceiling']}), busiest {summary['max_share']}, "
+        f"forwarded {summary['forwarded_fraction']}",
+        file=sys.stderr,
+    )
+
+
 def run_arm(
     spec: TrialSpec,
     arm: str,
@@ -366,48 +424,8 @@ def run_arm(
         result["error"] = str(exc)[:4000]
         return result
     result["logs"] = str(out_dir / "nodes" / arm / "logs")
-    ids = None
-    if is_chat:
-        warning = _attach_chat_oracle(records)
-        for r in records:
-            r.pop("prompt_ids", None)
-            r.pop("sent_order", None)
-    else:
-        ids = prompt_token_ids(spec, requests)
-        warning = _attach_oracle(records, ids)
-    if warning:
-        result["warnings"].append(warning)
-    if spec.adversaries:
-        result["adversaries"] = _adversaries(spec, arm, out_dir, records, ids, result)
-    driver.write_jsonl(arm_dir / "requests.jsonl", records)
-    summary = driver.summarize(records, churn.max_nodes(spec))  # churn: joiners serve too
-    summary["latency_floor_s"] = _latency_floor(spec, records)
-    result["summary"] = summary
-    if is_chat:
-        result["chat"] = chat.chat_summary(records)
-        print(f"[{arm}] chat: {result['chat']}", file=sys.stderr)
-    if spec.churn:  # churn
-        result["churn"] = churn.churn_summary(
-            records, spec.churn, churn_out.get("watches", []), churn_out.get("applied", [])
-        )
-        c = result["churn"]
-        print(
-            f"[{arm}] churn: lost {c['lost']}, duplicates {c['duplicates']}, retried "
-            f"{c['retried']} {c['retry_causes']}, overlay fallbacks {c['overlay_fallbacks']}, "
-            f"latency near churn {c['latency_near_churn_s']} vs away "
-            f"{c['latency_away_from_churn_s']}",
-            file=sys.stderr,
-        )
-    result["consistency"] = check_consistency(records, summary, spec.workload.planned_requests)
+    finish_arm(spec, arm, out_dir, records, requests, result, churn_out)
     result["wall_s"] = round(time.monotonic() - t0, 1)
-    lat = summary["latency_s"]
-    print(
-        f"[{arm}] {summary['answered']}/{summary['requests']} answered, mean {lat['mean']} s, "
-        f"p95 {lat['p95']} s, hit rate {summary['hit_rate']} (ceiling "
-        f"{summary['hit_rate_ceiling']}), busiest {summary['max_share']}, "
-        f"forwarded {summary['forwarded_fraction']}",
-        file=sys.stderr,
-    )
     return result
 
 
@@ -423,7 +441,7 @@ def run_trial(
 ) -> dict[str, Any]:
     out_dir.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {
-        "spec": _spec_echo(spec),
+        "spec": spec_echo(spec),
         "arms": {},
         "command": command,
         "node_cmd": list(node_cmd),
@@ -462,6 +480,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         "namespace of its own with its own address (needs root)",
     )
     parser.add_argument(
+        "--inventory",
+        metavar="HOSTS.toml",
+        default=None,
+        help="run on the machines of this inventory over SSH (testnet/remote/, docs/testnet.md) "
+        "instead of this host",
+    )
+    parser.add_argument(
+        "--allow-missing",
+        type=int,
+        default=0,
+        metavar="N",
+        help="--inventory: go on without up to N hosts that fail the preflight",
+    )
+    parser.add_argument(
         "--no-churn",
         action="store_true",
         help="drop the spec's [[churn]] events (the same trial without churn, for comparison)",
@@ -479,6 +511,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     arms = spec.arms if args.arms is None else tuple(a for a in args.arms.split(",") if a)
     if not arms or any(a not in ARMS for a in arms):
         parser.error(f"--arms: use a comma list of {', '.join(ARMS)}")
+    if args.inventory is not None:
+        return _main_inventory(spec, arms, args, argv)
     fit = check_memory(spec)
     if not fit.ok:
         print(f"not started: {fit.message}", file=sys.stderr)
@@ -494,6 +528,43 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted; every node was stopped", file=sys.stderr)
         return 130
+    print((out / "report.md").read_text())
+    bad = [a for a, r in results["arms"].items() if "summary" not in r or r.get("consistency")]
+    return 1 if bad else 0
+
+
+def _main_inventory(spec: TrialSpec, arms: Sequence[str], args, argv) -> int:
+    """``--inventory``: the same spec on the inventory's hosts (testnet/remote/controller.py)."""
+    from p2pnode.testnet.remote.controller import RemoteTrialError, run_inventory_trial
+    from p2pnode.testnet.remote.envs import EnvError
+    from p2pnode.testnet.remote.inventory import InventoryError, load_inventory
+    from p2pnode.testnet.remote.ssh import ssh_available
+
+    if args.hosts != "local":
+        print("--inventory and --hosts exclude each other", file=sys.stderr)
+        return 2
+    missing = ssh_available()
+    if missing:
+        print(missing, file=sys.stderr)
+        return 2
+    try:
+        inventory = load_inventory(args.inventory)
+    except InventoryError as exc:
+        print(str(exc), file=sys.stderr)
+        return 2
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    out = Path(args.out) if args.out else Path("testnet/results") / f"{spec.name}-hosts-{stamp}"
+    command = "p2pnode testnet " + shlex.join(argv or sys.argv[1:])
+    try:
+        results = run_inventory_trial(
+            spec, inventory, arms, out, allow_missing=args.allow_missing, command=command
+        )
+    except KeyboardInterrupt:
+        print("interrupted; every node was stopped", file=sys.stderr)
+        return 130
+    except (RemoteTrialError, EnvError) as exc:
+        print(f"not run: {exc}", file=sys.stderr)
+        return 1
     print((out / "report.md").read_text())
     bad = [a for a, r in results["arms"].items() if "summary" not in r or r.get("consistency")]
     return 1 if bad else 0

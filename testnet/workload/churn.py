@@ -35,7 +35,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 import trio
@@ -48,6 +48,39 @@ RETRY_BACKOFF_S = 0.25  # times the attempt number: the overlay needs a moment t
 WATCH_LIMIT_S = 60.0  # a departure watch gives up after this long (views expire after 30 s)
 WATCH_POLL_S = 1.0
 AVOID_S = 5.0  # a node that refused a connection gets no request for this long
+
+
+class ChurnNode(Protocol):
+    @property
+    def api(self) -> str: ...
+
+    @property
+    def peer_id(self) -> str: ...
+
+
+class ChurnTrial(Protocol):
+    """What churn needs of a running trial: its nodes (by index) and how to stop and start
+    one (``launch.RunningTrial`` on this machine, ``remote.faults.RemoteChurn`` on hosts)."""
+
+    spec: Any  # TrialSpec
+    arm: str
+
+    @property
+    def nodes(self) -> Sequence[ChurnNode]: ...
+
+    @property
+    def apis(self) -> list[str]: ...
+
+    @property
+    def peer_ids(self) -> list[str]: ...
+
+    def start_node(self, i: int) -> bool: ...
+
+    def wait_ready(self, i: int, timeout_s: float = 120.0) -> None: ...
+
+    def leave(self, i: int, *, kill: bool = False) -> None: ...
+
+    def add_new_node(self, i: int) -> object: ...
 
 
 class NodePool:
@@ -300,7 +333,7 @@ async def _watch_departure(pool: NodePool, watch: DepartureWatch, t_event: float
 
 
 async def run_churn(
-    trial: Any,
+    trial: ChurnTrial,
     pool: NodePool,
     start: float,
     *,
@@ -416,6 +449,7 @@ def max_nodes(spec: Any) -> int:
 
 
 __all__ = [
+    "ChurnTrial",
     "DepartureWatch",
     "NodePool",
     "WINDOW_S",
