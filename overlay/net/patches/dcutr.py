@@ -201,7 +201,8 @@ class OverlayDCUtR(DCUtRProtocol):
             True
             if ok
             else (
-                f"no simultaneous open at {', '.join(str(a) for a in addrs[:3])} in 3 rounds: "
+                f"no simultaneous open at {', '.join(dict.fromkeys(map(str, addrs[:3])))} "
+                "in 3 rounds: "
                 "a NAT on the path maps each destination to another port "
                 "(port-randomizing or symmetric)"
             )
