@@ -9,8 +9,9 @@ routers) lets through. A failed attempt is retried after ``BACKOFF_S`` (doubling
 capped), for as long as the relayed connection lasts.
 
 After a punch the direct connection carries every new stream (libp2p prefers direct
-connections); the relayed one is closed once it carries no stream (a stream in flight on it
-completes), at the latest after ``DRAIN_S``.
+connections); the relayed one is closed once it carries no stream but gossipsub's (which
+pubsub reopens on the direct connection): a stream in flight on it completes; at the latest
+after ``DRAIN_S``.
 
 Contract: ``async with open_hole_punching(node, public_ips=callable) as punch:`` on a running
 ``OverlayNode`` (``public_ips``: our IPs as dial-back servers saw them, reachability.py).
@@ -36,7 +37,7 @@ import trio
 from libp2p.peer.id import ID
 from libp2p.tools.anyio_service import background_trio_service
 
-from p2pnode.overlay.net.patches.dcutr import OverlayDCUtR, is_relayed_conn
+from p2pnode.overlay.net.patches.dcutr import OverlayDCUtR, in_flight, is_relayed_conn
 
 if TYPE_CHECKING:
     from p2pnode.overlay.net.node import OverlayNode
@@ -72,11 +73,19 @@ class HolePunching:
         self._punched: weakref.WeakSet[Any] = weakref.WeakSet()
         self._drain_since: dict[int, float] = {}
         self._rng = random.Random(node.peer_id)  # jitter; seeded, so runs repeat
+        self.dcutr.on_punched = self._on_punched
 
     # -- public face --------------------------------------------------------------------
 
     def punched(self, conn: Any) -> bool:
-        return conn in self._punched
+        if conn in self._punched:
+            return True
+        # a direct connection that appears while a punch with its peer runs is the punch's
+        # (until the punch verifies it and marks it for good)
+        try:
+            return conn.muxed_conn.peer_id in self.dcutr._in_progress
+        except AttributeError:
+            return False
 
     def why_relayed(self, peer_id: str) -> str | None:
         if self.node.connection_kind(peer_id) != "relayed":
@@ -132,6 +141,13 @@ class HolePunching:
             if isinstance(outcome, str):
                 state.reason = outcome
 
+    def _on_punched(self, pid: str) -> None:
+        try:
+            conns = self.host.get_network().get_connections(ID.from_base58(pid))
+        except Exception:  # gone again: nothing to label
+            return
+        self._mark_punched(pid, [c for c in conns if not is_relayed_conn(c)])
+
     def _mark_punched(self, pid: str, direct: list[Any]) -> None:
         if self.dcutr.outcomes.get(pid) is True:
             for conn in direct:
@@ -144,7 +160,7 @@ class HolePunching:
 
     def _drain(self, nursery: trio.Nursery, conn: Any, now: float) -> None:
         since = self._drain_since.setdefault(id(conn), now)
-        if conn.get_streams() and now - since < DRAIN_S:
+        if in_flight(conn) and now - since < DRAIN_S:
             return  # a stream in flight completes on the relayed connection
         self._drain_since.pop(id(conn), None)
         self.counters["relayed_closed"] += 1

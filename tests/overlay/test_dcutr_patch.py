@@ -54,6 +54,14 @@ def test_offered_addresses_on_our_own_networks_are_never_dialed() -> None:
     assert [str(a) for a in kept] == ["/ip4/10.77.0.4/tcp/4101", "/ip4/192.168.7.9/tcp/4101"]
 
 
+@dataclass
+class _Stream:
+    protocol: str
+
+    def get_protocol(self) -> str:
+        return self.protocol
+
+
 @dataclass(eq=False)
 class _Link:
     """A connection as the trim sees it: relayed or not, streams open on it."""
@@ -72,8 +80,12 @@ def test_per_peer_trim_keeps_the_direct_connection_and_lets_a_busy_circuit_drain
     """0.8.1 trims the older, idler one of a peer's two connections: the relayed one with its
     streams in flight, or later the new direct one."""
     relayed = lambda c: c.relayed  # noqa: E731
-    direct, idle_circuit, busy_circuit = _Link(False), _Link(True), _Link(True, [object()])
-    assert dcutr.conns_to_close([idle_circuit, direct], relayed) == [idle_circuit]
-    assert dcutr.conns_to_close([busy_circuit, direct], relayed) == []  # drains first
-    assert dcutr.conns_to_close([direct, _Link(False)], relayed) is None  # libp2p's own rule
-    assert dcutr.conns_to_close([idle_circuit, busy_circuit], relayed) is None
+    busy = dcutr.in_flight
+    request = _Stream("/p2pnode/forward/1")
+    direct, idle_circuit, busy_circuit = _Link(False), _Link(True), _Link(True, [request])
+    gossip_only = _Link(True, [_Stream("/meshsub/1.2.0")])  # pubsub reopens it elsewhere
+    assert dcutr.conns_to_close([idle_circuit, direct], relayed, busy) == [idle_circuit]
+    assert dcutr.conns_to_close([busy_circuit, direct], relayed, busy) == []  # drains first
+    assert dcutr.conns_to_close([gossip_only, direct], relayed, busy) == [gossip_only]
+    assert dcutr.conns_to_close([direct, _Link(False)], relayed, busy) is None  # libp2p's rule
+    assert dcutr.conns_to_close([idle_circuit, busy_circuit], relayed, busy) is None

@@ -53,8 +53,16 @@ from libp2p.relay.circuit_v2.dcutr import DCUtRProtocol
 from multiaddr import Multiaddr
 
 from p2pnode.overlay.net.addrs import interface_ips, ip_port
+from p2pnode.overlay.net.liveness import PING_PROTOCOL
 
-__all__ = ["OverlayDCUtR", "conns_to_close", "install", "is_relayed_conn", "usable_punch_addrs"]
+__all__ = [
+    "OverlayDCUtR",
+    "conns_to_close",
+    "in_flight",
+    "install",
+    "is_relayed_conn",
+    "usable_punch_addrs",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +89,9 @@ def is_relayed_conn(conn: Any) -> bool:
         return False
 
 
-def conns_to_close(conns: Sequence[_Conn], relayed: Callable[[_Conn], bool]) -> list[_Conn] | None:
+def conns_to_close(
+    conns: Sequence[_Conn], relayed: Callable[[_Conn], bool], busy: Callable[[_Conn], object]
+) -> list[_Conn] | None:
     """A peer's connections above the per-peer limit: which to close now. None: not a
     direct-and-relayed pair, libp2p's own rule applies. Else the idle relayed ones (a busy
     relayed one drains first); never a direct one."""
@@ -89,7 +99,24 @@ def conns_to_close(conns: Sequence[_Conn], relayed: Callable[[_Conn], bool]) -> 
     circuits = [c for c in conns if relayed(c)]
     if not direct or not circuits:
         return None
-    return [c for c in circuits if not c.get_streams()]
+    return [c for c in circuits if not busy(c)]
+
+
+# Streams that end only with their connection, and that their owners reopen on the peer's
+# remaining one: gossipsub's, and our liveness's ping stream (overlay/net/liveness.py).
+LONG_LIVED = ("/meshsub/", "/floodsub/", PING_PROTOCOL)
+
+
+def in_flight(conn: Any) -> int:
+    """Streams on a connection that would be lost with it: all but the ``LONG_LIVED`` ones."""
+    count = 0
+    for stream in conn.get_streams():
+        try:
+            protocol = str(stream.get_protocol() or "")
+        except Exception:
+            protocol = ""
+        count += not protocol.startswith(LONG_LIVED)
+    return count
 
 
 def _bound_tcp_listen_addrs(host: Any) -> list[tuple[int, str, int]]:
@@ -115,7 +142,7 @@ def _trim_preferring_direct(original: Callable[[Any, ID], None]) -> Callable[[An
         conns = self.connections.get(peer_id, [])
         if len(conns) <= self.connection_config.max_connections_per_peer:
             return
-        close = conns_to_close(conns, is_relayed_conn)
+        close = conns_to_close(conns, is_relayed_conn, in_flight)
         if close is None:
             original(self, peer_id)
             return
@@ -163,6 +190,8 @@ class OverlayDCUtR(DCUtRProtocol):
         super().__init__(host, **kwargs)
         self._public_ips = public_ips
         self.outcomes: dict[str, bool | str] = {}
+        # called with the peer id as soon as a punch verified a direct connection
+        self.on_punched: Callable[[str], None] | None = None
 
     async def _auto_drive_loop(self) -> None:
         return None  # one side initiates, with backoff: overlay/net/holepunch.py
@@ -197,6 +226,9 @@ class OverlayDCUtR(DCUtRProtocol):
             )
             return False
         ok = await super()._perform_hole_punch(peer_id, addrs, as_responder)
+        if ok and self.on_punched is not None:
+            self.outcomes[pid] = True
+            self.on_punched(pid)
         self.outcomes[pid] = (
             True
             if ok
