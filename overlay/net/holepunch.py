@@ -118,6 +118,7 @@ class HolePunching:
     def _tick(self, nursery: trio.Nursery) -> None:
         network = self.host.get_network()
         now = trio.current_time()
+        self._forget_gone(network.connections)
         for peer, conns in list(network.connections.items()):
             conns = list(conns)
             direct = [c for c in conns if not is_relayed_conn(c)]
@@ -140,6 +141,17 @@ class HolePunching:
             outcome = self.dcutr.outcomes.get(pid)
             if isinstance(outcome, str):
                 state.reason = outcome
+
+    def _forget_gone(self, connections: dict[ID, list[Any]]) -> None:
+        """State of peers and connections that are gone (bounded by what is connected)."""
+        connected = {p.to_base58() for p in connections}
+        live = {id(c) for conns in connections.values() for c in conns}
+        for pid in [p for p in self._peers if p not in connected and not self._peers[p].busy]:
+            del self._peers[pid]
+        for pid in [p for p in self.dcutr.outcomes if p not in connected]:
+            del self.dcutr.outcomes[pid]
+        for key in [k for k in self._drain_since if k not in live]:
+            del self._drain_since[key]
 
     def _on_punched(self, pid: str) -> None:
         try:
