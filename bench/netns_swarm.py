@@ -5,9 +5,10 @@ a public bootstrap, then public, NAT'd and port-randomizing-NAT'd hosts in the p
 ``--layout``), starts ``p2pnode bootstrap`` and N-1 ``p2pnode join --invite ... --model
 none`` processes (default flags otherwise, one OS process per host) and measures:
 - seconds from the first join to every node seeing every other one up (full view);
-- the share of peer pairs connected directly and relayed, once the reachability checks have
-  settled (no hole punching yet, so a NAT'd pair is relayed);
-- the median ping RTT over direct and over relayed connections (from the nodes' tables).
+- the share of peer pairs connected directly, hole-punched and relayed, once the
+  reachability checks have settled and ``PUNCH_WINDOW_S`` after the full view, and how many
+  pairs of two port-preserving NAT'd hosts are hole-punched then;
+- the median ping RTT over direct, hole-punched and relayed connections (the nodes' tables).
 Then, in one process on loopback (a relay R, a reserved node B, a client A), the round trip
 of 1 KiB frames and the echo throughput of 1 MiB frames, A->B through the circuit vs A->R
 direct, as ratios measured in the same run.
@@ -38,6 +39,7 @@ RESULTS = Path(__file__).parent / "results" / "netns_swarm.json"
 BENCH = "/p2pnode/bench/1"
 LIMIT = 16 << 20
 SETTLE_LIMIT_S = 60.0
+PUNCH_WINDOW_S = 60.0  # pairs are classified this long after the full view
 
 
 def layout(n: int, nat_share: float, random_share: float) -> dict[str, str]:
@@ -92,8 +94,11 @@ def run_size(n: int, args: argparse.Namespace) -> dict:
             if settled and relayed:
                 break
             time.sleep(2.0)
+        # Hole punching gets its minute: pairs are read PUNCH_WINDOW_S after the full view.
+        if full_view_s is not None:
+            time.sleep(max(0.0, t0 + joined_s + PUNCH_WINDOW_S - time.monotonic()))
         pairs: dict[frozenset, str] = {}
-        rtts: dict[str, list[float]] = {"direct": [], "relayed": []}
+        rtts: dict[str, list[float]] = {"direct": [], "hole-punched": [], "relayed": []}
         for host in hosts:
             for peer in swarm.peers(host):
                 kind = peer.get("connection")
@@ -103,6 +108,9 @@ def run_size(n: int, args: argparse.Namespace) -> dict:
                 if peer.get("rtt_ms") is not None:
                     rtts[kind].append(peer["rtt_ms"])
         counts = {k: sum(1 for v in pairs.values() if v == k) for k in rtts}
+        kind_of = {ids[h]: hosts[h] for h in hosts if h in ids}
+        nat_pairs = [p for p in pairs if all(kind_of.get(x) == "nat" for x in p)]
+        punched = sum(1 for p in nat_pairs if pairs[p] == "hole-punched")
         total_pairs = n * (n - 1) // 2
         verdicts = {h: statuses[h]["reachability"]["verdict"] for h in hosts}
     return {
@@ -114,6 +122,8 @@ def run_size(n: int, args: argparse.Namespace) -> dict:
         "pairs": total_pairs,
         "pairs_connected": len(pairs),
         "share": {k: round(c / total_pairs, 3) for k, c in counts.items()},
+        "port_preserving_nat_pairs": len(nat_pairs),
+        "port_preserving_nat_pairs_hole_punched": punched,
         "rtt_ms_median": {k: _median(v) for k, v in rtts.items()},
         "verdicts_wrong": [
             h for h, v in verdicts.items() if v != ("public" if hosts[h] == "public" else "private")
@@ -204,14 +214,18 @@ def main() -> None:
     out["load_avg_1m_at_end"] = os.getloadavg()[0]
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(out, indent=2))
-    print("| hosts | layout | full view (s) | direct | relayed | RTT direct / relayed (ms) |")
-    print("|---|---|---|---|---|---|")
+    print(
+        "| hosts | layout | full view (s) | direct | hole-punched | relayed "
+        "| NAT-NAT pairs punched | RTT direct / punched / relayed (ms) |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
     for row in out["sizes"]:
         share, rtt = row["share"], row["rtt_ms_median"]
         print(
             f"| {row['hosts']} | {row['layout']} | {row['full_view_s']} | {share['direct']:.0%} | "
-            f"{share['relayed']:.0%} | "
-            f"{rtt['direct']} / {rtt['relayed']} |"
+            f"{share['hole-punched']:.0%} | {share['relayed']:.0%} | "
+            f"{row['port_preserving_nat_pairs_hole_punched']}/{row['port_preserving_nat_pairs']} | "
+            f"{rtt['direct']} / {rtt['hole-punched']} / {rtt['relayed']} |"
         )
     print(json.dumps(out["relay_vs_direct"], indent=2))
     print(f"written to {RESULTS}")

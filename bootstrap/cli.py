@@ -471,8 +471,10 @@ def peers(home: Path | None, as_json: bool) -> None:
         rtt_text = f"{rtt:7.1f} ms" if isinstance(rtt, int | float) else "      - ms"
         models = ",".join(peer.get("models", [])) or "-"
         via = peer.get("connection") or "-"  # direct, hole-punched, relayed; - not connected
+        why = peer.get("relayed_because")
         click.echo(
             f"{peer.get('state', '?'):8} {rtt_text}  {via:12} {peer.get('peer_id')}  {models}"
+            + (f"  ({why})" if why else "")
         )
 
 

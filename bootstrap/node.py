@@ -375,6 +375,14 @@ async def _run_locked(
         )
         reachability = ReachabilityService(node, limiter=node.limiter)
         reachability.on_change.append(relay.on_reachability)
+        # Two NAT'd peers that met through a relay try a direct path (DCUtR)
+        from p2pnode.overlay.net.holepunch import open_hole_punching
+
+        punch = await stack.enter_async_context(
+            open_hole_punching(
+                node, public_ips=lambda: sorted(set(reachability.observed_ips.values()))
+            )
+        )
 
         registry = CollectorRegistry()
         service = None
@@ -418,6 +426,7 @@ async def _run_locked(
                 "routing": _routing_status(service),
                 "relay": relay.status(),
                 "reachability": reachability.status(),
+                "holepunch": punch.status(),
                 "network": settings.network,
                 "closed": closed is not None,
                 "process": process_status(),

@@ -118,8 +118,8 @@ def link_kind(conn: INetConn) -> str:
 
 
 def _connection_kind(node: object, peer_id: str) -> str:
-    """``direct`` (at least one direct connection), ``relayed`` (only circuits through a
-    relay), ``none`` (not connected) or ``unknown`` (a stand-in node, a bad id): the
+    """``direct`` (at least one direct connection), ``hole-punched`` (a direct connection a
+    hole punch made), ``relayed`` (only circuits through a relay), ``none`` (not connected) or ``unknown`` (a stand-in node, a bad id): the
     overlay node's own answer (``OverlayNode.connection_kind``)."""
     from libp2p.peer.id import ID
 
@@ -333,6 +333,7 @@ class ConsoleFeed:
                     "state": p.get("state"),
                     "rtt_ms": p.get("rtt_ms"),
                     "connection": _connection_kind(node, pid) if node is not None else "unknown",
+                    "relayed_because": p.get("relayed_because"),
                     "roles": p.get("roles", []),
                     "models": p.get("models", []),
                     "addrs": p.get("addrs", []),

@@ -164,6 +164,10 @@ class OverlayNode:
         if address_book is None:
             address_book = AddressBook(announce=list(config.announce))
         self.address_book = address_book
+        # Set by hole punching (holepunch.py): did a punch make this connection; why a
+        # relayed peer is still relayed.
+        self.link_kind: Callable[[INetConn], bool] | None = None
+        self.why_relayed: Callable[[str], str | None] | None = None
         self._nursery: trio.Nursery | None = None
         # Who belongs to a closed network (members.py); in an open one, no one and no gate.
         self.membership = Members(config.closed, self.peer_id)
@@ -222,8 +226,8 @@ class OverlayNode:
         return [str(a) for a in self.host.get_addrs()]
 
     def connection_kind(self, peer_id: str) -> str | None:
-        """How we reach a connected peer: "direct" or "relayed" (circuit); None when not
-        connected. (No hole punching yet: a NAT'd pair stays relayed.)"""
+        """How we reach a connected peer: "direct", "hole-punched" (a direct connection that
+        a hole punch made, ``holepunch.py``) or "relayed" (circuit); None when not connected."""
         try:
             conns = self.host.get_network().get_connections(ID.from_base58(peer_id))
         except Exception:
@@ -234,8 +238,11 @@ class OverlayNode:
         for conn in conns:
             addrs = [str(a) for a in conn.get_transport_addresses()]
             relayed = any(classify(a) == "circuit" for a in addrs) or _is_relayed(conn)
-            kinds.add("relayed" if relayed else "direct")
-        return "direct" if "direct" in kinds else "relayed"
+            punched = not relayed and self.link_kind is not None and self.link_kind(conn)
+            kinds.add("relayed" if relayed else "hole-punched" if punched else "direct")
+        if "direct" in kinds:
+            return "direct"
+        return "hole-punched" if "hole-punched" in kinds else "relayed"
 
     async def connect(self, addr: str) -> str:
         """Dial a `/.../p2p/<id>` address; returns the peer id (`PeerUnreachable` on failure)."""
@@ -320,10 +327,7 @@ class OverlayNode:
             "connections": self.connmgr.status(len(self.host.get_connected_peers())),
             "liveness": self.liveness.status(),
             "peer_counts": counts,
-            "peers": [
-                {**entry, "connection": self.connection_kind(entry["peer_id"])}
-                for entry in self.peers.snapshot()
-            ],
+            "peers": [self._peer_status(entry) for entry in self.peers.snapshot()],
             "refused": dict(self.refused),
             "membership": self.membership.status(),
             "dht": {
@@ -336,6 +340,13 @@ class OverlayNode:
             "pubsub_topics": sorted(self.pubsub.topic_ids),
             "counters": dict(self.counters),
         }
+
+    def _peer_status(self, entry: dict[str, Any]) -> dict[str, Any]:
+        kind = self.connection_kind(entry["peer_id"])
+        out = {**entry, "connection": kind}
+        if kind == "relayed" and self.why_relayed is not None:
+            out["relayed_because"] = self.why_relayed(entry["peer_id"])
+        return out
 
     async def trim_connections(self) -> list[str]:
         """Close the connections the connection manager drops now (none at or below its high

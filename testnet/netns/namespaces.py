@@ -11,7 +11,22 @@ namespace on ``PUBLIC_NET``:
   out, nobody can dial in. Every LAN is ``192.168.1.0/24`` with the host at ``.2``, as home
   routers do, so two NAT'd hosts share one private address;
 - a ``nat-random`` host is the same behind ``MASQUERADE --random-fully`` (source ports not
-  preserved: the harder NAT for hole punching).
+  preserved: the harder NAT for hole punching);
+- a ``nat-cgnat`` host sits behind two port-preserving NATs: its home router's WAN is on a
+  carrier LAN (``100.64.<i>.0/24``, RFC 6598) behind a carrier router on the bridge.
+
+Every router is also a stateful firewall, as home routers and carrier NATs are: a packet from
+the outside that belongs to no connection it saw leave is DROPPED. Without that rule the
+router's own stack answers a stray SYN with a RST, which resets the mapping the peer's SYN
+needs: measured here, a TCP simultaneous open between two MASQUERADE hosts then failed 5 of 5
+times with "connection refused"; with the drop it connected at once. Mapping behaviour per
+kind (what a test states it models):
+
+| kind | mapping | ports | hole punching (TCP simultaneous open) |
+|---|---|---|---|
+| ``nat`` | endpoint-independent (MASQUERADE) | preserved | works |
+| ``nat-random`` | endpoint-dependent in effect | randomized (``--random-fully``) | fails |
+| ``nat-cgnat`` | endpoint-independent, two levels | preserved at both | works |
 
 Contract:
 - ``Testbed(hosts, tag=...)`` (``hosts``: name -> kind); ``with testbed:`` builds it (or
@@ -38,11 +53,18 @@ from typing import IO
 
 from p2pnode.errors import P2PNodeError
 
-__all__ = ["HOST_KINDS", "PUBLIC_NET", "Testbed", "TestbedError", "require_netns"]
+__all__ = ["HOST_KINDS", "NAT_MODELS", "PUBLIC_NET", "Testbed", "TestbedError", "require_netns"]
 
-HOST_KINDS = ("public", "nat", "nat-random")
+HOST_KINDS = ("public", "nat", "nat-random", "nat-cgnat")
+# what each NAT kind models, for tests and reports to state
+NAT_MODELS = {
+    "nat": "endpoint-independent, port-preserving MASQUERADE",
+    "nat-random": "port-randomizing MASQUERADE --random-fully",
+    "nat-cgnat": "two levels: port-preserving CGNAT in front of a port-preserving home router",
+}
 PUBLIC_NET = "10.77.0"  # /24 on the hub bridge
 LAN_NET = "192.168.1"  # behind every router
+CARRIER_NET = "100.64"  # carrier LANs of nat-cgnat hosts: 100.64.<i>.0/24
 STOP_GRACE_S = 10.0
 
 
@@ -115,6 +137,9 @@ class Testbed:
     def _router(self, name: str) -> str:
         return f"p2p{self.tag}-{name}-gw"
 
+    def _carrier(self, name: str) -> str:
+        return f"p2p{self.tag}-{name}-cg"
+
     def ip(self, name: str) -> str:
         return self._own[name]
 
@@ -167,6 +192,8 @@ class Testbed:
                     self._add_ns(self.ns(name))
                     self._wire(self.ns(name), "eth0", cidr, self.hub, f"v{i}")
                     self._own[name] = public
+                elif kind == "nat-cgnat":
+                    self._build_cgnat(name, i, public)
                 else:
                     self._build_nat(name, i, public, random_ports=kind == "nat-random")
                 _run(["ip", "-n", self.hub, "link", "set", f"v{i}", "master", "br0"])
@@ -180,12 +207,26 @@ class Testbed:
         self._add_ns(router)
         self._add_ns(host)
         self._wire(router, "wan0", f"{public}/24", self.hub, f"v{i}")
+        self._lan(name, host, router, random_ports=random_ports)
+
+    def _build_cgnat(self, name: str, i: int, public: str) -> None:
+        """Host -> home router -> carrier router -> bridge, both routers masquerading."""
+        host, router, carrier = self.ns(name), self._router(name), self._carrier(name)
+        for ns in (carrier, router, host):
+            self._add_ns(ns)
+        self._wire(carrier, "wan0", f"{public}/24", self.hub, f"v{i}")
+        inner = f"{CARRIER_NET}.{i}"
+        self._wire(carrier, "lan0", f"{inner}.1/24", router, "wan0")
+        _run(["ip", "-n", router, "addr", "add", f"{inner}.2/24", "dev", "wan0"])
+        _run(["ip", "-n", router, "route", "add", "default", "via", f"{inner}.1"])
+        _nat_router(carrier, random_ports=False)
+        self._lan(name, host, router, random_ports=False)
+
+    def _lan(self, name: str, host: str, router: str, *, random_ports: bool) -> None:
         self._wire(router, "lan0", f"{LAN_NET}.1/24", host, "eth0")
         _run(["ip", "-n", host, "addr", "add", f"{LAN_NET}.2/24", "dev", "eth0"])
         _run(["ip", "-n", host, "route", "add", "default", "via", f"{LAN_NET}.1"])
-        _run(["ip", "netns", "exec", router, "sysctl", "-q", "-w", "net.ipv4.ip_forward=1"])
-        rule = ["iptables", "-t", "nat", "-A", "POSTROUTING", "-o", "wan0", "-j", "MASQUERADE"]
-        _run(["ip", "netns", "exec", router, *rule, *(["--random-fully"] if random_ports else [])])
+        _nat_router(router, random_ports=random_ports)
         self._own[name] = f"{LAN_NET}.2"
 
     # -- processes ----------------------------------------------------------------------
@@ -255,6 +296,17 @@ class Testbed:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _nat_router(router: str, *, random_ports: bool) -> None:
+    """Forwarding, masquerading out of ``wan0``, dropping what comes in unasked (module doc)."""
+    _run(["ip", "netns", "exec", router, "sysctl", "-q", "-w", "net.ipv4.ip_forward=1"])
+    masq = ["iptables", "-t", "nat", "-A", "POSTROUTING", "-o", "wan0", "-j", "MASQUERADE"]
+    _run(["ip", "netns", "exec", router, *masq, *(["--random-fully"] if random_ports else [])])
+    for chain in ("INPUT", "FORWARD"):
+        drop = ["iptables", "-A", chain, "-i", "wan0", "-m", "conntrack", "--ctstate",
+                "NEW,INVALID", "-j", "DROP"]  # fmt: skip
+        _run(["ip", "netns", "exec", router, *drop])
 
 
 def _signal(proc: subprocess.Popen, signum: int) -> None:

@@ -89,6 +89,9 @@ function drawGraph(swarm) {
     const color = p.state === "up" ? "var(--up)" : p.state === "suspect" ? "var(--suspect)" : "var(--down)";
     const line = svg("line", { x1: cx, y1: cy, x2: x, y2: y, stroke: color, "stroke-width": 2 });
     if (p.connection === "relayed") line.setAttribute("stroke-dasharray", "5 4");
+    if (p.connection === "hole-punched") line.setAttribute("stroke-dasharray", "1 3");
+    const why = p.relayed_because ? ` (${p.relayed_because})` : "";
+    line.appendChild(svg("title", {}, `${p.connection}${why}`));
     if (p.connection === "none") line.setAttribute("stroke-opacity", "0.3");
     g.appendChild(line);
     if (p.rtt_ms !== null && p.rtt_ms !== undefined) {
@@ -115,7 +118,7 @@ function drawGraph(swarm) {
     node(x, y, radius(p.cache_tokens), fill, short(p.peer_id), sub);
   }
   node(cx, cy, radius(swarm.self.cache_tokens), "#3563c9", "this node", `q${fmt(swarm.self.queue_depth)} ${fmt(swarm.self.cache_tokens)} tok`);
-  g.appendChild(svg("text", { x: 6, y: 312, "font-size": 10, fill: "#6b7385" }, "links: RTT measured by this node; dashed = relayed; size = cached tokens"));
+  g.appendChild(svg("text", { x: 6, y: 312, "font-size": 10, fill: "#6b7385" }, "links: RTT measured by this node; dashed = relayed, dotted = hole-punched (hover: why relayed); size = cached tokens"));
 }
 
 // ------------------------------------------------------------------ this node
