@@ -4,6 +4,7 @@ p2pnode id         print this node's peer id and the multiaddrs others can dial
 p2pnode invite     print a string others join this node's network with
 p2pnode revoke     revoke a member of a closed network (admins)
 p2pnode join       join an overlay through one or more bootstrap peers and serve a model
+p2pnode client     a light entry node: the API for the swarm's models, no model of its own
 p2pnode bootstrap  run a discovery-only node others can join through
 p2pnode peers      what the running node sees (peer table)
 p2pnode status     the running node's status (JSON)
@@ -276,7 +277,14 @@ def _node_options(fn):
         click.option(
             "--model",
             default=None,
-            help='"default" (embedded SmolLM2-135M), a local HF folder, or "none".',
+            help='"default" (embedded SmolLM2-135M), a local HF folder, a .gguf file, or "none" '
+            "(a light entry node: the API for the swarm's models, no weights).",
+        ),
+        click.option(
+            "--dtype",
+            default=None,
+            type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
+            help="Compute dtype of the model (auto: as stored; a GGUF file: float32).",
         ),
         click.option(
             "--role",
@@ -435,6 +443,34 @@ def run_bootstrap(config_file: Path | None, **flags: Any) -> None:
     with `p2pnode invite` strings; --open lets anyone with an address join.
     """
     settings = _load_settings(config_file, model="none", role=("bootstrap",), **flags)
+    _run(settings)
+
+
+@main.command()
+@click.option(
+    "--bootstrap",
+    multiple=True,
+    help="Multiaddr of a peer to join through (repeatable), or an invite string.",
+)
+@click.option("--invite", default=None, help="Join with an invite (same as --bootstrap).")
+@_listen_option
+@_api_host_option
+@_api_port_option
+@_api_access_options[0]
+@_api_access_options[1]
+@_log_level_option
+@_relay_options[0]
+@_config_option
+@_home_option
+def client(config_file: Path | None, **flags: Any) -> None:
+    """A light entry node: the OpenAI API for every model the swarm serves.
+
+    It runs no model (no torch, no weights: each model's tokenizer comes from a peer that
+    serves it) and takes no relay or verifier role; its requests go to the peers.
+    """
+    settings = _load_settings(config_file, model="none", role=("router",), relay_hop="off", **flags)
+    if not settings.bootstrap:
+        raise click.UsageError("client needs --invite STRING or --bootstrap MULTIADDR")
     _run(settings)
 
 
