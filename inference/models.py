@@ -238,7 +238,7 @@ def gguf_model_path(gguf: Path) -> Path:
     """The converted folder of a GGUF file, made once; keyed by the file's bytes (sha256), so
     a changed file converts again."""
     key = weights_digest_of_file(gguf)[:16]
-    target = cache_dir() / "models" / f"{gguf.stem}-{key}"
+    target = cache_dir() / "models" / f"gguf-{key}"
     if not (target / _CONVERTED_MARKER).is_file():
         target.parent.mkdir(parents=True, exist_ok=True)
         convert_gguf(gguf, target)

@@ -174,7 +174,7 @@ class RoutedService:
         self.model_id = model_id or engine.model_id
         self.salt = model_salt(self.model_id)
         self.is_member = is_member  # a valid membership of this closed network (None: open)
-        self.views = views or PeerViews()
+        self.views = views if views is not None else PeerViews()  # an empty one is falsy
         self.pushback = PushBack(pushback_high, pushback_low)
         # Trust hook (overlay/trust/book.py): claims checked after each forward; untrusted peers
         # are skipped by the router.

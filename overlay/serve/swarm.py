@@ -11,7 +11,7 @@ Contract:
   model this node runs (None on a light node; then ``antientropy`` is this node's own, run by
   ``run``). ``run`` follows the node records of live peers (each lists the models its node
   serves; records travel by the DHT and by gossip) and starts a routing-only service for each
-  model it has not seen yet, every ``poll_s``.
+  model it has not seen yet, every ``poll_s``, and fetches its tokenizer in the background.
 - ``listing() -> {model_id: nodes}``: the models served by this node and its live peers, with
   how many nodes serve each (this node counted); ``local_model``: this node's own (or None).
 - ``await service(model_id, wait_s)``: that model's service once its digests have shown at
@@ -125,6 +125,7 @@ class SwarmModels:
                 service = self.make_router(model, self.antientropy, self.views)
                 self.services[model] = service
                 self._nursery.start_soon(service.run)
+                self._nursery.start_soon(self._prefetch, model)
                 log.info("routing requests for %s, which peers serve", model)
                 self._changed.set()
                 self._changed = trio.Event()
@@ -171,6 +172,13 @@ class SwarmModels:
                     raise TokenizerFetchFailed(str(exc)) from None
                 self._texts[model] = TextFront(light)
         return self._texts[model]
+
+    async def _prefetch(self, model: str) -> None:
+        """The tokenizer ready before the first request for the model needs it."""
+        try:
+            await self.text(model)
+        except TokenizerFetchFailed as exc:  # the first request tries again
+            log.info("tokenizer of %s not fetched yet: %s", model, exc)
 
     async def _fetch(self, model: str, folder: Path) -> None:
         failures = []
