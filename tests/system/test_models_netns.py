@@ -96,7 +96,7 @@ def test_a_light_node_behind_nat_answers_for_two_models(testbed, tmp_path):
     gemma_id, gemma_text = _reference(gguf, chat=False)
 
     swarm = NetnsSwarm(testbed, tmp_path)
-    swarm.start_bootstrap("boot", closed=True)
+    swarm.start_bootstrap("boot")  # a closed network, as a user starts one
     swarm.start_join("smol", model="default")
     swarm.start_join("gemma", model=str(gguf))
     swarm.start_client("light")
