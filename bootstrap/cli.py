@@ -277,14 +277,12 @@ def _node_options(fn):
         click.option(
             "--model",
             default=None,
-            help='"default" (embedded SmolLM2-135M), a local HF folder, a .gguf file, or "none" '
-            "(a light entry node: the API for the swarm's models, no weights).",
+            help='"default" (SmolLM2-135M), an HF folder, a .gguf file, or "none" (light node).',
         ),
         click.option(
             "--dtype",
-            default=None,
             type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
-            help="Compute dtype of the model (auto: as stored; a GGUF file: float32).",
+            help="Model dtype (auto: as stored; a GGUF file: float32).",
         ),
         click.option(
             "--role",
@@ -447,11 +445,7 @@ def run_bootstrap(config_file: Path | None, **flags: Any) -> None:
 
 
 @main.command()
-@click.option(
-    "--bootstrap",
-    multiple=True,
-    help="Multiaddr of a peer to join through (repeatable), or an invite string.",
-)
+@click.option("--bootstrap", multiple=True, help="Multiaddr or invite to join through.")
 @click.option("--invite", default=None, help="Join with an invite (same as --bootstrap).")
 @_listen_option
 @_api_host_option
@@ -459,15 +453,10 @@ def run_bootstrap(config_file: Path | None, **flags: Any) -> None:
 @_api_access_options[0]
 @_api_access_options[1]
 @_log_level_option
-@_relay_options[0]
 @_config_option
 @_home_option
 def client(config_file: Path | None, **flags: Any) -> None:
-    """A light entry node: the OpenAI API for every model the swarm serves.
-
-    It runs no model (no torch, no weights: each model's tokenizer comes from a peer that
-    serves it) and takes no relay or verifier role; its requests go to the peers.
-    """
+    """A light entry node: the API for the swarm's models; no model, no relay or verifier."""
     settings = _load_settings(config_file, model="none", role=("router",), relay_hop="off", **flags)
     if not settings.bootstrap:
         raise click.UsageError("client needs --invite STRING or --bootstrap MULTIADDR")
