@@ -281,6 +281,7 @@ def _node_options(fn):
         ),
         click.option(
             "--dtype",
+            default=None,
             type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
             help="Model dtype (auto: as stored; a GGUF file: float32).",
         ),
@@ -446,7 +447,6 @@ def run_bootstrap(config_file: Path | None, **flags: Any) -> None:
 
 @main.command()
 @click.option("--bootstrap", multiple=True, help="Multiaddr or invite to join through.")
-@click.option("--invite", default=None, help="Join with an invite (same as --bootstrap).")
 @_listen_option
 @_api_host_option
 @_api_port_option
@@ -459,7 +459,7 @@ def client(config_file: Path | None, **flags: Any) -> None:
     """A light entry node: the API for the swarm's models; no model, no relay or verifier."""
     settings = _load_settings(config_file, model="none", role=("router",), relay_hop="off", **flags)
     if not settings.bootstrap:
-        raise click.UsageError("client needs --invite STRING or --bootstrap MULTIADDR")
+        raise click.UsageError("client needs --bootstrap INVITE (or a MULTIADDR)")
     _run(settings)
 
 

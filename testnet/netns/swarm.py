@@ -107,10 +107,10 @@ class NetnsSwarm:
         self._start(host, [*args, *extra])
 
     def start_client(self, host: str) -> None:
-        """``p2pnode client --invite <it>``: a light entry node (no model)."""
+        """``p2pnode client --bootstrap <invite>``: a light entry node (no model)."""
         if not self.invite:
             raise RuntimeError("start_bootstrap first: clients need its invite")
-        self._start(host, ["client", "--invite", self.invite])
+        self._start(host, ["client", "--bootstrap", self.invite])
 
     # -- reading the nodes --------------------------------------------------------------
 

@@ -3,7 +3,7 @@
 Four hosts (testnet/netns/namespaces.py), started as users start them, with default flags and
 the invite of a closed network: ``p2pnode bootstrap`` on ``boot``; ``p2pnode join --invite``
 serving SmolLM2 (the default model) on ``smol`` and Gemma-3-270m (``--model FILE.gguf``) on
-``gemma``; ``p2pnode client --invite`` on ``light``, behind a NAT router. The light node answers
+``gemma``; ``p2pnode client --bootstrap INVITE`` on ``light``, behind a NAT router. The light node answers
 completions and chat for both models, streamed and not, each answer equal to that model's
 plain-transformers greedy output; every node with an API for models (not the discovery-only
 bootstrap) lists both; an unknown model gets 404
