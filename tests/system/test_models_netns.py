@@ -118,6 +118,13 @@ def test_a_light_node_behind_nat_answers_for_two_models(testbed, tmp_path):
     assert not listing[smol_id]["local"] and not listing[gemma_id]["local"]
     assert swarm.status("light")["reachability"]["verdict"] != "public"
 
+    # Each server's first request, on its own node: a fresh process pays one-off costs on its
+    # first answer, and on this shared 2-core machine one such stall outlasted the forward's
+    # idle timeout (2 s) once; the light node's answers below are what the test checks.
+    for host, model in (("smol", smol_id), ("gemma", gemma_id)):
+        body = {"model": model, "prompt": "Hello", "max_tokens": 2, "p2pnode": {"private": True}}
+        assert _post(swarm, host, "/v1/completions", body)["status"] == 200
+
     cases = [
         (smol_id, "/v1/completions", {"prompt": PROMPT}, smol_text),
         (smol_id, "/v1/chat/completions", {"messages": MESSAGES}, smol_chat),

@@ -138,6 +138,11 @@ def test_a_light_client_answers_for_two_models(tmp_path, node_processes, gemma_g
     assert listing[gemma_id]["nodes"] == 1 and not listing[gemma_id]["local"]
     assert _models(apis["smol"])[smol_id]["local"] and not _models(apis["smol"])[gemma_id]["local"]
 
+    # Each server's first request, on its own node (see tests/system/test_models_netns.py).
+    for name, model in (("smol", smol_id), ("gemma", gemma_id)):
+        body = {"model": model, "prompt": "Hello", "max_tokens": 2, "p2pnode": {"private": True}}
+        assert _ask(apis[name], "/v1/completions", body).status_code == 200
+
     light = apis["light"]
     for stream in (False, True):
         assert _answer(light, smol_id, chat=False, stream=stream) == smol_text
