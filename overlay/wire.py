@@ -60,6 +60,7 @@ PROTOCOL_LIMITS: dict[str, int] = {
     "/p2pnode/control/1": 64 * KiB,
     "/p2pnode/bench/1": 16 * MiB,
     "/p2pnode/audit/1": 1 * MiB,
+    "/p2pnode/tokenizer/1": 1 * MiB,  # files travel in chunks of 512 KiB
 }
 
 

@@ -23,12 +23,13 @@ from starlette.routing import Route
 
 from p2pnode.bootstrap.api._bodies import completion_body, render_logprobs
 from p2pnode.bootstrap.api._errors import ApiError, error_from_exception
-from p2pnode.bootstrap.api._params import ModelNames, parse_job, read_json
+from p2pnode.bootstrap.api._params import Job, ModelNames, parse_job, pick_model, read_json
 from p2pnode.bootstrap.api._runner import JobRunner
-from p2pnode.bootstrap.api._seams import ApiEngine, ApiService
+from p2pnode.bootstrap.api._seams import ApiEngine, ApiModels, ApiService
 from p2pnode.bootstrap.api._sse import EventStream
 from p2pnode.bootstrap.health import health_response, health_state
 from p2pnode.bootstrap.metrics import NodeMetrics
+from p2pnode.errors import P2PNodeError
 from p2pnode.inference.sampling import TokenLogprob
 
 Handler = Callable[[Request], Awaitable[Response]]
@@ -46,10 +47,15 @@ def build_app(
     health: Callable[[], dict[str, Any]] | None = None,
     console: bool = True,
     api_key: str | None = None,
+    swarm: ApiModels | None = None,
 ) -> Starlette:
     """The node's HTTP app (see the package contract).
 
     ``api_key``: every request must carry it as a bearer token (``bootstrap/auth.py``).
+
+    ``swarm``: every model the swarm serves; requests may then name any of them (those this
+    node does not run go to their own routed service, with their tokenizer fetched from a
+    peer), and ``/v1/models`` lists them all with how many nodes serve each.
 
     ``service``: the node's ``RoutedService`` (its ``engine`` is used when ``engine`` is not
     given). ``registry``: the one passed to ``RoutedService``; a fresh one when None.
@@ -109,18 +115,54 @@ def build_app(
             "p2pnode": {"model_id": names.model_id},
         }
 
+    def swarm_card(model: str, nodes: int, local: str | None) -> dict[str, Any]:
+        p2p = {"model_id": model, "nodes": nodes, "local": model == local}
+        return {"id": model, "object": "model", "created": created, "owned_by": "p2pnode"} | {
+            "p2pnode": p2p
+        }
+
     async def list_models(request: Request) -> JSONResponse:
-        data = [model_card()] if names.model_id is not None else []
+        if swarm is not None:
+            local, listing = swarm.local_model, swarm.listing()
+            data = [swarm_card(m, n, local) for m, n in listing.items()]
+        else:
+            data = [model_card()] if names.model_id is not None else []
         return JSONResponse({"object": "list", "data": data})
 
     async def get_model(request: Request) -> JSONResponse:
+        if swarm is not None:
+            listing = swarm.listing()
+            model = pick_model(request.path_params["model"], listing, swarm.local_model)
+            return JSONResponse(swarm_card(model, listing[model], swarm.local_model))
         names.check(request.path_params["model"])
         return JSONResponse(model_card())
+
+    async def checked_job(body: dict[str, Any], chat: bool) -> Job:
+        if swarm is None:
+            return parse_job(body, chat=chat, model=names.check(body.get("model")), engine=engine)
+        model = pick_model(body.get("model"), swarm.listing(), swarm.local_model)
+        if model == swarm.local_model:
+            return parse_job(body, chat=chat, model=model, engine=engine)
+        try:
+            text = await swarm.text(model)
+        except P2PNodeError as exc:
+            raise ApiError(
+                503,
+                f"cannot get the tokenizer of {model} from the nodes that serve it: {exc}",
+                type="server_error",
+                code="no_tokenizer",
+            ) from None
+        job = parse_job(body, chat=chat, model=model, engine=text)
+        job.service = await swarm.service(model)
+        if job.service is None:
+            raise ApiError(503, f"no node serves {model} any more", code="no_route")
+        job.engine = text
+        return job
 
     def completions(chat: bool) -> Handler:
         async def handle(request: Request) -> Response:
             body = await read_json(request)
-            job = parse_job(body, chat=chat, model=names.check(body.get("model")), engine=engine)
+            job = await checked_job(body, chat)
             runner.admit()
             if job.stream:
                 return EventStream(runner, job)
@@ -133,7 +175,7 @@ def build_app(
                 "x-p2pnode-served-by": out.served_by or "",
                 "x-p2pnode-cached-tokens": str(out.cached_tokens or 0),
             }
-            logprobs = render_logprobs(job, out.logprobs, runner.token_text)
+            logprobs = render_logprobs(job, out.logprobs, runner.text_of(job))
             return JSONResponse(completion_body(job, rid, out, logprobs), headers=headers)
 
         return handle

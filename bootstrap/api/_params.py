@@ -6,6 +6,8 @@ Contract:
 - ``ModelNames.check(model)``: the model a request names must be the one this node serves (its
   display name, its model id, or either without the ``@<hash>`` part); none named means that
   one. Unknown: 404 ``model_not_found``; a node without a model: 503 ``no_model``.
+- ``pick_model(model, listing, local)``: the same for a node that knows every model of the
+  swarm (``ApiModels``): any model some node serves; unknown: 404 naming them all.
 - ``parse_job(body, chat=..., model=..., engine=...)`` checks every OpenAI parameter and
   encodes the prompt with ``engine`` (chat: its chat template). Bad values are 400s that name
   the ``param`` and the accepted range; prompt + max_tokens over the context is 400
@@ -23,7 +25,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,7 +33,7 @@ from starlette.requests import Request
 
 from p2pnode.bootstrap.api import _logprobs
 from p2pnode.bootstrap.api._errors import ApiError, bad
-from p2pnode.bootstrap.api._seams import ApiEngine
+from p2pnode.bootstrap.api._seams import ApiEngine, ApiService
 from p2pnode.inference.sampling import SamplingParams
 
 MAX_BODY_BYTES = 8 << 20
@@ -57,6 +59,9 @@ class Job:
     prompt_param: str  # "prompt" or "messages", for error answers
     private: bool = False  # never leaves this node
     turn: int | None = None  # chat: earlier assistant answers in the messages
+    # Another model of the swarm than this node's own: its routed service and text side.
+    service: ApiService | None = None
+    engine: ApiEngine | None = None
 
 
 async def read_json(request: Request) -> dict[str, Any]:
@@ -112,6 +117,40 @@ class ModelNames:
                 code="model_not_found",
             )
         return model
+
+
+def pick_model(model: Any, listing: Mapping[str, int], local: str | None) -> str:
+    """The swarm's model a request names: its model id, or its bare name (this node's own
+    first); none named means this node's own, or the swarm's only one. Unknown: 404
+    ``model_not_found`` naming what the swarm serves."""
+    if not listing:
+        raise ApiError(
+            503,
+            "no node in this swarm serves a model yet (none seen so far); retry shortly",
+            type="server_error",
+            code="no_model",
+        )
+    if model is None:
+        if local is not None:
+            return local
+        if len(listing) == 1:
+            return next(iter(listing))
+        raise bad(f"name a model: this swarm serves {sorted(listing)}", "model", "model_required")
+    if isinstance(model, str):
+        if model in listing:
+            return model
+        bare = [m for m in listing if m.split("@", 1)[0] == model]
+        if local in bare:
+            return local
+        if len(bare) == 1:
+            return bare[0]
+    raise ApiError(
+        404,
+        f"The model {model!r} is not served in this swarm; it serves {sorted(listing)} "
+        "(see GET /v1/models)",
+        param="model",
+        code="model_not_found",
+    )
 
 
 def parse_job(body: dict[str, Any], *, chat: bool, model: str, engine: ApiEngine | None) -> Job:

@@ -64,9 +64,14 @@ class JobRunner:
         """A token's own text, special tokens included (logprobs show every token)."""
         return self.engine.tokenizer.decode([token])
 
+    def text_of(self, job: Job) -> Callable[[int], str]:
+        """``token_text`` with the tokenizer of the job's model."""
+        engine = job.engine or self.engine
+        return lambda token: engine.tokenizer.decode([token])
+
     async def run(self, job: Job, deliver: Deliver) -> Outcome:
         started = time.perf_counter()
-        text = TextAssembler(self.engine.decode, job.stops)
+        text = TextAssembler((job.engine or self.engine).decode, job.stops)
         send, recv = trio.open_memory_channel[int](math.inf)
         out = Outcome(prompt_tokens=len(job.prompt))
         failure: list[BaseException] = []
@@ -137,8 +142,9 @@ class JobRunner:
         out: Outcome,
         on_logprob: Callable[[TokenLogprob], None],
     ) -> None:
-        if self.service is not None:
-            result = await self.service.generate(
+        service = job.service if job.engine is not None else self.service
+        if service is not None:
+            result = await service.generate(
                 job.prompt,
                 job.params,
                 on_token=on_token,

@@ -65,6 +65,27 @@ class ApiEngine(Protocol):
     def stream(self, prompt_ids: Sequence[int], params: SamplingParams) -> TokenStream: ...
 
 
+class ApiModels(Protocol):
+    """Every model the swarm serves (``overlay/serve/swarm.py``'s ``SwarmModels``)."""
+
+    @property
+    def local_model(self) -> str | None:
+        """The model this node runs (None on a light node)."""
+        ...
+
+    def listing(self) -> dict[str, int]:
+        """Model id -> how many nodes serve it (this one counted)."""
+        ...
+
+    async def service(self, model: str, wait_s: float = 10.0) -> ApiService | None:
+        """The routed service of a model this node does not run (None: nobody serves it)."""
+        ...
+
+    async def text(self, model: str) -> ApiEngine:
+        """Its tokenizer and chat template, fetched from a peer the first time."""
+        ...
+
+
 @runtime_checkable
 class ApiService(Protocol):
     """The node's routed service: the router may have a peer serve a request."""

@@ -79,8 +79,9 @@ class EventStream(Response):
         async def deliver(text: str, lps: list[TokenLogprob]) -> None:
             nonlocal offset
             await start()
-            logprobs = render_logprobs(job, lps, runner.token_text, offset)
-            offset += sum(len(runner.token_text(lp.token)) for lp in lps)
+            token_text = runner.text_of(job)
+            logprobs = render_logprobs(job, lps, token_text, offset)
+            offset += sum(len(token_text(lp.token)) for lp in lps)
             await event(chunk(job, self.rid, self.created, text=text, logprobs=logprobs))
 
         status = 200

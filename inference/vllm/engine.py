@@ -168,14 +168,14 @@ class VllmEngine(EngineFront):
     ) -> None:
         from transformers import AutoConfig, AutoTokenizer
 
-        from p2pnode.inference.models import compute_model_id, weights_digest
+        from p2pnode.inference.models import folder_model_id, weights_digest
 
         self.folder = folder
         self.build = build
         self.block_size = build.block_size
         self.tokenizer = AutoTokenizer.from_pretrained(folder)
         self.config = AutoConfig.from_pretrained(folder)
-        self.model_id = compute_model_id(name, self.tokenizer, weights_digest(folder))
+        self.model_id = folder_model_id(name, folder, weights_digest(folder))
         self.context_length = int(self.config.max_position_embeddings)
         self.vocab_size = int(self.config.vocab_size)
         eos = getattr(self.config, "eos_token_id", None) or self.tokenizer.eos_token_id

@@ -243,6 +243,16 @@ class AntiEntropy:
                     with contextlib.suppress(Exception):
                         await self.node.pubsub.unsubscribe(digest_topic(model))
 
+    async def follow(self, model: str) -> None:
+        """Also receive the digests of ``model`` from now on (a node that routes a model it
+        does not run: the swarm's other models)."""
+        if model in self.models:
+            return
+        self.models = sorted({*self.models, model})
+        if self._nursery is not None:  # running: subscribe now (else run subscribes)
+            sub = await self.node.pubsub.subscribe(digest_topic(model))
+            self._nursery.start_soon(self._receive_loop, model, sub)
+
     # -- publishing -------------------------------------------------------------------------
 
     def effective_interval(self, model: str) -> float:

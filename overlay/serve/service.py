@@ -164,6 +164,7 @@ class RoutedService:
         challenge_config: ChallengeConfig | None = None,
         advertise_min_uses: int = 1,
         is_member: Callable[[str], bool] | None = None,
+        antientropy: AntiEntropy | None = None,
     ) -> None:
         if engine is None and model_id is None:
             raise ValueError("a routing-only service needs model_id")
@@ -173,7 +174,7 @@ class RoutedService:
         self.model_id = model_id or engine.model_id
         self.salt = model_salt(self.model_id)
         self.is_member = is_member  # a valid membership of this closed network (None: open)
-        self.views = views or PeerViews()
+        self.views = views if views is not None else PeerViews()  # an empty one is falsy
         self.pushback = PushBack(pushback_high, pushback_low)
         # Trust hook (overlay/trust/book.py): claims checked after each forward; untrusted peers
         # are skipped by the router.
@@ -263,7 +264,10 @@ class RoutedService:
                 challenge_config=challenge_config,
                 registry=registry,
             )
-        self.antientropy = AntiEntropy(
+        # Another model's service on this node shares its anti-entropy (one handler for digest
+        # pulls per node) and only follows this model's topic (``overlay/serve/swarm.py``).
+        self._owns_antientropy = antientropy is None
+        self.antientropy = antientropy or AntiEntropy(
             node,
             key,
             self.views,
@@ -332,7 +336,10 @@ class RoutedService:
         if self.audit_server is not None:
             self.node.set_stream_handler(AUDIT_PROTOCOL, self.audit_server.handle)
         async with trio.open_nursery() as nursery:
-            await nursery.start(self.antientropy.run)
+            if self._owns_antientropy:
+                await nursery.start(self.antientropy.run)
+            else:
+                await self.antientropy.follow(self.model_id)
             if self.auditor is not None:
                 await nursery.start(self.auditor.run)
             if self.probation is not None:

@@ -7,7 +7,8 @@ dial-backs and relays are all the product's own.
 
 Contract:
 - ``NetnsSwarm(testbed, workdir)``; ``start_bootstrap(host, open_network=False)`` -> invite string;
-  ``start_join(host, model="none", extra=())``; ``wait_full_view(limit_s)`` -> seconds until
+  ``start_join(host, model="none", extra=())``; ``start_client(host)``;
+  ``wait_full_view(limit_s)`` -> seconds until
   every node sees every other one up (``TimeoutError`` with each node's view otherwise);
   ``peers(host)`` / ``status(host)`` read the node's HTTP API inside its namespace;
   ``request(host, path, body)`` POSTs JSON there -> (headers, body); ``cli(host, *args)``
@@ -104,6 +105,12 @@ class NetnsSwarm:
         if model != "default":
             args += ["--model", model]
         self._start(host, [*args, *extra])
+
+    def start_client(self, host: str) -> None:
+        """``p2pnode client --bootstrap <invite>``: a light entry node (no model)."""
+        if not self.invite:
+            raise RuntimeError("start_bootstrap first: clients need its invite")
+        self._start(host, ["client", "--bootstrap", self.invite])
 
     # -- reading the nodes --------------------------------------------------------------
 

@@ -14,11 +14,10 @@ from p2pnode.inference.models import ModelLoadError, compute_model_id, weights_d
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from transformers import AutoTokenizer
-
     from p2pnode.inference.models import default_model_path
+    from p2pnode.inference.tokfiles import read_tokenizer_files
 
-    return AutoTokenizer.from_pretrained(default_model_path())
+    return read_tokenizer_files(default_model_path())
 
 
 def _folder(root: Path, name: str, weights: bytes) -> Path:
