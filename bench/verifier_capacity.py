@@ -2,8 +2,8 @@
 
 One real verifier process (the SmolLM2 target, ``BatchedVerifier`` with the node's defaults,
 served over ``/p2pnode/verify/1`` as ``p2pnode join --role verifier`` does) and N edge tenants
-(each its own libp2p node and identity, so the per-peer limits apply as deployed, each an
-``EdgeClient``) in a second process, the WAN round trip injected by ``testnet/netns/wan.py``
+(each an ``EdgeClient``; four share a libp2p node, as many as a
+verifier's per-peer session limit admits, so the limits apply as deployed) in a second process, the WAN round trip injected by ``testnet/netns/wan.py``
 (every libp2p TCP write held for the one-way delay in userspace, in both processes: the delay
 the trials use). Each tenant runs ``--requests`` chat requests one after the other (prompts of
 the chat workload, ``p2pnode.datasets.chat``: one shared system prompt, a user question each),
@@ -57,6 +57,10 @@ from pathlib import Path
 import trio
 
 RESULTS = Path(__file__).parent / "results"
+# Tenants per edge node: a verifier takes at most 4 sessions per peer (overlay/limits.py,
+# max_sessions_per_peer), so 4 tenants share a libp2p node (and its connection); more nodes
+# in one process only added their DHT and connection chatter to the edges' one core.
+TENANTS_PER_NODE = 4
 # Judged on questions 0.., tuned (the verifier's block-size rule) on questions from TUNE_AT on.
 TUNE_AT = 1000
 
@@ -220,7 +224,7 @@ class ReplayDraft:
 # ---------------------------------------------------------------- verifier process
 
 
-def serve(spec: Path) -> None:
+def serve(spec: Path, block_control: bool) -> None:
     """The verifier child: prints its address, then answers ``stats`` lines on stdin with the
     forward passes since the last ``stats`` (rows and positions of each, busy seconds)."""
     _one_thread()
@@ -246,7 +250,8 @@ def serve(spec: Path) -> None:
             roles={"verifier"},
             **_timeouts(spec, "cloud"),
         )
-        verifier = BatchedVerifier(target)  # the node's defaults (bootstrap/node.py)
+        # the node's defaults (bootstrap/node.py)
+        verifier = BatchedVerifier(target, block_control=block_control)
         compute = verifier._compute
 
         def timed(rows):
@@ -311,7 +316,14 @@ async def run_config(nodes, peer_id, draft_for, requests, mode, n, new_tokens, t
     clients = []
     for i in range(n):
         d = draft_for(i)
-        clients.append((EdgeClient(nodes[i], d, verifiers=[peer_id], result_timeout_s=120), d))
+        clients.append(
+            (
+                EdgeClient(
+                    nodes[i // TENANTS_PER_NODE], d, verifiers=[peer_id], result_timeout_s=120
+                ),
+                d,
+            )
+        )
     t0 = time.perf_counter()
     async with trio.open_nursery() as nursery:
         for i, (client, d) in enumerate(clients):
@@ -433,12 +445,13 @@ async def edge_main(spec: Path, info: dict, child, trace: dict, args) -> list[di
                     roles={"edge"},
                     **_timeouts(spec, region),
                 )
-                for k in range(max(tenants))
+                for k in range(math.ceil(max(tenants) / TENANTS_PER_NODE))
             ],
             open_overlay_node,
         ) as nodes:
             # warm every tenant's connection and stream path (untimed)
-            await run_config(nodes, info["peer_id"], draft_for, reqs[:1], "remote", 1, 4, 0.0)
+            warm = len(nodes) * TENANTS_PER_NODE
+            await run_config(nodes, info["peer_id"], draft_for, reqs, "remote", warm, 4, 0.0)
             await verifier_passes()
             for mode in modes:
                 for n in tenants:
@@ -533,9 +546,14 @@ def main() -> None:
     ap.add_argument("--edge-core", type=int, default=0)
     ap.add_argument("--verifier-core", type=int, default=1)
     ap.add_argument("--out", default="verifier_capacity")
+    ap.add_argument(
+        "--no-block-control",
+        action="store_true",
+        help="the verifier gives no block-size advice and checks its full lookup guesses",
+    )
     args = ap.parse_args()
     if args.serve is not None:
-        serve(args.serve)
+        serve(args.serve, not args.no_block_control)
         return
     if args.quick:
         args.tenants, args.rtts, args.requests, args.new_tokens = "1,4,16", "0,100", 2, 16
@@ -554,13 +572,13 @@ def main() -> None:
         )
     print(
         f"one verifier on core {args.verifier_core}, tenants on core {args.edge_core}; {edges}; "
-        f"{args.requests} requests x {args.new_tokens} tokens per tenant; load at start "
-        f"{os.getloadavg()}"
+        f"{args.requests} requests x {args.new_tokens} tokens per tenant; verifier block-size "
+        f"control {'off' if args.no_block_control else 'on'}; load at start {os.getloadavg()}"
     )
     with tempfile.TemporaryDirectory() as tmp:
         spec = write_spec(Path(tmp), [int(x) for x in args.rtts.split(",")])
         cmd = ["taskset", "-c", str(args.verifier_core), sys.executable, __file__]
-        cmd += ["--serve", str(spec)]
+        cmd += ["--serve", str(spec)] + (["--no-block-control"] if args.no_block_control else [])
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         child = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
         try:
@@ -580,6 +598,7 @@ def main() -> None:
     result = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "edges": "real" if args.real_edges else "replayed trace",
+        "block_control": not args.no_block_control,
         "draft_step_ms": trace["draft_step_ms"],
         "args": vars(args) | {"serve": None},
         "rows": rows,

@@ -26,7 +26,10 @@ Contract:
   At a break the edge may instead stop drafting for ``SEGMENT`` tokens and let the verifier
   decode alone (empty blocks keep its lead budget full): per verifier (``history=``, a
   ``_flight.DraftHistory``) it keeps the committed tokens a second of both behaviours and
-  takes the faster, the other every ``EXPLORE_EVERY``-th stretch. Every verdict must agree with what is committed (``_flight.Committed``), else ``BadVerdict``.
+  takes the faster, the other every ``EXPLORE_EVERY``-th stretch.
+- The verifier's block-size control (``BlockResult.want``, ``_blocksize.py``): the edge drafts
+  at most ``want`` tokens per block (at least 1), and with lead, at ``want`` 0, lets the
+  verifier decode alone (lead-only stretches) until a result asks for drafts again. Every verdict must agree with what is committed (``_flight.Committed``), else ``BadVerdict``.
 - ``remote_generate(transport, prompt, n)``: target-only remote generation over the same
   protocol (the verifier streams leads; empty blocks refill the budget): the baseline, and the
   fastest mode where the draft is barely cheaper than the target.
@@ -204,6 +207,7 @@ class _Edge:
     max_block: int = 0
     history: DraftHistory = field(default_factory=DraftHistory)  # against this verifier
     stretch: tuple[int, float] | None = None  # the drafting stretch's start: committed, time
+    want: int | None = None  # the verifier's block-size advice (``_blocksize.py``); None: none
     changed: _Signal = field(default_factory=_Signal)
     failure: list[Exception] = field(default_factory=list)  # the receiver's, raised by draft()
 
@@ -219,6 +223,8 @@ class _Edge:
                     self.fl.take_lead(msg)
                 else:
                     self.fl.take(msg)
+                    if msg.want is not None:
+                        self.want = msg.want
                 self.fl.resync(self.runner.tokens)
                 self.changed.fire()
         except Exception as exc:  # handed to the drafting loop, which raises it
@@ -238,7 +244,7 @@ class _Edge:
             if full and part is None:  # a block being drafted is always finished
                 await self.changed.wait()
                 continue
-            if part is None and first and self.lead and self.lead_next():
+            if part is None and first and self.lead and self.lead_now():
                 await self.lead_only()
                 continue
             if part is None:
@@ -247,7 +253,8 @@ class _Edge:
                     if fl.dirty:
                         continue
                 extra = min(round(fl.overlap), MAX_OVERLAP) if first and self.lead else 0
-                part = Part(len(d.tokens), max(self.gamma, min(self.gamma + extra, self.max_block)))
+                gamma = self.gamma if self.want is None else max(1, min(self.gamma, self.want))
+                part = Part(len(d.tokens), max(gamma, min(gamma + extra, self.max_block)))
             toks, q = await self._draft_one()
             if fl.dirty:
                 continue
@@ -258,6 +265,14 @@ class _Edge:
                 block = fl.launch(d.tokens, part, first)
                 part, first = None, False
                 await self.transport.send_block(block)
+
+    def lead_now(self) -> bool:
+        """At a break: whether to let the verifier decode alone next: when it asks for no
+        drafts (``want`` 0), else as ``lead_next`` measures."""
+        if self.want == 0:
+            self.end_stretch()
+            return True
+        return self.lead_next()
 
     def lead_next(self) -> bool:
         """At a break: whether the next stretch lets the verifier decode alone. A drafting

@@ -58,6 +58,7 @@ the math equals each session's own forward, logits agree to ~1e-5).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import secrets
 import time
@@ -82,6 +83,7 @@ from p2pnode.speculation._batching import (
     session_limit,
 )
 from p2pnode.speculation._blocks import Block, BlockResult, Lead, SamplingOptions
+from p2pnode.speculation._blocksize import AcceptanceMeter, BlockSizer
 from p2pnode.speculation._errors import (
     BadBlock,
     BadRequest,
@@ -122,6 +124,7 @@ class BatchedVerifier:
         prefix_cache_tokens: int = 8192,
         lookup: int = LOOKUP,
         lookup_ngram: int = LOOKUP_NGRAM,
+        block_control: bool = True,
     ) -> None:
         self.target = target
         self.device = _device_of(target.model)
@@ -139,6 +142,12 @@ class BatchedVerifier:
                 f"need lookup >= 0 and lookup_ngram >= 1, got {lookup}, {lookup_ngram}"
             )
         self.lookup, self.lookup_ngram = lookup, lookup_ngram
+        # Block-size control (``_blocksize.py``): each result tells its session how many draft
+        # tokens to send per block, and lead steps check as many lookup guesses as pay, from
+        # the load measured on the passes. None: no advice, ``lookup`` guesses every step.
+        self.sizer = BlockSizer(max_want=max_block) if block_control else None
+        self._lookup_meter = AcceptanceMeter()
+        self._guesses = lookup  # lookup guesses per lead step now
         self.sessions: dict[str, Session] = {}
         self.stats = {"batches": 0, "blocks": 0, "stale": 0, "accepted": 0, "drafted": 0}
         self.stats.update(lead=0, superseded=0, sessions=0, prefill_tokens=0, prefix_hit_tokens=0)
@@ -305,7 +314,15 @@ class BatchedVerifier:
         if isinstance(waiter.answer, VerifierError):
             raise waiter.answer
         assert waiter.answer is not None
-        return waiter.answer
+        return self._advise(s, block, waiter.answer)
+
+    def _advise(self, s: Session, block: Block, answer: BlockResult) -> BlockResult:
+        """The answer with the draft tokens the verifier wants in the session's next blocks."""
+        if self.sizer is None:
+            return answer
+        s.meter.observe(len(block.tokens), answer.accepted)
+        own = len(block.tokens) + 1 if not answer.stale else 0
+        return dataclasses.replace(answer, want=self.sizer.want(s.meter.alpha, own))
 
     def _validate(self, s: Session, block: Block) -> None:
         k = len(block.tokens)
@@ -332,14 +349,31 @@ class BatchedVerifier:
         task_status.started()
         while True:
             waiting = await self._gather()
-            batch = plan(waiting, self._leaders(), self.max_batch, self.max_tokens, self.lookup)
+            leaders = self._leaders()
+            batch = plan(waiting, leaders, self.max_batch, self.max_tokens, self._guesses)
             outcomes = list(batch.decided)
             if batch.rows:
                 async with self._device:
                     t0 = time.perf_counter()
-                    outcomes += await trio.to_thread.run_sync(self._compute, batch.rows)
-                    self._observe("batch_s", time.perf_counter() - t0)
+                    computed = await trio.to_thread.run_sync(self._compute, batch.rows)
+                    seconds = time.perf_counter() - t0
+                    self._observe("batch_s", seconds)
+                outcomes += computed
+                self._measure(batch.rows, computed, seconds)
             self._apply(outcomes)
+
+    def _measure(self, rows: list[Row], computed: list[Outcome], seconds: float) -> None:
+        """Feed one pass to the block-size control; size the lead steps' lookup guesses."""
+        if self.sizer is None:
+            return
+        positions = sum(len(r.inputs) for r in rows)
+        self.sizer.observe_pass(positions, seconds, sum(len(o.commit) for o in computed))
+        for r, o in zip(rows, computed, strict=True):
+            if r.waiter is None and r.guess:  # a lead step's guesses: accepted = commit - 1
+                self._lookup_meter.observe(len(r.guess), max(0, len(o.commit) - 1))
+        if self.lookup:
+            want = self.sizer.want(self._lookup_meter.alpha, 1 + self._guesses)
+            self._guesses = min(self.lookup, want)
 
     async def _gather(self) -> list[Waiter]:
         """Blocks queued by ``verify`` (up to ``max_batch``, waiting ``max_wait_s`` for more).
