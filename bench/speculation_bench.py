@@ -154,9 +154,22 @@ async def edge_runs(target, draft, prompts, rtts, gamma, new_tokens) -> list[dic
     return rows
 
 
+def flops_per_position(model, context: int) -> float:
+    """FLOPs of one position through the target: 2 per weight of every linear map (the tied
+    LM head included: a verify takes logits at every position) plus attention's 4 per key
+    and channel of each layer at ``context`` cached tokens."""
+    cfg = model.config
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    attention = 4 * cfg.num_hidden_layers * cfg.hidden_size * context
+    return 2 * linear + attention
+
+
 async def tenant_runs(target, prompt, tenants_list, gamma, blocks_per_tenant) -> list[dict]:
-    """Tenants replaying fixed draft blocks (no draft model: isolate the verifier's cost)."""
+    """Tenants replaying fixed draft blocks (no draft model: isolate the verifier's cost).
+    The GFLOP/s printed is the whole run's: every verified position's FLOPs over its wall
+    time, so it includes the batching's overhead (stacking caches) as well as the GEMMs."""
     rows = []
+    per_position = flops_per_position(target.model, len(prompt) + 1)
     for batched in (False, True):
         for tenants in tenants_list:
             v = BatchedVerifier(
@@ -189,12 +202,13 @@ async def tenant_runs(target, prompt, tenants_list, gamma, blocks_per_tenant) ->
                 "blocks_per_s": done / secs,
                 "positions_per_s": done * (gamma + 1) / secs,
                 "forwards": v.stats["batches"],
+                "gflop_per_s": done * (gamma + 1) * per_position / secs / 1e9,
             }
             rows.append(row)
             print(
                 f"  {tenants} tenants {'batched  ' if batched else 'unbatched'}: "
                 f"{row['blocks_per_s']:6.2f} blocks/s, {row['positions_per_s']:6.1f} positions/s, "
-                f"{row['forwards']} forwards"
+                f"{row['forwards']} forwards, {row['gflop_per_s']:.1f} GFLOP/s"
             )
     return rows
 

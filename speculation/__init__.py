@@ -20,6 +20,8 @@ here where others need them):
 - ``_accept.py``: the acceptance math, ``verify_greedy``, ``verify_sampling``, ``truncate_probs``.
 - ``_flight.py``: the edge's blocks in flight and its checked copy of the committed tokens.
 - ``_batching.py``: one batching step as data and pure functions (``plan``, ``accept``).
+- ``_blocksize.py``: the verifier's block-size control: how many draft tokens it asks each
+  session for (``BlockResult.want``), from its measured load and the session's acceptance.
 - ``_kvstack.py``: sessions' KV caches stacked left-padded into one batch, and back.
 - ``_prefix.py``: ``PrefixKV``, closed sessions' KV kept for the next session on that prefix.
 - ``_errors.py``: every error here, under ``p2pnode.errors.P2PNodeError``.

@@ -31,6 +31,7 @@ from transformers import DynamicCache
 
 from p2pnode.speculation._accept import accept_draft
 from p2pnode.speculation._blocks import Block, BlockResult, Lead, SamplingOptions
+from p2pnode.speculation._blocksize import AcceptanceMeter
 from p2pnode.speculation._errors import SessionLimit, VerifierError
 from p2pnode.speculation._lookup import NgramIndex
 
@@ -66,6 +67,7 @@ class Session:
     on_lead: Callable[[Lead | VerifierError], None] | None = None
     lookup: NgramIndex | None = None  # follows ``tokens``: guesses for its lead steps
     busy: bool = False  # a block submitted and not yet returned to its caller
+    meter: AcceptanceMeter = field(default_factory=AcceptanceMeter)  # its drafts' acceptance
     # What this session's blocks and leads did (the console shows them per session).
     counts: dict[str, int] = field(
         default_factory=lambda: {"blocks": 0, "accepted": 0, "drafted": 0, "lead": 0}

@@ -64,6 +64,9 @@ class BlockResult:
     accepted: int  # -1: stale block, nothing verified
     next_token: int  # the target's token after the accepted prefix; -1 when stale
     committed_len: int  # the session's committed length after this block
+    # Draft tokens the verifier wants in this session's next blocks (its block-size control,
+    # ``_blocksize.py``; 0: let it decode alone); None: no advice.
+    want: int | None = None
 
     @property
     def stale(self) -> bool:

@@ -26,7 +26,10 @@ Contract:
   At a break the edge may instead stop drafting for ``SEGMENT`` tokens and let the verifier
   decode alone (empty blocks keep its lead budget full): per verifier (``history=``, a
   ``_flight.DraftHistory``) it keeps the committed tokens a second of both behaviours and
-  takes the faster, the other every ``EXPLORE_EVERY``-th stretch. Every verdict must agree with what is committed (``_flight.Committed``), else ``BadVerdict``.
+  takes the faster, the other every ``EXPLORE_EVERY``-th stretch.
+- The verifier's block-size control (``BlockResult.want``, ``_blocksize.py``): the edge drafts
+  at most ``want`` tokens per block (at least 1), and with lead, at ``want`` 0, lets the
+  verifier decode alone (lead-only stretches) until a result asks for drafts again. Every verdict must agree with what is committed (``_flight.Committed``), else ``BadVerdict``.
 - ``remote_generate(transport, prompt, n)``: target-only remote generation over the same
   protocol (the verifier streams leads; empty blocks refill the budget): the baseline, and the
   fastest mode where the draft is barely cheaper than the target.
@@ -43,6 +46,7 @@ Contract:
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -112,6 +116,15 @@ class DraftRunner:
         self.cache = DynamicCache()
         self.cache_len = 0
 
+    def start_from(self, prefix: DraftPrefix, prompt: list[int]) -> None:
+        """Start on ``prompt`` from the KV ``prefix`` holds of an earlier prompt (a copy)."""
+        self.tokens = list(prompt)
+        n = prefix.usable(prompt)
+        if n and prefix.cache is not None:
+            self.cache = copy.deepcopy(prefix.cache)
+            self.cache.crop(n)
+            self.cache_len = n
+
     def reset_to(self, committed: list[int]) -> None:
         """Drop speculative tokens that disagree with ``committed``; crop the cache to match."""
         same = 0
@@ -164,6 +177,33 @@ class DraftRunner:
         return out, (torch.stack(rows) if rows else None)
 
 
+class DraftPrefix:
+    """The draft's KV of the last session's prompt, which the next session on the same prefix
+    (a deployment's system prompt) starts from. Why: the draft prefilled a 375-token chat
+    prompt in ~1.2 s, longer than the verifier's lead took for a 32-token answer, so without
+    it the edge drafted nothing on the chat workload (bench/verifier_capacity.py)."""
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.cache: DynamicCache | None = None
+
+    def usable(self, prompt: list[int]) -> int:
+        """Cached tokens ``prompt`` can start from (its last token is always run)."""
+        n = 0
+        for a, b in zip(self.tokens, prompt[:-1], strict=False):
+            if a != b:
+                break
+            n += 1
+        return n
+
+    def keep(self, runner: DraftRunner, prompt: list[int]) -> None:
+        """Keep the runner's cache of ``prompt`` (the runner is done with it)."""
+        n = min(runner.cache_len, len(prompt) - 1)
+        if n > 0 and runner.tokens[:n] == prompt[:n]:
+            runner.cache.crop(n)
+            self.tokens, self.cache = list(prompt[:n]), runner.cache
+
+
 # ---------------------------------------------------------------- the speculative loop
 
 
@@ -204,6 +244,7 @@ class _Edge:
     max_block: int = 0
     history: DraftHistory = field(default_factory=DraftHistory)  # against this verifier
     stretch: tuple[int, float] | None = None  # the drafting stretch's start: committed, time
+    want: int | None = None  # the verifier's block-size advice (``_blocksize.py``); None: none
     changed: _Signal = field(default_factory=_Signal)
     failure: list[Exception] = field(default_factory=list)  # the receiver's, raised by draft()
 
@@ -219,6 +260,8 @@ class _Edge:
                     self.fl.take_lead(msg)
                 else:
                     self.fl.take(msg)
+                    if msg.want is not None:
+                        self.want = msg.want
                 self.fl.resync(self.runner.tokens)
                 self.changed.fire()
         except Exception as exc:  # handed to the drafting loop, which raises it
@@ -238,7 +281,7 @@ class _Edge:
             if full and part is None:  # a block being drafted is always finished
                 await self.changed.wait()
                 continue
-            if part is None and first and self.lead and self.lead_next():
+            if part is None and first and self.lead and self.lead_now():
                 await self.lead_only()
                 continue
             if part is None:
@@ -247,7 +290,8 @@ class _Edge:
                     if fl.dirty:
                         continue
                 extra = min(round(fl.overlap), MAX_OVERLAP) if first and self.lead else 0
-                part = Part(len(d.tokens), max(self.gamma, min(self.gamma + extra, self.max_block)))
+                gamma = self.gamma if self.want is None else max(1, min(self.gamma, self.want))
+                part = Part(len(d.tokens), max(gamma, min(gamma + extra, self.max_block)))
             toks, q = await self._draft_one()
             if fl.dirty:
                 continue
@@ -258,6 +302,14 @@ class _Edge:
                 block = fl.launch(d.tokens, part, first)
                 part, first = None, False
                 await self.transport.send_block(block)
+
+    def lead_now(self) -> bool:
+        """At a break: whether to let the verifier decode alone next: when it asks for no
+        drafts (``want`` 0), else as ``lead_next`` measures."""
+        if self.want == 0:
+            self.end_stretch()
+            return True
+        return self.lead_next()
 
     def lead_next(self) -> bool:
         """At a break: whether the next stretch lets the verifier decode alone. A drafting
@@ -345,12 +397,14 @@ async def speculative_generate(
     probs_top_k: int = DEFAULT_PROBS_TOP_K,
     on_commit: Callable[[list[int]], None] | None = None,
     history: DraftHistory | None = None,
+    prefix: DraftPrefix | None = None,
 ) -> SpecResult:
     """See the module contract. ``on_commit(new_ids)`` is called as tokens become final (for
     streaming, and so a caller can resume on another verifier from prompt + committed ids).
     ``history``: what the caller's earlier sessions against this verifier measured
     (``DraftHistory``: drafting or letting the verifier decode alone, which was faster); this
-    session's stretches are added to it."""
+    session's stretches are added to it. ``prefix``: the draft's KV of an earlier prompt
+    (``DraftPrefix``): the draft prefills only what differs, and keeps this prompt's there."""
     options = options or GREEDY
     if not prompt or max_new_tokens < 1 or gamma < 1 or depth < 1 or lead < 0:
         raise ValueError(
@@ -360,6 +414,8 @@ async def speculative_generate(
     vocab = getattr(getattr(draft.model, "config", None), "vocab_size", None)
     d = DraftRunner(draft, options, top_k=probs_top_k, seed=options.seed)
     d.tokens = list(prompt)
+    if prefix is not None:
+        d.start_from(prefix, prompt)
     c = Committed(prompt, vocab, on_commit, max_new_tokens, eos)
     fl = Flight(c, SpecStats(), vocab, lead > 0)
     edge = _Edge(transport, d, fl, len(prompt), max_new_tokens, eos, gamma, depth, lead)
@@ -370,6 +426,8 @@ async def speculative_generate(
         edge.end_stretch()
         with trio.CancelScope(shield=True):
             await transport.close()
+    if prefix is not None:
+        prefix.keep(d, prompt)
     fl.stats.seconds = time.perf_counter() - started
     return SpecResult(trim(fl.committed.tokens[len(prompt) :], max_new_tokens, eos), fl.stats)
 

@@ -60,7 +60,13 @@ from p2pnode.speculation._blocks import SamplingOptions
 from p2pnode.speculation._errors import BadBlock, BadRequest, BadVerdict, NoVerifier, SessionLimit
 from p2pnode.speculation._flight import DraftHistory, finished, trim
 from p2pnode.speculation.advert import rank_verifiers, verify_digest_model
-from p2pnode.speculation.client import SpecResult, SpecStats, remote_generate, speculative_generate
+from p2pnode.speculation.client import (
+    DraftPrefix,
+    SpecResult,
+    SpecStats,
+    remote_generate,
+    speculative_generate,
+)
 from p2pnode.speculation.draft import DraftModel, load_draft
 from p2pnode.speculation.protocol import (
     OPEN_TIMEOUT_S,
@@ -150,6 +156,7 @@ class EdgeClient:
         self._auto_runs = 0
         # Per verifier: whether drafting pays depends on its round trip and its speed.
         self.histories: dict[str, DraftHistory] = {}
+        self.draft_prefix = DraftPrefix()  # the last prompt's draft KV (a shared system prompt)
         eos = getattr(self.tokenizer, "eos_token_id", None)
         self.eos_token_ids: tuple[int, ...] = (eos,) if isinstance(eos, int) else ()
 
@@ -337,6 +344,7 @@ class EdgeClient:
             eos_token_ids=self.eos_token_ids,
             on_commit=on_commit,
             history=self.histories.setdefault(transport.peer_id, DraftHistory()),
+            prefix=self.draft_prefix,
         )
 
     async def _take_spare(self, peer: str):

@@ -9,7 +9,8 @@ Contract (one stream = one session; frames and schemas from ``p2pnode.overlay.wi
   plain ``VerifierError`` for a code it does not know.
 - then any number of ``verify-block`` {number, base_len, base_token, tokens, q_width, q_ids,
   q_vals}, each answered in order by ``verify-result`` {number, accepted, next_token,
-  committed_len} (accepted = -1: stale). The edge may send the next block before the previous
+  committed_len, want} (accepted = -1: stale; want: the draft tokens the verifier wants per
+  block from now on, its block-size control, ``_blocksize.py``; -1: no advice). The edge may send the next block before the previous
   result arrives (pipelining). For sampling, each draft token's q row travels sparse: ``q_width``
   entries per row, ids as little-endian int32 and probabilities as little-endian float32 bytes,
   so the verifier rebuilds the very q the edge drew from (exact; rows must sum to 1).
@@ -119,6 +120,7 @@ class VerifyResult:
     accepted: int = field(metadata=wire.bounded(ge=-1, le=MAX_BLOCK))
     next_token: int = field(metadata=wire.bounded(ge=-1, le=2**31 - 1))
     committed_len: int = field(metadata=wire.bounded(**_I32))
+    want: int = field(default=-1, metadata=wire.bounded(ge=-1, le=MAX_BLOCK))
 
 
 @wire.message("verify-error")
@@ -294,7 +296,8 @@ async def _serve_blocks(
         q = decode_q(msg, verifier.vocab_size)
         block = Block(msg.number, msg.base_len, msg.base_token, tuple(msg.tokens), q)
         r = await verifier.verify(sid, block)
-        out.send_nowait(VerifyResult(r.number, r.accepted, r.next_token, r.committed_len))
+        want = -1 if r.want is None else min(r.want, MAX_BLOCK)
+        out.send_nowait(VerifyResult(r.number, r.accepted, r.next_token, r.committed_len, want))
 
 
 def _release(stream) -> None:
@@ -406,7 +409,8 @@ class P2PVerifierTransport:
                 raise _error(msg.code, msg.message)
             if isinstance(msg, VerifyLead):
                 return Lead(msg.position, msg.token)
-            return BlockResult(msg.number, msg.accepted, msg.next_token, msg.committed_len)
+            want = None if msg.want < 0 else msg.want
+            return BlockResult(msg.number, msg.accepted, msg.next_token, msg.committed_len, want)
         raise VerifierError(f"no verification result within {self.result_timeout_s:.0f} s")
 
     async def close(self) -> None:

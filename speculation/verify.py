@@ -36,6 +36,11 @@ Contract:
   a block's drafts are (greedy: the target's argmax; sampling: rejection sampling against a
   one-hot proposal), so one step may commit several tokens, each its own ``Lead``; the budget
   counts tokens, and no step commits more than the budget has left.
+- Block-size control (``block_control=True``, ``_blocksize.py``): every block's result carries
+  ``want``, the draft tokens the verifier wants in the session's next blocks, from its load
+  (positions per pass, time per position, tokens per second, measured on its own passes) and
+  the session's measured acceptance; 0 asks the edge to let it decode alone. Lead steps check
+  as many prompt-lookup guesses as the same rule grants (at most ``lookup``).
 - Refusals are ``VerifierError`` subclasses (``_errors.py``) with a message saying what to do:
   ``VerifierFull`` (max sessions), ``SessionLimit`` (max tokens per session / context),
   ``UnknownSession`` (closed, or reaped after ``idle_timeout_s``), ``SessionBusy`` (one block at a
@@ -58,6 +63,7 @@ the math equals each session's own forward, logits agree to ~1e-5).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import secrets
 import time
@@ -82,6 +88,7 @@ from p2pnode.speculation._batching import (
     session_limit,
 )
 from p2pnode.speculation._blocks import Block, BlockResult, Lead, SamplingOptions
+from p2pnode.speculation._blocksize import AcceptanceMeter, BlockSizer
 from p2pnode.speculation._errors import (
     BadBlock,
     BadRequest,
@@ -105,6 +112,7 @@ __all__ = ["BatchedVerifier"]
 # added 0.05 tokens a step.
 LOOKUP = 4
 LOOKUP_NGRAM = 3
+PROBE_EVERY = 16  # passes of several rows between probes of the costlier pass mode
 
 
 class BatchedVerifier:
@@ -122,6 +130,7 @@ class BatchedVerifier:
         prefix_cache_tokens: int = 8192,
         lookup: int = LOOKUP,
         lookup_ngram: int = LOOKUP_NGRAM,
+        block_control: bool = True,
     ) -> None:
         self.target = target
         self.device = _device_of(target.model)
@@ -139,6 +148,17 @@ class BatchedVerifier:
                 f"need lookup >= 0 and lookup_ngram >= 1, got {lookup}, {lookup_ngram}"
             )
         self.lookup, self.lookup_ngram = lookup, lookup_ngram
+        # Block-size control (``_blocksize.py``): each result tells its session how many draft
+        # tokens to send per block, and lead steps check as many lookup guesses as pay, from
+        # the load measured on the passes. None: no advice, ``lookup`` guesses every step.
+        self.sizer = BlockSizer(max_want=max_block) if block_control else None
+        self._lookup_meter = AcceptanceMeter()
+        self._guesses = lookup  # lookup guesses per lead step now
+        # A pass of several rows runs stacked (one forward, caches left-padded) or serial (each
+        # row on the one-row fast path in turn), whichever has cost less per position lately.
+        self.pass_cost: dict[str, float] = {}  # "stacked" / "serial" -> s per position (EWMA)
+        self._multi_passes = 0
+        self._serial = False  # the mode of the pass under way
         self.sessions: dict[str, Session] = {}
         self.stats = {"batches": 0, "blocks": 0, "stale": 0, "accepted": 0, "drafted": 0}
         self.stats.update(lead=0, superseded=0, sessions=0, prefill_tokens=0, prefix_hit_tokens=0)
@@ -305,7 +325,15 @@ class BatchedVerifier:
         if isinstance(waiter.answer, VerifierError):
             raise waiter.answer
         assert waiter.answer is not None
-        return waiter.answer
+        return self._advise(s, block, waiter.answer)
+
+    def _advise(self, s: Session, block: Block, answer: BlockResult) -> BlockResult:
+        """The answer with the draft tokens the verifier wants in the session's next blocks."""
+        if self.sizer is None:
+            return answer
+        s.meter.observe(len(block.tokens), answer.accepted)
+        own = len(block.tokens) + 1 if not answer.stale else 0
+        return dataclasses.replace(answer, want=self.sizer.want(s.meter.alpha, own))
 
     def _validate(self, s: Session, block: Block) -> None:
         k = len(block.tokens)
@@ -332,14 +360,58 @@ class BatchedVerifier:
         task_status.started()
         while True:
             waiting = await self._gather()
-            batch = plan(waiting, self._leaders(), self.max_batch, self.max_tokens, self.lookup)
+            leaders = self._leaders()
+            batch = plan(waiting, leaders, self.max_batch, self.max_tokens, self._guesses)
             outcomes = list(batch.decided)
             if batch.rows:
+                self._serial = len(batch.rows) > 1 and self._pick_serial()
                 async with self._device:
                     t0 = time.perf_counter()
-                    outcomes += await trio.to_thread.run_sync(self._compute, batch.rows)
-                    self._observe("batch_s", time.perf_counter() - t0)
+                    computed = await trio.to_thread.run_sync(self._compute, batch.rows)
+                    seconds = time.perf_counter() - t0
+                    self._observe("batch_s", seconds)
+                outcomes += computed
+                self._measure(batch.rows, computed, seconds)
             self._apply(outcomes)
+
+    def _pick_serial(self) -> bool:
+        """Serial or stacked for a pass of several rows: each is tried once, then the cheaper
+        per position runs, the other every ``PROBE_EVERY``-th pass (costs move with contexts).
+        Why: on the 2-core CPU the stacked path (transformers, caches copied into a padded
+        batch every pass) took ~120 ms for 3 rows of ~400-token chats where the one-row C
+        path takes ~22 ms a row (bench/verifier_capacity.py): 4 tenants batched got half
+        the tokens/s of one. A GPU's stacked pass costs about one row's."""
+        self._multi_passes += 1
+        for mode in ("stacked", "serial"):
+            if mode not in self.pass_cost:
+                return mode == "serial"
+        best = min(self.pass_cost, key=self.pass_cost.__getitem__)
+        if self._multi_passes % PROBE_EVERY == 0:
+            best = "serial" if best == "stacked" else "stacked"
+        return best == "serial"
+
+    def _measure(self, rows: list[Row], computed: list[Outcome], seconds: float) -> None:
+        """Feed one pass to the pass-mode choice and to the block-size control (which also
+        sizes the lead steps' lookup guesses)."""
+        positions = sum(len(r.inputs) for r in rows)
+        if len(rows) > 1:
+            mode = "serial" if self._serial else "stacked"
+            old, new = self.pass_cost.get(mode), seconds / positions
+            self.pass_cost[mode] = new if old is None else 0.7 * old + 0.3 * new
+        if self.sizer is None:
+            return
+        committed = sum(len(o.commit) for o in computed)
+        if self._serial:  # each row was a pass of its own: its free positions are its own
+            n = len(rows)
+            self.sizer.observe_pass(positions / n, seconds / n, committed / n)
+        else:
+            self.sizer.observe_pass(positions, seconds, committed)
+        for r, o in zip(rows, computed, strict=True):
+            if r.waiter is None and r.guess:  # a lead step's guesses: accepted = commit - 1
+                self._lookup_meter.observe(len(r.guess), max(0, len(o.commit) - 1))
+        if self.lookup:
+            want = self.sizer.want(self._lookup_meter.alpha, 1 + self._guesses)
+            self._guesses = min(self.lookup, want)
 
     async def _gather(self) -> list[Waiter]:
         """Blocks queued by ``verify`` (up to ``max_batch``, waiting ``max_wait_s`` for more).
@@ -471,10 +543,15 @@ class BatchedVerifier:
     def _forward(self, rows: list[Row]) -> list[tuple[torch.Tensor, DynamicCache]]:
         """Each row's logits at its inputs and its cache after them (one pass for all)."""
         model, inputs = self.target.model, [row.inputs for row in rows]
-        if len(rows) == 1:  # the session's own cache, extended in place
-            cache = rows[0].session.cache
-            out = model(input_ids=self._ids(inputs), past_key_values=cache, use_cache=True)
-            return [(out.logits[0], cache)]
+        if len(rows) == 1 or self._serial:  # each session's own cache, extended in place
+            got = []
+            for row in rows:
+                cache = row.session.cache
+                out = model(
+                    input_ids=self._ids([row.inputs]), past_key_values=cache, use_cache=True
+                )
+                got.append((out.logits[0], cache))
+            return got
         batch = pad_batch([r.session.cache for r in rows], inputs, model.config.num_hidden_layers)
         out = model(**batch.model_inputs(self.device))
         caches = batch.split()

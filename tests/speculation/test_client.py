@@ -319,3 +319,30 @@ async def test_sampled_speculation_joint_of_three_tokens_follows_target(target, 
     chi2 = sum((c - n_runs * p) ** 2 / (n_runs * p) for c, p in bins)
     assert len(bins) >= 3, "too few bins to test a joint distribution"
     assert chi2 < CHI2_P001[len(bins) - 1], (chi2, sorted(counts.items()), joint)
+
+
+async def test_second_session_starts_from_the_drafts_prefix_and_equals_target(
+    target, draft, prompts
+) -> None:
+    # Two chat prompts share the chat template's system turn: the second session's draft
+    # starts from the first one's KV of it (DraftPrefix) and prefills only the rest; both
+    # outputs equal the target's greedy decoding.
+    from p2pnode.speculation.client import DraftPrefix
+
+    eos = target.eos_token_ids
+    prefix = DraftPrefix()
+    verifier = BatchedVerifier(target)
+    shared = next(i for i, (a, b) in enumerate(zip(prompts[0], prompts[1], strict=False)) if a != b)
+    assert shared > 8
+    async with trio.open_nursery() as nursery:
+        await nursery.start(verifier.run)
+        for p in prompts[:2]:
+            async with inprocess_transport(verifier) as transport:
+                got = await speculative_generate(
+                    draft, transport, p, 12, gamma=4, depth=2, eos_token_ids=eos, prefix=prefix
+                )
+            assert got.tokens == target_generate(target, p, 12, eos_token_ids=eos)
+            assert prefix.tokens == p[: len(p) - 1]  # this prompt's KV, for the next session
+            assert prefix.cache is not None and prefix.cache.get_seq_length() == len(p) - 1
+        nursery.cancel_scope.cancel()
+    assert prefix.usable(prompts[0]) == shared
