@@ -1,4 +1,5 @@
-"""The ``p2pnode`` command line.
+"""The ``p2pnode`` command line. One file (~600 lines) on purpose: every command and the options
+they share sit side by side, so ``--help`` and the settings' keys stay in step.
 
 p2pnode id         print this node's peer id and the multiaddrs others can dial
 p2pnode invite     print a string others join this node's network with

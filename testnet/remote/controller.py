@@ -398,9 +398,7 @@ def run_arm(
         print(f"[{arm}] failed: {exc}", file=sys.stderr)
         result["error"] = str(exc)[:4000]
         return result
-    result["logs"] = str(out_dir / "nodes" / arm / "logs")
-    finish_arm(spec, arm, out_dir, records, requests, result, churn_out)
-    result["wall_s"] = round(time.monotonic() - t0, 1)
+    finish_arm(spec, arm, out_dir, records, requests, result, churn_out, t0)
     return result
 
 

@@ -331,12 +331,15 @@ def finish_arm(
     records: list[dict[str, Any]],
     requests: list[driver.PlannedRequest],
     result: dict[str, Any],
-    churn_out: dict[str, Any] | None = None,
+    churn_out: dict[str, Any] | None,
+    started: float,
 ) -> None:
     """From an arm's request records to its result (every kind of trial, local or on an
     inventory): the hit rate ceiling, ``requests.jsonl``, the summary, chat / churn /
-    adversary figures and consistency problems, added to ``result``."""
+    adversary figures and consistency problems, the logs' folder and the arm's wall time
+    since ``started`` (``time.monotonic``), added to ``result``."""
     arm_dir = out_dir / arm
+    result["logs"] = str(out_dir / "nodes" / arm / "logs")
     is_chat = spec.workload.kind == "chat"
     ids = None
     if is_chat:
@@ -380,6 +383,7 @@ def finish_arm(
         f"forwarded {summary['forwarded_fraction']}",
         file=sys.stderr,
     )
+    result["wall_s"] = round(time.monotonic() - started, 1)
 
 
 def run_arm(
@@ -423,9 +427,7 @@ def run_arm(
         print(f"[{arm}] failed to start: {exc}", file=sys.stderr)
         result["error"] = str(exc)[:4000]
         return result
-    result["logs"] = str(out_dir / "nodes" / arm / "logs")
-    finish_arm(spec, arm, out_dir, records, requests, result, churn_out)
-    result["wall_s"] = round(time.monotonic() - t0, 1)
+    finish_arm(spec, arm, out_dir, records, requests, result, churn_out, t0)
     return result
 
 
