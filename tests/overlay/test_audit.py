@@ -310,7 +310,7 @@ def chat(engine: Any, question: str) -> list[int]:
 async def test_an_honest_bf16_peer_batching_four_is_never_flagged_in_200_answers(loaded) -> None:
     from p2pnode.inference.models import load_model
 
-    bf16 = load_model(None, dtype=torch.bfloat16)
+    bf16 = load_model(None, dtype="bfloat16")
     scorer = ModelScorer(loaded.model)
     prompts = []
     for i in range(200):  # 50 questions, 4 ways each: short, distinct, cheap
