@@ -8,7 +8,7 @@ Contract:
   connects within `background` x `connect_timeout` (`PeerUnreachable` otherwise, also for a
   refused peer) and notes the time in `last_dial` (discovery spaces redials by it);
   `bootstrap()` dials every one of `bootstrap_infos` at once, each with exponential backoff
-  bounded by `bootstrap_attempts` (unreachable ones are logged in one line each; with
+  bounded by `bootstrap_attempts`, its waits jittered (`jittered`) (unreachable ones are logged in one line each; with
   `require_bootstrap` `BootstrapFailed` is raised instead), then raises `NetworkMismatch`
   when every bootstrap peer reached is of another network or version.
 - `filtered_connect(host)` and `filter_peerstore(host)` wrap the host once at assembly so
@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import logging
 import math
+import random
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import suppress
 from typing import Any
@@ -39,7 +41,7 @@ from p2pnode.overlay.net.dht import OverlayDHT
 from p2pnode.overlay.net.hello import NetworkMismatch, NotAMember
 from p2pnode.overlay.net.host import parse_multiaddr
 
-__all__ = ["Dialer", "filter_peerstore", "filtered_connect", "parse_peer_addr"]
+__all__ = ["Dialer", "filter_peerstore", "filtered_connect", "jittered", "parse_peer_addr"]
 
 logger = logging.getLogger(__name__)
 
@@ -57,9 +59,19 @@ class Dialer:
     """The dialing side of one node (see the module contract)."""
 
     def __init__(
-        self, host: IHost, dht: OverlayDHT, config: OverlayConfig, admission: Admission
+        self,
+        host: IHost,
+        dht: OverlayDHT,
+        config: OverlayConfig,
+        admission: Admission,
+        counters: Counter[str] | None = None,
+        rng: random.Random | None = None,
     ) -> None:
         self._host = host
+        self._counters: Counter[str] = counters if counters is not None else Counter()
+        # Jitter of the bootstrap retries: joiners that a busy bootstrap turned away together
+        # must not come back together.
+        self._rng = rng or random.Random()
         self._dht = dht
         self._config = config
         self._admission = admission
@@ -116,7 +128,8 @@ class Dialer:
                 last = str(exc)
                 logger.debug("bootstrap attempt %d failed: %s", attempt, exc)
             if attempt < self._config.bootstrap_attempts:
-                await trio.sleep(delay)
+                self._counters["bootstrap_retries"] += 1
+                await trio.sleep(jittered(delay, self._rng))
                 delay *= 2
         logger.warning(
             "bootstrap peer unreachable after %d attempts: %s",
@@ -166,6 +179,12 @@ class Dialer:
                 f"bootstrap peer {pid} refused: {self._admission.refused[pid]}; use an invite or "
                 "--bootstrap of this node's network, or set --network to match"
             )
+
+
+def jittered(delay: float, rng: random.Random) -> float:
+    """``delay`` spread over [0.5, 1.5) of itself (full jitter would retry at once half the
+    time; none makes a storm's joiners retry in step)."""
+    return delay * (0.5 + rng.random())
 
 
 def filtered_connect(host: IHost) -> Callable[[PeerInfo], Awaitable[None]]:

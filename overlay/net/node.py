@@ -77,6 +77,7 @@ from p2pnode.overlay.net.hello import HELLO_PROTOCOL, Hello
 from p2pnode.overlay.net.host import make_host, parse_multiaddr
 from p2pnode.overlay.net.liveness import PING_LENGTH, PING_PROTOCOL, Liveness, serve_ping
 from p2pnode.overlay.net.members import MEMBERSHIP_PROTOCOL, Members
+from p2pnode.overlay.net.patches.busy import install_busy_limits
 from p2pnode.overlay.net.patches.containment import contain_stream_errors
 from p2pnode.overlay.net.patches.gate import install_gate
 from p2pnode.overlay.net.patches.safepubsub import SafePubsub
@@ -177,9 +178,10 @@ class OverlayNode:
             Hello(network=config.network, version=config.version),
             self._spawn,
             self.membership,
+            self.counters,
         )
         self.refused = self.admission.refused  # peer id -> why (another network or version)
-        self.dialer = Dialer(host, dht, config, self.admission)
+        self.dialer = Dialer(host, dht, config, self.admission, self.counters)
         # Bounded connections (overlay/net/connmgr.py): off unless `conn_high` > 0.
         self.connmgr = ConnManager(
             ConnLimits(low=config.conn_low, high=config.conn_high, grace_s=config.conn_grace)
@@ -210,7 +212,9 @@ class OverlayNode:
             after_round=self._republish_if_grown,
             connection_kind=self.connection_kind,
         )
-        self.admission.use_referrals(self.discovery.referrals, self.discovery.referred)
+        self.admission.use_referrals(
+            self.discovery.referrals, self.discovery.referred, lambda: self.addrs
+        )
         self.trimmer = Trimmer(host, self.peers, self.connmgr, self.counters, self.peer_id)
 
     @property
@@ -488,6 +492,8 @@ async def open_overlay_node(config: OverlayConfig) -> AsyncIterator[OverlayNode]
                 MEMBERSHIP_PROTOCOL,
                 serve_redemption(node.membership, closed.issuer, node.peer_id, closed.home),
             )
+    # After the gate (it wraps the same negotiation): the bound counts gated streams too.
+    install_busy_limits(host, node.counters)
     node.dialer.bootstrap_infos = [b for b in bootstrap if b.peer_id.to_base58() != node.peer_id]
     host.get_network().register_notifee(_ConnectionWatcher(node))
     host.set_stream_handler(TProtocol(PING_PROTOCOL), partial(serve_ping, limiter=node.limiter))
