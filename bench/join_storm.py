@@ -8,10 +8,10 @@ started:
   joiner, or with bounded connections, the default, its low watermark less one:
   ``testnet.run.formation``) and holds a cache view of each; p50/p95/max and max/p50;
 - formed: the time every joiner's scope is complete and the up links make one overlay;
-- the bootstrap's admissions (``admitted`` hellos and ``busy`` answers, from its /status
-  counters ``overlay/net/admission.py`` keeps), admitted joins a second (peak over 5 s and
+- the bootstrap's admissions (``admitted`` hellos, ``overlay/net/admission.py``; connections
+  and streams turned away as busy and abandoned streams skipped, ``patches/busy.py``), admitted joins a second (peak over 5 s and
   mean over the storm), its CPU and connections; the joiners' failed and retried joins
-  (``join_busy_retries``, ``bootstrap_retries`` counters); the load average.
+  (``bootstrap_retries``) and the referrals they got; the load average.
 
 `--load-generator`: instead of N node processes, `--procs` processes each run
 `--hosts`/`--procs` light overlay hosts (no engine, no API) in one trio loop; each joins the
@@ -117,8 +117,9 @@ def pct(values: list[float], q: float) -> float | None:
 
 
 def admissions(status: dict[str, Any] | None) -> tuple[int, int]:
+    """Hellos a node answered with an admission, and connections it turned away as busy."""
     counters = (status or {}).get("counters") or {}
-    return int(counters.get("admitted", 0)), int(counters.get("admission_busy", 0))
+    return int(counters.get("admitted", 0)), int(counters.get("busy_conns", 0))
 
 
 def peak_rate(samples: list[tuple[float, int]]) -> float:
@@ -226,13 +227,18 @@ def run_storm(args: argparse.Namespace, root: Path, zygote: Zygote, procs: list[
         "scope_max_s": round(max(waits), 2) if waits else None,
         "max_over_p50": round(max(waits) / p50, 2) if waits and p50 else None,
         "bootstrap_admitted": admitted,
-        "bootstrap_busy_answers": busy,
+        "bootstrap_busy_conns": busy,
         "admitted_per_s_peak": peak_rate(admit_samples),
         "all_admitted_s": None if all_admitted_at is None else round(all_admitted_at, 2),
         "admitted_per_s_mean": round(admitted / all_admitted_at, 2) if all_admitted_at else None,
         "bootstrap_connections_max": boot_conns_max,
         "bootstrap_cpu_s": round(cpu_s(procs[0].pid) - boot_cpu0, 1),
-        "joiner_busy_retries": sum(int(c.get("join_busy_retries", 0)) for c in counters),
+        "bootstrap_busy_streams": int(((bstat or {}).get("counters") or {}).get("busy_streams", 0)),
+        "bootstrap_abandoned_streams": int(
+            ((bstat or {}).get("counters") or {}).get("abandoned_streams", 0)
+        ),
+        "bootstrap_reachability": ((bstat or {}).get("reachability") or {}).get("verdict"),
+        "joiner_referrals_received": sum(int(c.get("referrals_received", 0)) for c in counters),
         "joiner_bootstrap_retries": sum(int(c.get("bootstrap_retries", 0)) for c in counters),
         "load_avg_1m_max": round(load_max, 2),
         "load_avg_1m_end": round(os.getloadavg()[0], 2),
@@ -282,7 +288,7 @@ def run_load_generator(args: argparse.Namespace, root: Path, zygote: Zygote, pro
         "join_p50_s": pct(joined, 0.5),
         "join_max_s": round(max(joined), 2) if joined else None,
         "bootstrap_admitted": admitted,
-        "bootstrap_busy_answers": busy,
+        "bootstrap_busy_conns": busy,
         "admitted_per_s_peak": peak_rate(samples),
         "admitted_per_s_mean": round(len(joined) / span, 2) if span else None,
         "bootstrap_cpu_s": round(cpu_s(procs[0].pid) - boot_cpu0, 1),

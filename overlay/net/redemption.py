@@ -14,12 +14,14 @@ Contract:
   ``RedeemRequest``, one answer ``RedeemAnswer``: ``member`` or ``error``).
 - ``redeem_invite(key, grant, addrs, network_key) -> Redeemed`` (membership bytes verified
   for ``key``'s peer id, revocations); ``RedemptionFailed`` (an ``OverlayError``) with the
-  issuer's reason, or why it could not be reached.
+  issuer's reason (at once), or why it could not be reached in ``REDEEM_ATTEMPTS`` rounds
+  over ``addrs`` (jittered backoff from ``REDEEM_BACKOFF_S``: a busy issuer is retried).
 """
 
 from __future__ import annotations
 
 import logging
+import random
 import time
 from contextlib import suppress
 from dataclasses import dataclass
@@ -55,6 +57,10 @@ MAX_ANSWER_REVOCATIONS = 256
 REQUEST_LIMIT = MAX_CREDENTIAL + 64
 ANSWER_LIMIT = MAX_CREDENTIAL + 512 + MAX_ANSWER_REVOCATIONS * (MAX_CREDENTIAL + 8)
 REDEEM_TIMEOUT_S = 10.0
+# An issuer that a join storm keeps busy turns dials away at once (patches/busy.py): the
+# joiner tries again, with jittered backoff, for about a minute (0.5 + 1 + ... + 32 s).
+REDEEM_ATTEMPTS = 7
+REDEEM_BACKOFF_S = 0.5
 
 
 class RedemptionFailed(OverlayError):
@@ -134,26 +140,39 @@ async def redeem_invite(
     key: NodeKey, grant: bytes, addrs: list[str], network_key: bytes
 ) -> Redeemed:
     """Redeem ``grant`` at the first of ``addrs`` (the issuer's) that answers."""
-    from p2pnode.overlay.net.dialing import parse_peer_addr
+    from p2pnode.overlay.net.dialing import jittered, parse_peer_addr
     from p2pnode.overlay.net.host import make_host, parse_multiaddr
 
     host = make_host(key, ["/ip4/127.0.0.1/tcp/0"])
     errors: list[str] = []
     # Outcomes leave the host's nursery as values: raised inside, they would come out wrapped.
     outcome: Redeemed | RedemptionFailed | None = None
+    rng = random.Random()
     async with host.run(listen_addrs=[parse_multiaddr("/ip4/127.0.0.1/tcp/0")]):
-        for addr in addrs:
-            try:
-                answer = await _ask(host, parse_peer_addr(addr), grant)
-            except (Exception, trio.TooSlowError) as exc:
-                errors.append(f"{addr}: {exc!r}")
-                continue
-            outcome = _outcome(answer, key, network_key)
-            break
+        delay = REDEEM_BACKOFF_S
+        for attempt in range(REDEEM_ATTEMPTS):
+            if attempt:
+                await trio.sleep(jittered(delay, rng))
+                delay *= 2
+            for addr in addrs:
+                info = parse_peer_addr(addr)
+                # libp2p refuses for a minute to dial a peer whose addresses all failed once.
+                unblock = getattr(host.get_network(), "unblock_peer", None)
+                if unblock is not None:
+                    unblock(info.peer_id)
+                try:
+                    answer = await _ask(host, info, grant)
+                except (Exception, trio.TooSlowError) as exc:
+                    errors.append(f"{addr}: {exc!r}")
+                    continue
+                outcome = _outcome(answer, key, network_key)
+                break
+            if outcome is not None:
+                break
     if outcome is None:
         raise RedemptionFailed(
-            "could not reach the inviting node to redeem the invite (is it running?): "
-            + "; ".join(errors)[:400]
+            f"could not reach the inviting node to redeem the invite in {REDEEM_ATTEMPTS} "
+            "tries (is it running?): " + "; ".join(errors[-len(addrs) :])[:400]
         )
     if isinstance(outcome, RedemptionFailed):
         raise outcome
