@@ -48,6 +48,8 @@ PEAK_WINDOW_S = 5.0
 # Statuses asked at once: one by one, a round of 128 on a saturated machine took longer than
 # the joins it measures.
 POLL_PARALLEL = 16
+# Load generators start their hosts this long after they are launched (imports first).
+LOADGEN_START_S = 8.0
 
 
 def spawn(args: list[str], home: Path, zygote: Zygote, log_level: str = "warning") -> Any:
@@ -254,11 +256,12 @@ def run_load_generator(args: argparse.Namespace, root: Path, zygote: Zygote, pro
     outs = [root / f"gen{k}.json" for k in range(args.procs)]
     boot_cpu0 = cpu_s(procs[0].pid)
     launched = time.monotonic()
+    start_at = time.time() + LOADGEN_START_S  # every generator starts its hosts at once
     for k, out in enumerate(outs):
-        cmd = [sys.executable, "-m", "p2pnode.testing.joinload", boot["addrs"][0], str(per)]
-        cmd += [str(out), str(args.timeout), str(k)]
-        log = (root / f"gen{k}.log").open("wb")
-        procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT))
+        cmd = [sys.executable, __file__, "--worker", boot["addrs"][0], str(out)]
+        cmd += ["--hosts", str(per), "--timeout", str(args.timeout), "--start-at", str(start_at)]
+        with (root / f"gen{k}.log").open("wb") as log:
+            procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT))
     samples: list[tuple[float, int]] = []
     deadline = launched + args.timeout + 30
     with httpx.Client(timeout=5) as client:
@@ -272,12 +275,13 @@ def run_load_generator(args: argparse.Namespace, root: Path, zygote: Zygote, pro
         bstat = client.get(boot["api"] + "/status").json()
     admitted, busy = admissions(bstat)
     joined: list[float] = []
-    failed = 0
+    failed = retries = 0
     for out in outs:
         if out.exists():
             data = json.loads(out.read_text())
             joined += data["joined_s"]
             failed += data["failed"]
+            retries += data["retries"]
     span = max(joined) if joined else args.timeout
     return {
         "mode": "load generator",
@@ -285,6 +289,7 @@ def run_load_generator(args: argparse.Namespace, root: Path, zygote: Zygote, pro
         "procs": args.procs,
         "joined": len(joined),
         "failed": failed,
+        "retries": retries,
         "join_p50_s": pct(joined, 0.5),
         "join_max_s": round(max(joined), 2) if joined else None,
         "bootstrap_admitted": admitted,
@@ -294,6 +299,63 @@ def run_load_generator(args: argparse.Namespace, root: Path, zygote: Zygote, pro
         "bootstrap_cpu_s": round(cpu_s(procs[0].pid) - boot_cpu0, 1),
         "load_avg_1m_end": round(os.getloadavg()[0], 2),
     }
+
+
+async def light_joins(boot_addr: str, hosts: int, limit_s: float, start_at: float) -> dict:
+    """``hosts`` bare libp2p hosts (Noise, yamux, no overlay services) in this process, each
+    dialing the bootstrap and saying hello at ``start_at``, retrying with jittered backoff
+    when turned away; they stay connected until every one has joined or ``limit_s``."""
+    import random
+
+    import trio
+    from libp2p.custom_types import TProtocol
+
+    from p2pnode.identity import NodeKey
+    from p2pnode.overlay.net.config import VERSION
+    from p2pnode.overlay.net.dialing import jittered, parse_peer_addr
+    from p2pnode.overlay.net.hello import DEFAULT_NETWORK, HELLO_PROTOCOL, Hello, say_hello
+    from p2pnode.overlay.net.host import make_host, parse_multiaddr
+
+    boot = parse_peer_addr(boot_addr)
+    rng = random.Random(start_at)
+    joined: list[float] = []
+    counts = {"failed": 0, "retries": 0}
+    done = trio.Event()
+    ours = Hello(network=DEFAULT_NETWORK, version=VERSION)
+
+    async def one(host: Any) -> None:
+        listen = [parse_multiaddr("/ip4/127.0.0.1/tcp/0")]
+        async with host.run(listen_addrs=listen):
+            await trio.sleep(max(0.0, start_at - time.time()))
+            delay = 0.2
+            end = start_at + limit_s
+            while time.time() < end:
+                try:
+                    with trio.fail_after(15):
+                        await host.connect(boot)
+                        await say_hello(
+                            lambda: host.new_stream(boot.peer_id, [TProtocol(HELLO_PROTOCOL)]), ours
+                        )
+                    joined.append(time.time() - start_at)
+                    break
+                except (Exception, trio.TooSlowError):
+                    counts["retries"] += 1
+                    unblock = getattr(host.get_network(), "unblock_peer", None)
+                    if unblock is not None:
+                        unblock(boot.peer_id)
+                    await trio.sleep(jittered(delay, rng))
+                    delay = min(2 * delay, 8.0)
+            else:
+                counts["failed"] += 1
+            if len(joined) + counts["failed"] >= hosts:
+                done.set()
+            with trio.move_on_after(max(0.0, start_at + limit_s - time.time())):
+                await done.wait()
+
+    async with trio.open_nursery() as nursery:
+        for _ in range(hosts):
+            nursery.start_soon(one, make_host(NodeKey.generate(), ["/ip4/127.0.0.1/tcp/0"]))
+    return {"joined_s": sorted(round(j, 3) for j in joined), **counts}
 
 
 def stop(procs: list[Any]) -> None:
@@ -319,7 +381,16 @@ def main() -> None:
     parser.add_argument("--load-generator", action="store_true")
     parser.add_argument("--hosts", type=int, default=128, help="load generator: light hosts")
     parser.add_argument("--procs", type=int, default=4, help="load generator: processes")
+    parser.add_argument("--worker", nargs=2, metavar=("BOOTSTRAP", "OUT"), help=argparse.SUPPRESS)
+    parser.add_argument("--start-at", type=float, default=0.0, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.worker:
+        import trio
+
+        boot_addr, out = args.worker
+        result = trio.run(light_joins, boot_addr, args.hosts, args.timeout, args.start_at)
+        Path(out).write_text(json.dumps(result))
+        return
     root = Path(tempfile.mkdtemp(prefix="p2pnode-join-storm-"))
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     procs: list[Any] = []

@@ -1,8 +1,10 @@
 """overlay/net/patches/busy.py: a node takes on a bounded amount of inbound work, and turns
-the rest away at once. No clock: in-flight work is held open by the test itself."""
+the rest away at once (no clock: in-flight work is held open by the test itself); and a
+joiner tells a busy issuer from an absent one (overlay/net/redemption.py)."""
 
 from __future__ import annotations
 
+import socket
 from collections import Counter
 from types import SimpleNamespace
 
@@ -20,6 +22,7 @@ from p2pnode.overlay.net.patches.busy import (
     install_busy_limits,
 )
 from p2pnode.overlay.net.reachability import probe_listener
+from p2pnode.overlay.net.redemption import RedemptionFailed, redeem_invite
 
 NOISE = b"\x07/noise\n"
 
@@ -148,3 +151,16 @@ async def test_negotiations_beyond_the_bound_are_reset_and_abandoned_streams_ski
 def test_limits_are_at_least_one() -> None:
     with pytest.raises(ValueError, match="at least 1"):
         BusyLimits(handshakes=0)
+
+
+async def test_redeeming_at_an_address_where_nothing_listens_fails_after_a_few_rounds() -> None:
+    """A busy issuer is retried for minutes; an absent one (the OS refuses the connection)
+    is not: the joiner hears so after ``REDEEM_REFUSED_ROUNDS`` rounds."""
+    with socket.socket() as probe:  # a port that was free a moment ago: nothing listens there
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    absent = NodeKey.generate().peer_id
+    with pytest.raises(RedemptionFailed, match="is it running"):
+        await redeem_invite(
+            NodeKey.generate(), b"grant", [f"/ip4/127.0.0.1/tcp/{port}/p2p/{absent}"], b"k" * 32
+        )
