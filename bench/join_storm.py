@@ -147,10 +147,17 @@ def run_storm(args: argparse.Namespace, root: Path, zygote: Zygote, procs: list[
         procs.append(spawn(["join", *engine, "--bootstrap", target], home, zygote))
     launched = time.monotonic()
     deadline = launched + args.timeout
-    infos = [runtime(h, deadline, p) for h, p in zip(homes, procs[1:], strict=True)]
+    infos: list[dict[str, Any]] = []
+    failed_starts: list[str] = []
+    for home, proc in zip(homes, procs[1:], strict=True):
+        try:
+            infos.append(runtime(home, deadline, proc))
+        except (RuntimeError, TimeoutError) as exc:  # a failed join is a figure, not a crash
+            failed_starts.append(f"{home.name}: {str(exc).splitlines()[-1][:300]}")
+    print(f"{len(infos)} joiners running, {len(failed_starts)} failed to start", file=sys.stderr)
     ids = {info["peer_id"] for info in infos}
     order = [info["peer_id"] for info in infos]
-    names = [h.name for h in homes]
+    names = [f"n{k}" for k in range(len(infos))]
     done_at: dict[str, float] = {}  # links: up to every peer in its scope
     views_at: dict[str, float] = {}  # and a cache view of each of them
     links_formed_at: float | None = None
@@ -158,6 +165,7 @@ def run_storm(args: argparse.Namespace, root: Path, zygote: Zygote, procs: list[
     admit_samples: list[tuple[float, int]] = []
     all_admitted_at: float | None = None
     boot_conns_max = 0
+    libp2p_max: dict[str, int] = {}
     load_max = 0.0
     last_print = time.monotonic()
     state = None
@@ -179,6 +187,9 @@ def run_storm(args: argparse.Namespace, root: Path, zygote: Zygote, procs: list[
             if all_admitted_at is None and admitted_now >= args.nodes:
                 all_admitted_at = now
             boot_conns_max = max(boot_conns_max, (bstat or {}).get("connected", 0))
+            lib = (bstat or {}).get("libp2p") or {}
+            for key in ("connections", "rcmgr_connections"):
+                libp2p_max[key] = max(libp2p_max.get(key, 0), int(lib.get(key) or 0))
             load_max = max(load_max, os.getloadavg()[0])
             statuses = list(pool.map(lambda api: ask(client, api), apis))
             seen = time.monotonic() - launched
@@ -217,6 +228,8 @@ def run_storm(args: argparse.Namespace, root: Path, zygote: Zygote, procs: list[
         "network": "open" if args.open else "closed (invite)",
         "cpu_count": os.cpu_count(),
         "launch_s": round(launched - t0, 2),
+        "joiners_failed_to_start": len(failed_starts),
+        "failed_starts": failed_starts[:5],
         "scopes_linked": len(done_at),
         "links_formed_s": None if links_formed_at is None else round(links_formed_at, 2),
         "scopes_with_views": len(views_at),
@@ -240,6 +253,8 @@ def run_storm(args: argparse.Namespace, root: Path, zygote: Zygote, procs: list[
             ((bstat or {}).get("counters") or {}).get("abandoned_streams", 0)
         ),
         "bootstrap_reachability": ((bstat or {}).get("reachability") or {}).get("verdict"),
+        "bootstrap_libp2p_end": (bstat or {}).get("libp2p"),
+        "bootstrap_libp2p_max": libp2p_max,
         "joiner_referrals_received": sum(int(c.get("referrals_received", 0)) for c in counters),
         "joiner_bootstrap_retries": sum(int(c.get("bootstrap_retries", 0)) for c in counters),
         "load_avg_1m_max": round(load_max, 2),

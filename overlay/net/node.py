@@ -329,6 +329,7 @@ class OverlayNode:
             "uptime_s": round(time.time() - self.started_at, 3),
             "connected": len(self.host.get_connected_peers()),
             "connections": self.connmgr.status(len(self.host.get_connected_peers())),
+            "libp2p": _libp2p_admission(self.host),
             "liveness": self.liveness.status(),
             "peer_counts": counts,
             "peers": [self._peer_status(entry) for entry in self.peers.snapshot()],
@@ -446,6 +447,20 @@ def _is_relayed(conn: INetConn) -> bool:
         t = kind()
         return str(getattr(t, "name", t)).upper() == "RELAYED"
     return any("/p2p-circuit" in str(a) for a in conn.get_transport_addresses())
+
+
+def _libp2p_admission(host: IHost) -> dict[str, Any]:
+    """What libp2p's own admission counts: its connection table (its fast refusal compares
+    it with ``max_connections``) and its resource manager's connection count and circuit
+    breaker (either one refuses a dial before the handshake, as a busy node does)."""
+    swarm: Any = host.get_network()
+    out: dict[str, Any] = {"connections": len(swarm.get_connections())}
+    rcmgr = getattr(swarm, "_resource_manager", None)
+    if rcmgr is not None:
+        out["rcmgr_connections"] = getattr(rcmgr, "_current_connections", None)
+        breaker = getattr(rcmgr, "circuit_breaker", None)
+        out["rcmgr_breaker"] = str(getattr(breaker, "state", None))
+    return out
 
 
 @asynccontextmanager
