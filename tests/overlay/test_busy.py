@@ -164,3 +164,22 @@ async def test_redeeming_at_an_address_where_nothing_listens_fails_after_a_few_r
         await redeem_invite(
             NodeKey.generate(), b"grant", [f"/ip4/127.0.0.1/tcp/{port}/p2p/{absent}"], b"k" * 32
         )
+
+
+async def test_a_node_admits_more_inbound_connections_in_its_life_than_its_connection_cap() -> None:
+    """py-libp2p held an inbound slot per connection until the node stopped: a node with room
+    for 4 refused a 5th joiner although the first 4 had left. Joiners come and go here."""
+    config = OverlayConfig(key=NodeKey.generate(), max_peers=4)
+    async with open_overlay_node(config) as boot:
+        admitted = 0
+        for _ in range(6):
+            joiner = OverlayConfig(key=NodeKey.generate(), bootstrap=boot.addrs)
+            async with open_overlay_node(joiner) as node:
+                with trio.fail_after(30):
+                    while not node.peers.is_up(boot.peer_id):  # noqa: ASYNC110
+                        await trio.sleep(0.05)
+                admitted += 1
+            with trio.fail_after(30):  # its connection closed at the bootstrap too
+                while boot.host.get_connected_peers():  # noqa: ASYNC110
+                    await trio.sleep(0.05)
+        assert admitted == 6

@@ -1,4 +1,5 @@
-"""Admission under a join storm: a node takes on only the inbound work it can finish.
+"""Admission under a join storm: a node takes on only the inbound work it can finish, and
+keeps taking it on for as long as it runs.
 
 Why: py-libp2p 0.8.1 accepts every inbound connection and starts its Noise handshake, and
 negotiates every inbound stream, however many are already waiting for the CPU. On a
@@ -19,7 +20,15 @@ So, per host, as go-libp2p's resource manager bounds work in progress rather tha
   more is reset before anything is read from it (``counters["busy_streams"]``), which every
   libp2p caller already handles as a refused stream;
 - a stream its opener reset while it waited for the CPU is dropped before its handler runs
-  (``counters["abandoned_streams"]``), not answered into a closed pipe.
+  (``counters["abandoned_streams"]``), not answered into a closed pipe;
+- libp2p's own inbound cap (``Swarm._inbound_limiter``, ``max_connections`` tokens) is
+  lifted: each inbound connection held a token until the swarm stopped, not until it closed,
+  so a node refused every inbound connection after ``max_connections`` (128 here) in its
+  lifetime, before the handshake and without a word. A bootstrap whose 64 joiners each
+  redeem an invite and then join makes exactly 128: this, not the CPU, is what left late
+  joiners alone (measured: a 128-joiner storm's bootstrap idle at 13 connections with 56
+  connections unaccepted in its listen queue; 17 of 128 joiners admitted). The lingering
+  handler tasks (one small task per lifetime inbound connection) remain.
 Bounds: a bootstrap among 65 processes on 2 cores admitted 64 joiners (128 handshakes with
 their invite redemptions) in 17 s, ~7 a second, so 24 under way is a backlog of a few
 seconds, well inside a dialer's limit (15 s for background dials); 128
@@ -32,8 +41,11 @@ On a libp2p upgrade, recheck: ``Swarm.upgrade_inbound_raw_conn(raw_conn, maddr)`
 the one path of every inbound TCP or WebSocket connection (looked up on the instance, so our
 attribute wins); ``BasicHost.multiselect.negotiate(communicator, timeout)`` is still the first
 thing ``_swarm_stream_handler`` does with an inbound stream (``gate.py`` wraps the same call;
-install this one after it so the bound counts gated negotiations too); and
-``YamuxStream.reset_received`` still says the opener reset the stream.
+install this one after it so the bound counts gated negotiations too);
+``YamuxStream.reset_received`` still says the opener reset the stream; and whether
+``Swarm._handle_inbound_connection`` still holds ``_inbound_limiter`` past the connection's
+close (``_do_handle_inbound_connection`` awaiting ``self.manager.wait_finished()``): once it
+releases on close, drop the lift.
 
 Contract: ``install_busy_limits(host, counters, limits=BusyLimits())`` once, before the host
 serves. ``BusyLimits`` is a frozen dataclass of the two bounds (each at least 1).
@@ -42,6 +54,7 @@ serves. ``BusyLimits`` is a frozen dataclass of the two bounds (each at least 1)
 from __future__ import annotations
 
 import logging
+import math
 from collections import Counter
 from collections.abc import Callable
 from contextlib import suppress
@@ -111,6 +124,12 @@ def install_busy_limits(
             in_flight["handshakes"] -= 1
 
     swarm.upgrade_inbound_raw_conn = bounded_upgrade
+    # libp2p's own inbound cap holds a token per inbound connection until the SWARM stops
+    # (its handler awaits the swarm's end, not the connection's): after `max_connections`
+    # inbound connections in its lifetime a node refused every new one before the handshake.
+    # Live connections stay bounded by the swarm's check of its table against
+    # `max_connections`, by the handshake bound above and by the connection manager.
+    swarm._inbound_limiter = trio.CapacityLimiter(math.inf)
     multiselect: Any = host.multiselect  # type: ignore[attr-defined]
     negotiate = multiselect.negotiate
 
