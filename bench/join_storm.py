@@ -18,8 +18,10 @@ started:
 bootstrap at once; measures how many joins a second the bootstrap admits when its joiners
 are cheap (the bootstrap's own admission rate, not 2 cores shared by N full nodes).
 
-Prints the figures and writes bench/results/join_storm-N[-loadgen].json. Every process it
-starts is stopped on the way out, also on failure or SIGTERM.
+Measuring starts with the first joiner running, not the slowest; a joiner that exits (its
+invite not redeemed) is counted, not fatal. Prints the figures and writes
+bench/results/join_storm-N.json (join_storm-loadgen.json). Every process it starts is stopped
+on the way out, also on failure or SIGTERM; `--keep DIR` copies the logs and final statuses.
 Run: `python bench/join_storm.py --nodes 32` or `python bench/join_storm.py --load-generator`.
 """
 
@@ -149,15 +151,26 @@ def run_storm(args: argparse.Namespace, root: Path, zygote: Zygote, procs: list[
     deadline = launched + args.timeout
     infos: list[dict[str, Any]] = []
     failed_starts: list[str] = []
-    for home, proc in zip(homes, procs[1:], strict=True):
-        try:
-            infos.append(runtime(home, deadline, proc))
-        except (RuntimeError, TimeoutError) as exc:  # a failed join is a figure, not a crash
-            failed_starts.append(f"{home.name}: {str(exc).splitlines()[-1][:300]}")
-    print(f"{len(infos)} joiners running, {len(failed_starts)} failed to start", file=sys.stderr)
-    ids = {info["peer_id"] for info in infos}
-    order = [info["peer_id"] for info in infos]
-    names = [f"n{k}" for k in range(len(infos))]
+    starting = list(zip(homes, procs[1:], strict=True))
+
+    def collect() -> None:
+        """Joiners whose node runs now (runtime.json), and those that gave up: measuring
+        starts with the first, not after the slowest (a storm's last joiners may take
+        minutes to redeem their invite)."""
+        for home, proc in list(starting):
+            try:
+                info = json.loads((home / "runtime.json").read_text())
+            except (FileNotFoundError, json.JSONDecodeError):
+                info = None
+            if info and info.get("api"):
+                infos.append(info)
+                starting.remove((home, proc))
+            elif proc.poll() is not None:  # a failed join is a figure, not a crash
+                log = home / "node.log"
+                tail = log.read_text().strip().splitlines()[-1:] if log.exists() else []
+                failed_starts.append(f"{home.name}: {' '.join(tail)[:300]}")
+                starting.remove((home, proc))
+
     done_at: dict[str, float] = {}  # links: up to every peer in its scope
     views_at: dict[str, float] = {}  # and a cache view of each of them
     links_formed_at: float | None = None
@@ -177,10 +190,14 @@ def run_storm(args: argparse.Namespace, root: Path, zygote: Zygote, procs: list[
         except (httpx.HTTPError, ValueError):
             return None
 
-    apis = [info["api"] for info in infos]
     with httpx.Client(timeout=10) as client, ThreadPoolExecutor(POLL_PARALLEL) as pool:
         while time.monotonic() < deadline:
             now = time.monotonic() - launched
+            collect()
+            ids = {info["peer_id"] for info in infos}
+            order = [info["peer_id"] for info in infos]
+            names = [f"n{k}" for k in range(len(infos))]
+            apis = [info["api"] for info in infos]
             bstat = ask(client, boot["api"])
             admitted_now = admissions(bstat)[0]
             admit_samples.append((now, admitted_now))
@@ -199,16 +216,17 @@ def run_storm(args: argparse.Namespace, root: Path, zygote: Zygote, procs: list[
                 if status and me not in views_at and scope_complete(status, me, ids, True):
                     views_at[me] = seen
             links = formation_state(names, order, statuses, False)
-            if links_formed_at is None and not links.missing:
+            if links_formed_at is None and not starting and not links.missing:
                 links_formed_at = seen
             state = formation_state(names, order, statuses, True)
-            if not state.missing and len(views_at) == len(infos):
+            if not starting and not state.missing and len(views_at) == len(infos):
                 formed_at = time.monotonic() - launched
                 break
             if time.monotonic() - last_print > 15:
                 last_print = time.monotonic()
                 print(
-                    f"{now:.0f} s: scopes linked {len(done_at)}/{len(infos)}, with views "
+                    f"{now:.0f} s: {len(infos)} running, {len(failed_starts)} failed, "
+                    f"scopes linked {len(done_at)}/{len(infos)}, with views "
                     f"{len(views_at)}, bootstrap "
                     f"admitted {admitted_now} with {boot_conns_max} conns max, "
                     f"{state.parts} part(s), load {os.getloadavg()[0]:.1f}; "
@@ -229,6 +247,7 @@ def run_storm(args: argparse.Namespace, root: Path, zygote: Zygote, procs: list[
         "cpu_count": os.cpu_count(),
         "launch_s": round(launched - t0, 2),
         "joiners_failed_to_start": len(failed_starts),
+        "joiners_not_started": len(starting),
         "failed_starts": failed_starts[:5],
         "scopes_linked": len(done_at),
         "links_formed_s": None if links_formed_at is None else round(links_formed_at, 2),
