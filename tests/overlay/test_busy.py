@@ -1,6 +1,7 @@
 """overlay/net/patches/busy.py: a node takes on a bounded amount of inbound work, and turns
-the rest away at once (no clock: in-flight work is held open by the test itself); and a
-joiner tells a busy issuer from an absent one (overlay/net/redemption.py)."""
+the rest away at once (no clock: in-flight work is held open by the test itself), for as long
+as it runs; a joiner tells a busy issuer from an absent one (overlay/net/redemption.py); and a
+bootstrap names admitted joiners to the next ones (overlay/net/admission.py)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,12 @@ from types import SimpleNamespace
 
 import pytest
 import trio
+from libp2p.peer.id import ID
 
 from p2pnode.identity import NodeKey
+from p2pnode.overlay.net.admission import Admission
 from p2pnode.overlay.net.config import OverlayConfig
+from p2pnode.overlay.net.hello import Hello
 from p2pnode.overlay.net.host import make_host
 from p2pnode.overlay.net.node import open_overlay_node
 from p2pnode.overlay.net.patches.busy import (
@@ -23,6 +27,7 @@ from p2pnode.overlay.net.patches.busy import (
 )
 from p2pnode.overlay.net.reachability import probe_listener
 from p2pnode.overlay.net.redemption import RedemptionFailed, redeem_invite
+from p2pnode.overlay.peers import PeerTable
 
 NOISE = b"\x07/noise\n"
 
@@ -183,3 +188,31 @@ async def test_a_node_admits_more_inbound_connections_in_its_life_than_its_conne
                 while boot.host.get_connected_peers():  # noqa: ASYNC110
                     await trio.sleep(0.05)
         assert admitted == 6
+
+
+def test_a_bootstrap_names_admitted_dialers_by_the_addresses_their_hello_gave() -> None:
+    """Introductions (overlay/net/admission.py): kept only on the IP the connection came from
+    and with the dialer's own id; named to others while connected and up, never to itself."""
+    keys = [NodeKey.generate() for _ in range(3)]
+    a, b, c = (k.peer_id for k in keys)
+    peers = PeerTable()
+    connected = [ID.from_base58(a), ID.from_base58(b)]
+    host = SimpleNamespace(get_connected_peers=lambda: connected)
+    admission = Admission(host, peers, Hello(network="main", version="v"), lambda *_: False)
+    admission._introduce(
+        a,
+        (
+            f"/ip4/10.0.0.9/tcp/4101/p2p/{a}",  # another IP than the connection's: a NAT's inside
+            f"/ip4/127.0.0.1/tcp/4101/p2p/{c}",  # someone else's id
+            f"/ip4/127.0.0.1/tcp/4101/p2p/{a}",
+        ),
+        "127.0.0.1",
+    )
+    admission._introduce(b, (f"/ip4/10.0.0.9/tcp/1/p2p/{b}",), "127.0.0.1")  # nothing kept
+    assert admission.introduced == {a: (f"/ip4/127.0.0.1/tcp/4101/p2p/{a}",)}
+    assert admission.referrals(c) == ()  # a is not up yet
+    peers.observe(a)
+    assert admission.referrals(c) == (f"/ip4/127.0.0.1/tcp/4101/p2p/{a}",)
+    assert admission.referrals(a) == ()  # never itself
+    connected.remove(ID.from_base58(a))
+    assert admission.referrals(c) == ()  # gone
