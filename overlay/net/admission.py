@@ -12,9 +12,13 @@ Contract:
   ``serve_hello`` is the listener side (the node serves it on ``HELLO_PROTOCOL``).
 - A mismatch (another network id or version) logs once, marks the peer down and closes its
   connection; ``refused`` (peer id -> why) keeps it out for the rest of the run.
-- Referrals (``hello.py``): ``use_referrals(give, take)``: our hello answers name
-  ``give(asker_pid)`` as peers to dial; the peers named in an answer we got go to
-  ``take(addrs)``.
+- Referrals (``hello.py``): ``use_referrals(give, take, own)``: our hello answers name
+  ``referrals(asker_pid)`` as peers to dial: ``give(asker_pid)`` topped up to
+  ``REFERRAL_PEERS`` with ``introduced`` dialers (admitted peers still connected and up,
+  named by the listen addresses their own hello gave, kept only on the IP their connection
+  came from): in a join storm no joiner's signed record has spread when the next one arrives,
+  and a bootstrap that named no one left every joiner with it as its only way in. The peers
+  named in an answer we got go to ``take(addrs)``; our own hellos name ``own()``.
 - ``wait_hellos(peer_ids)`` waits for the hello of those peers still under way (the
   bootstrap's check that it joined the right overlay).
 - Closed networks (``members.py``, ``patches/gate.py``): hellos carry our membership and
@@ -30,6 +34,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import random
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable
 from contextlib import suppress
 
@@ -41,6 +47,8 @@ from libp2p.peer.id import ID
 from p2pnode.overlay.net.hello import (
     HELLO_PROTOCOL,
     MAX_HELLO_REVOCATIONS,
+    MAX_OWN_ADDRS,
+    MAX_REFERRAL_LEN,
     Hello,
     answer_hello,
     mismatch,
@@ -56,6 +64,10 @@ logger = logging.getLogger(__name__)
 # Starts `fn(*args)` in the background; False when there is no nursery to start it in.
 Spawn = Callable[..., bool]
 MAX_REFUSAL_LEN = 256
+# Peers named in one hello answer (discovery's record holders first, then introduced dialers).
+REFERRAL_PEERS = 4
+# Admitted dialers whose own addresses we keep to name to later joiners.
+MAX_INTRODUCED = 1024
 # How a refusal by the other side starts in ``refused`` (dialing.py words the join's error).
 REFUSED_US = "it refused this node: "
 
@@ -70,8 +82,11 @@ class Admission:
         hello: Hello,
         spawn: Spawn,
         members: Members | None = None,
+        counters: Counter[str] | None = None,
+        rng: random.Random | None = None,
     ) -> None:
         self._host = host
+        self.counters: Counter[str] = counters if counters is not None else Counter()
         self._peers = peers
         self.hello = hello
         self._spawn = spawn
@@ -81,15 +96,58 @@ class Admission:
         self._hello_done: dict[str, trio.Event] = {}
         self._give: Callable[[str], tuple[str, ...]] = lambda _asker: ()
         self._take: Callable[[tuple[str, ...]], None] = lambda _addrs: None
+        self._own: Callable[[], Iterable[str]] = tuple
+        # Admitted dialers' own listen addresses (peer id -> addrs), newest last; bounded.
+        self.introduced: OrderedDict[str, tuple[str, ...]] = OrderedDict()
+        self._rng = rng or random.Random()
 
     def use_referrals(
         self,
         give: Callable[[str], tuple[str, ...]],
         take: Callable[[tuple[str, ...]], None],
+        own: Callable[[], Iterable[str]] = tuple,
     ) -> None:
-        """Name peers in our hello answers, and pass on those named in answers we get."""
+        """Name peers in our hello answers, pass on those named in answers we get, and name
+        ``own()`` (our listen addresses) in the hellos we send."""
         self._give = give
         self._take = take
+        self._own = own
+
+    def referrals(self, asker: str) -> tuple[str, ...]:
+        """``give(asker)``, topped up to ``REFERRAL_PEERS`` peers with admitted dialers we
+        are still connected to, named by the addresses their hello gave (at random, so a
+        storm's joiners spread over each other rather than all over the first few)."""
+        named = list(self._give(asker))
+        have = {a.rsplit("/p2p/", 1)[-1] for a in named}
+        if len(have) >= REFERRAL_PEERS:
+            return tuple(named)
+        connected = {p.to_base58() for p in self._host.get_connected_peers()}
+        pool = [
+            pid
+            for pid in self.introduced
+            if pid != asker and pid not in have and pid in connected and self._peers.is_up(pid)
+        ]
+        for pid in self._rng.sample(pool, min(REFERRAL_PEERS - len(have), len(pool))):
+            named.extend(self.introduced[pid][:2])
+        return tuple(named)
+
+    def _introduce(self, pid: str, addrs: tuple[str, ...], observed_ip: str | None) -> None:
+        """Keep an admitted dialer's own addresses: only those on the IP its connection came
+        from (a NAT'd dialer's private address reaches no one else) and naming its own id."""
+        keep = tuple(
+            a
+            for a in addrs
+            if observed_ip is not None
+            and a.startswith((f"/ip4/{observed_ip}/", f"/ip6/{observed_ip}/"))
+            and a.endswith(f"/p2p/{pid}")
+            and "/p2p-circuit" not in a
+        )
+        if not keep:
+            return
+        self.introduced[pid] = keep
+        self.introduced.move_to_end(pid)
+        while len(self.introduced) > MAX_INTRODUCED:
+            self.introduced.popitem(last=False)
 
     def admit(self, conn: INetConn) -> bool:
         """False for a refused peer (closed again); starts our hello on a connection we dialed."""
@@ -125,13 +183,18 @@ class Admission:
                 # A refused peer learns why and nothing else: no membership, revocations or
                 # referrals of ours.
                 return dataclasses.replace(self.hello, refused=reason[:MAX_REFUSAL_LEN])
-            return dataclasses.replace(self._ours(), peers=self._give(pid))
+            return dataclasses.replace(self._ours(), peers=self.referrals(pid))
 
+        theirs = None
         try:
-            await answer_hello(stream, self._ours(), answer)
+            theirs = await answer_hello(stream, self._ours(), answer)
         finally:
             if verdict and verdict[0] is not None:
                 self._refuse(peer, verdict[0])
+            elif verdict:
+                self.counters["admitted"] += 1
+                if theirs is not None and theirs.addrs:
+                    self._introduce(pid, theirs.addrs, _observed_ip(stream))
             self.members.settle(pid)
 
     def _ours(self) -> Hello:
@@ -187,8 +250,10 @@ class Admission:
         if done is None:
             done = self._hello_done[pid] = trio.Event()
         try:
+            own = tuple(a for a in self._own() if len(a) <= MAX_REFERRAL_LEN)
+            ours = dataclasses.replace(self._ours(), addrs=own[:MAX_OWN_ADDRS])
             theirs = await say_hello(
-                lambda: self._host.new_stream(peer, [TProtocol(HELLO_PROTOCOL)]), self._ours()
+                lambda: self._host.new_stream(peer, [TProtocol(HELLO_PROTOCOL)]), ours
             )
         except (Exception, trio.TooSlowError) as exc:
             # An old or busy peer: the other checks (records, limits) still apply; in a closed
@@ -211,6 +276,15 @@ class Admission:
             self.members.settle(pid)
             done.set()
             self._hello_done.pop(pid, None)
+
+
+def _observed_ip(stream: INetStream) -> str | None:
+    """The IP the stream's connection came from (libp2p's NetStream has it; the abc not)."""
+    try:
+        remote = stream.get_remote_address()  # type: ignore[attr-defined]
+    except Exception:
+        return None
+    return str(remote[0]) if remote else None
 
 
 def _is_initiator(conn: INetConn) -> bool:

@@ -19,7 +19,11 @@ Contract:
   bootstrap, the busiest node of a growing swarm: the answer it waits for anyway names peers
   to dial, where a DHT lookup would be another negotiated stream to that busy node (measured:
   64 node processes on 2 cores, a quarter of the joiners never got one answered). Addresses
-  are hints, not trust: the dial's secure handshake proves who answers.
+  are hints, not trust: the dial's secure handshake proves who answers. In a join storm no
+  joiner's signed record has spread yet, so the dialer's hello names its own listen
+  addresses (``addrs``); the listener may name an admitted dialer to later joiners by them
+  (``admission.py`` keeps only those on the IP the connection came from, with the dialer's
+  own id).
 - Closed networks (``members.py``): each hello also carries the sender's signed ``member``ship
   (None in an open network) and up to ``MAX_HELLO_REVOCATIONS`` of the newest revocations it
   knows, so a late joiner learns them from its first peer.
@@ -60,6 +64,7 @@ MAX_HELLO_REVOCATIONS = 16
 HELLO_LIMIT = 1024 + MAX_CREDENTIAL + MAX_HELLO_REVOCATIONS * (MAX_CREDENTIAL + 8)
 MAX_REFERRALS = 8
 MAX_REFERRAL_LEN = 256
+MAX_OWN_ADDRS = 4
 # An answer with referrals: MAX_REFERRALS addresses of MAX_REFERRAL_LEN characters at most.
 HELLO_ANSWER_LIMIT = HELLO_LIMIT + MAX_REFERRALS * (MAX_REFERRAL_LEN + 8)
 HELLO_TIMEOUT_S = 10.0
@@ -101,11 +106,16 @@ class Hello:
     )
     # In an answer: why the listener refuses the dialer (a closed network's member check).
     refused: str | None = bounded_field(default=None, max_len=256)
+    # In the dialer's hello: where it listens (``/.../p2p/<its id>``), so the listener can
+    # name it to the next joiners before any signed record of it has spread.
+    addrs: tuple[str, ...] = bounded_field(
+        default=(), max_len=MAX_OWN_ADDRS, item_max_len=MAX_REFERRAL_LEN
+    )
 
 
 # Fields older releases do not know (their reader refuses unknown fields): sent only when set,
 # so an open network's hello reads the same to them.
-_CLOSED_FIELDS = ("member", "revocations", "refused")
+_CLOSED_FIELDS = ("member", "revocations", "refused", "addrs")
 
 
 def _to_wire(hello: Hello) -> dict[str, object]:

@@ -77,6 +77,7 @@ from p2pnode.overlay.net.hello import HELLO_PROTOCOL, Hello
 from p2pnode.overlay.net.host import make_host, parse_multiaddr
 from p2pnode.overlay.net.liveness import PING_LENGTH, PING_PROTOCOL, Liveness, serve_ping
 from p2pnode.overlay.net.members import MEMBERSHIP_PROTOCOL, Members
+from p2pnode.overlay.net.patches.busy import install_busy_limits
 from p2pnode.overlay.net.patches.containment import contain_stream_errors
 from p2pnode.overlay.net.patches.gate import install_gate
 from p2pnode.overlay.net.patches.safepubsub import SafePubsub
@@ -177,9 +178,10 @@ class OverlayNode:
             Hello(network=config.network, version=config.version),
             self._spawn,
             self.membership,
+            self.counters,
         )
         self.refused = self.admission.refused  # peer id -> why (another network or version)
-        self.dialer = Dialer(host, dht, config, self.admission)
+        self.dialer = Dialer(host, dht, config, self.admission, self.counters)
         # Bounded connections (overlay/net/connmgr.py): off unless `conn_high` > 0.
         self.connmgr = ConnManager(
             ConnLimits(low=config.conn_low, high=config.conn_high, grace_s=config.conn_grace)
@@ -210,7 +212,9 @@ class OverlayNode:
             after_round=self._republish_if_grown,
             connection_kind=self.connection_kind,
         )
-        self.admission.use_referrals(self.discovery.referrals, self.discovery.referred)
+        self.admission.use_referrals(
+            self.discovery.referrals, self.discovery.referred, lambda: self.addrs
+        )
         self.trimmer = Trimmer(host, self.peers, self.connmgr, self.counters, self.peer_id)
 
     @property
@@ -325,6 +329,7 @@ class OverlayNode:
             "uptime_s": round(time.time() - self.started_at, 3),
             "connected": len(self.host.get_connected_peers()),
             "connections": self.connmgr.status(len(self.host.get_connected_peers())),
+            "libp2p": _libp2p_admission(self.host),
             "liveness": self.liveness.status(),
             "peer_counts": counts,
             "peers": [self._peer_status(entry) for entry in self.peers.snapshot()],
@@ -444,6 +449,20 @@ def _is_relayed(conn: INetConn) -> bool:
     return any("/p2p-circuit" in str(a) for a in conn.get_transport_addresses())
 
 
+def _libp2p_admission(host: IHost) -> dict[str, Any]:
+    """What libp2p's own admission counts: its connection table (its fast refusal compares
+    it with ``max_connections``) and its resource manager's connection count and circuit
+    breaker (either one refuses a dial before the handshake, as a busy node does)."""
+    swarm: Any = host.get_network()
+    out: dict[str, Any] = {"connections": len(swarm.get_connections())}
+    rcmgr = getattr(swarm, "_resource_manager", None)
+    if rcmgr is not None:
+        out["rcmgr_connections"] = getattr(rcmgr, "_current_connections", None)
+        breaker = getattr(rcmgr, "circuit_breaker", None)
+        out["rcmgr_breaker"] = str(getattr(breaker, "state", None))
+    return out
+
+
 @asynccontextmanager
 async def open_overlay_node(config: OverlayConfig) -> AsyncIterator[OverlayNode]:
     """Start an overlay node (see module docstring); stops it on exit."""
@@ -488,6 +507,8 @@ async def open_overlay_node(config: OverlayConfig) -> AsyncIterator[OverlayNode]
                 MEMBERSHIP_PROTOCOL,
                 serve_redemption(node.membership, closed.issuer, node.peer_id, closed.home),
             )
+    # After the gate (it wraps the same negotiation): the bound counts gated streams too.
+    install_busy_limits(host, node.counters)
     node.dialer.bootstrap_infos = [b for b in bootstrap if b.peer_id.to_base58() != node.peer_id]
     host.get_network().register_notifee(_ConnectionWatcher(node))
     host.set_stream_handler(TProtocol(PING_PROTOCOL), partial(serve_ping, limiter=node.limiter))

@@ -14,12 +14,15 @@ Contract:
   ``RedeemRequest``, one answer ``RedeemAnswer``: ``member`` or ``error``).
 - ``redeem_invite(key, grant, addrs, network_key) -> Redeemed`` (membership bytes verified
   for ``key``'s peer id, revocations); ``RedemptionFailed`` (an ``OverlayError``) with the
-  issuer's reason, or why it could not be reached.
+  issuer's reason (at once), or why it could not be reached: rounds over ``addrs`` with
+  jittered backoff for up to ``REDEEM_PATIENCE_S`` (a busy issuer is retried), or
+  ``REDEEM_REFUSED_ROUNDS`` rounds in a row where nothing listens.
 """
 
 from __future__ import annotations
 
 import logging
+import random
 import time
 from contextlib import suppress
 from dataclasses import dataclass
@@ -55,6 +58,15 @@ MAX_ANSWER_REVOCATIONS = 256
 REQUEST_LIMIT = MAX_CREDENTIAL + 64
 ANSWER_LIMIT = MAX_CREDENTIAL + 512 + MAX_ANSWER_REVOCATIONS * (MAX_CREDENTIAL + 8)
 REDEEM_TIMEOUT_S = 10.0
+# An issuer that a join storm keeps busy turns dials away at once (patches/busy.py), in no
+# order: the joiner tries again, jittered, at least every REDEEM_MAX_BACKOFF_S (a turned-away
+# dial costs the issuer an accept and a close), for up to REDEEM_PATIENCE_S. Measured: 64
+# joiners redeeming at once, one still turned away 7 times over a minute. An address where
+# nothing listens (connection refused) REDEEM_REFUSED_ROUNDS times in a row ends it sooner.
+REDEEM_BACKOFF_S = 0.5
+REDEEM_MAX_BACKOFF_S = 4.0
+REDEEM_PATIENCE_S = 300.0
+REDEEM_REFUSED_ROUNDS = 3
 
 
 class RedemptionFailed(OverlayError):
@@ -134,30 +146,61 @@ async def redeem_invite(
     key: NodeKey, grant: bytes, addrs: list[str], network_key: bytes
 ) -> Redeemed:
     """Redeem ``grant`` at the first of ``addrs`` (the issuer's) that answers."""
-    from p2pnode.overlay.net.dialing import parse_peer_addr
+    from p2pnode.overlay.net.dialing import jittered, parse_peer_addr
     from p2pnode.overlay.net.host import make_host, parse_multiaddr
 
     host = make_host(key, ["/ip4/127.0.0.1/tcp/0"])
     errors: list[str] = []
     # Outcomes leave the host's nursery as values: raised inside, they would come out wrapped.
     outcome: Redeemed | RedemptionFailed | None = None
+    rng = random.Random()
+    refused_in_a_row = 0
     async with host.run(listen_addrs=[parse_multiaddr("/ip4/127.0.0.1/tcp/0")]):
-        for addr in addrs:
-            try:
-                answer = await _ask(host, parse_peer_addr(addr), grant)
-            except (Exception, trio.TooSlowError) as exc:
-                errors.append(f"{addr}: {exc!r}")
-                continue
-            outcome = _outcome(answer, key, network_key)
-            break
+        delay = REDEEM_BACKOFF_S
+        deadline = trio.current_time() + REDEEM_PATIENCE_S
+        while outcome is None and trio.current_time() < deadline:
+            if errors:
+                await trio.sleep(jittered(delay, rng))
+                delay = min(2 * delay, REDEEM_MAX_BACKOFF_S)
+            refused = 0
+            for addr in addrs:
+                info = parse_peer_addr(addr)
+                # libp2p refuses for a minute to dial a peer whose addresses all failed once.
+                unblock = getattr(host.get_network(), "unblock_peer", None)
+                if unblock is not None:
+                    unblock(info.peer_id)
+                try:
+                    answer = await _ask(host, info, grant)
+                except (Exception, trio.TooSlowError) as exc:
+                    errors.append(f"{addr}: {exc!r}")
+                    refused += _nothing_listens(exc)
+                    continue
+                outcome = _outcome(answer, key, network_key)
+                break
+            # Nothing listens at any address (not a busy issuer, which greets and closes):
+            # a few such rounds are enough to say so.
+            refused_in_a_row = refused_in_a_row + 1 if refused == len(addrs) else 0
+            if refused_in_a_row >= REDEEM_REFUSED_ROUNDS:
+                break
     if outcome is None:
         raise RedemptionFailed(
             "could not reach the inviting node to redeem the invite (is it running?): "
-            + "; ".join(errors)[:400]
+            + "; ".join(errors[-len(addrs) :])[:400]
         )
     if isinstance(outcome, RedemptionFailed):
         raise outcome
     return outcome
+
+
+def _nothing_listens(exc: BaseException, depth: int = 0) -> bool:
+    """Was the dial refused by the OS (no listener)? libp2p wraps that in several layers."""
+    if isinstance(exc, ConnectionRefusedError):
+        return True
+    if depth >= 8:
+        return False
+    inner = list(getattr(exc, "exceptions", None) or getattr(exc, "errors", None) or [])
+    inner.append(exc.__cause__ or exc.__context__)
+    return any(e is not None and _nothing_listens(e, depth + 1) for e in inner)
 
 
 async def _ask(host: IHost, info: PeerInfo, grant: bytes) -> RedeemAnswer:
