@@ -147,6 +147,7 @@ def test_a_light_node_behind_nat_answers_for_two_models(testbed, tmp_path):
         "both tokenizers fetched",
     )
     process = swarm.status("light")["process"]
+    print(f"light node, SmolLM2's tokenizer parsed: {process['rss_bytes'] / 2**20:.0f} MB resident")
     assert process["rss_bytes"] < LIGHT_RSS_LIMIT, process
     check(gemma_id, "/v1/completions", {"prompt": PROMPT}, gemma_text)
 
@@ -156,4 +157,5 @@ def test_a_light_node_behind_nat_answers_for_two_models(testbed, tmp_path):
 
     process = swarm.status("light")["process"]
     assert process["heavy_modules"] == [], process
+    print(f"light node, both tokenizers parsed: {process['rss_bytes'] / 2**20:.0f} MB resident")
     assert process["rss_bytes"] < BOTH_TOKENIZERS_RSS_LIMIT, process

@@ -177,7 +177,9 @@ def test_a_light_client_answers_for_two_models(tmp_path, node_processes, gemma_g
     wait_until_blocking(
         lambda: len(_tokenizer_folders(homes["light"])) == 2, 120, "both tokenizers fetched"
     )
-    assert _process(light)["rss_bytes"] < LIGHT_RSS_LIMIT, _process(light)
+    process = _process(light)
+    print(f"light node, SmolLM2's tokenizer parsed: {process['rss_bytes'] / 2**20:.0f} MB resident")
+    assert process["rss_bytes"] < LIGHT_RSS_LIMIT, process
     for stream in (False, True):
         assert _answer(light, gemma_id, chat=False, stream=stream) == gemma_text
     # A node serving one model answers for the other one through its peer.
@@ -202,6 +204,7 @@ def test_a_light_client_answers_for_two_models(tmp_path, node_processes, gemma_g
     assert len(_tokenizer_folders(homes["light"])) == 2
     process = _process(light)
     assert process["heavy_modules"] == [], process
+    print(f"light node, both tokenizers parsed: {process['rss_bytes'] / 2**20:.0f} MB resident")
     assert process["rss_bytes"] < BOTH_TOKENIZERS_RSS_LIMIT, process
 
 
