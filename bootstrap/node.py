@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from p2pnode.overlay.cache.views import PeerViews
     from p2pnode.overlay.serve.probation import ProbationChallenges
     from p2pnode.overlay.serve.service import RoutedService
+    from p2pnode.overlay.serve.swarm import SwarmModels
     from p2pnode.overlay.trust.audit import AuditConfig, Auditor
     from p2pnode.overlay.trust.book import TrustBook
 
@@ -186,24 +187,29 @@ def _serve_tokenizer(node, engine) -> None:
     node.set_stream_handler(TOKENIZER_PROTOCOL, TokenizerServer(lambda: files).handle)
 
 
-def _routing_status(service: RoutedService | None) -> dict[str, Any]:
-    if service is None:
-        return {}
-    views = {
+def _views_status(views: PeerViews) -> dict[str, Any]:
+    """What this node's routers know of each peer's cache and queue (its last digest)."""
+    return {
         view.peer_id: {
             "model": view.model_id,
             "version": view.version,
             "blocks": len(view.fingerprints),
             "queue_depth": view.load.queue_depth,
+            "est_wait_s": round(view.load.est_wait_s, 3),
             "push_back": view.load.push_back,
-            "age_s": round(service.views.info_age_s(view.peer_id, view.model_id) or 0.0, 3),
+            "age_s": round(views.info_age_s(view.peer_id, view.model_id) or 0.0, 3),
         }
-        for view in service.views.views()
+        for view in views.views()
     }
+
+
+def _routing_status(service: RoutedService | None, swarm: SwarmModels | None) -> dict[str, Any]:
+    if service is None:  # a light node: its routers' views (they share one), nothing local
+        return {"views": _views_status(swarm.views)} if swarm is not None else {}
     local = service.local_load() if service.engine is not None else None
     return {
         "enabled": service.router.config.max_remote_attempts > 0,
-        "views": views,
+        "views": _views_status(service.views),
         "queue_depth": local.queue_depth if local else None,
         "push_back": local.push_back if local else None,
         "cached_tokens": service.engine.tree.num_tokens if service.engine is not None else None,
@@ -493,7 +499,7 @@ async def _run_locked(
                 "model": engine.model_id if engine is not None else None,
                 "swarm_models": swarm.listing() if swarm is not None else {},
                 **{k: v for k, v in overlay_status.items() if k not in {"peer_id", "addrs"}},
-                "routing": _routing_status(service),
+                "routing": _routing_status(service, swarm),
                 "relay": relay.status(),
                 "reachability": reachability.status(),
                 "holepunch": punch.status(),

@@ -11,7 +11,8 @@ Contract:
   model this node runs (None on a light node; then ``antientropy`` is this node's own, run by
   ``run``). ``run`` follows the node records of live peers (each lists the models its node
   serves; records travel by the DHT and by gossip) and starts a routing-only service for each
-  model it has not seen yet, every ``poll_s``, and fetches its tokenizer in the background.
+  model it has not seen yet, every ``poll_s``, and fetches its tokenizer files in the
+  background (parsed on the model's first request: see ``text``).
 - ``listing() -> {model_id: nodes}``: the models served by this node and its live peers, with
   how many nodes serve each (this node counted); ``local_model``: this node's own (or None).
 - ``await service(model_id, wait_s)``: that model's service once its digests have shown at
@@ -21,6 +22,9 @@ Contract:
   ``tokenizer_dir`` when an earlier fetch left it there, else fetched from a peer that serves
   the model and checked against the id (``tokenizers.py``); the local engine for this node's
   own model. ``TokenizerFetchFailed`` when no serving peer hands over matching files.
+  A tokenizer is parsed on the first request for its model, not when the model is seen: a
+  parsed 262k-token vocabulary holds ~90 MB (and its parse peaks ~360 MB higher), which a
+  light node pays only for the models it is asked for.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from p2pnode.inference.models import ModelLoadError, tokenizer_model
+from p2pnode.inference.models import ModelLoadError, release_freed_memory, tokenizer_model
 from p2pnode.inference.textfront import TextFront
 from p2pnode.overlay.cache.antientropy import AntiEntropy
 from p2pnode.overlay.cache.views import PeerViews
@@ -80,6 +84,7 @@ class SwarmModels:
         if primary is not None:
             self.services[primary.model_id] = primary
         self._texts: dict[str, TextFront] = {}
+        self._fetched: set[str] = set()  # models whose checked files are in tokenizer_dir
         self._locks: dict[str, trio.Lock] = {}
         self._nursery: trio.Nursery | None = None
         self._changed = trio.Event()
@@ -158,12 +163,9 @@ class SwarmModels:
     async def text(self, model: str) -> TextFront:
         if model in self._texts:
             return self._texts[model]
-        lock = self._locks.setdefault(model, trio.Lock())
-        async with lock:
+        async with self._locks.setdefault(model, trio.Lock()):
             if model not in self._texts:
-                folder = self._folder(model)
-                if cached_tokenizer(folder, model) is None:
-                    await self._fetch(model, folder)
+                folder = await self._files(model)
                 try:
                     light = await trio.to_thread.run_sync(
                         tokenizer_model, folder, model.split("@", 1)[0], model
@@ -173,10 +175,22 @@ class SwarmModels:
                 self._texts[model] = TextFront(light)
         return self._texts[model]
 
+    async def _files(self, model: str) -> Path:
+        """The folder of the model's checked tokenizer files (the caller holds its lock)."""
+        folder = self._folder(model)
+        if model not in self._fetched:
+            # Read and hashed off the event loop: a 262k vocabulary's files are ~33 MB.
+            if await trio.to_thread.run_sync(cached_tokenizer, folder, model) is None:
+                await self._fetch(model, folder)
+            self._fetched.add(model)
+            release_freed_memory()  # the files' bytes, read and received, are garbage now
+        return folder
+
     async def _prefetch(self, model: str) -> None:
-        """The tokenizer ready before the first request for the model needs it."""
+        """The tokenizer's files at hand before the first request for the model needs them."""
         try:
-            await self.text(model)
+            async with self._locks.setdefault(model, trio.Lock()):
+                await self._files(model)
         except TokenizerFetchFailed as exc:  # the first request tries again
             log.info("tokenizer of %s not fetched yet: %s", model, exc)
 
