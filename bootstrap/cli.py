@@ -591,7 +591,7 @@ def edge(
     audit: bool,
 ) -> None:
     """Speculative generation: local W4A16 draft, verified by a verifier peer of the overlay."""
-    from p2pnode.speculation.edge import run_edge_cli
+    from p2pnode.speculation.client import run_edge_cli
 
     try:
         click.echo(
