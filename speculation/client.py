@@ -54,6 +54,7 @@ from p2pnode.inference.scoring import Scorer
 from p2pnode.overlay.cache.antientropy import AntiEntropy
 from p2pnode.overlay.cache.views import PeerViews
 from p2pnode.overlay.routing.router import rtt_from_peer_table
+from p2pnode.overlay.serve.failover import Continuation
 from p2pnode.overlay.trust.book import TrustBook
 from p2pnode.speculation._audit import audit_result, audit_sampled
 from p2pnode.speculation._blocks import SamplingOptions
@@ -223,36 +224,28 @@ class EdgeClient:
             raise BadRequest(f"max_tokens must be an int >= 1, got {max_tokens!r}")
         options = SamplingOptions(temperature, top_p, seed)
         ids = self.encode(prompt)
-        committed: list[int] = []
+        answer = Continuation(ids, max_tokens)
         result = EdgeResult(
             "",
             [],
+            verifiers=answer.targets,
             prompt_ids=ids,
             greedy=options.greedy,
             temperature=float(temperature),
             top_p=float(top_p),
             mode=mode,
+            starts=answer.starts,
         )
         started = time.perf_counter()
-        tried: dict[str, str] = {}
 
         def on_commit(new: list[int]) -> None:
-            committed.extend(new)
+            answer.add(new)
             if _sink is not None:
                 _sink.send_nowait(list(new))
 
-        while not finished(committed, max_tokens, self.eos_token_ids):
-            found = await self.find_verifiers()
-            candidates = self.rank([p for p in found if p not in tried], ids + committed)
-            if not candidates:
-                why = "; ".join(f"{p[-8:]}: {e}" for p, e in tried.items()) or "none found"
-                raise NoVerifier(
-                    f"no verifier for {self.model_id} could serve this request ({why}); "
-                    "start one with `p2pnode join --role verifier` or check --bootstrap"
-                )
-            peer = candidates[0]
-            result.verifiers.append(peer)
-            result.starts.append(len(committed))
+        while not finished(answer.delivered, max_tokens, self.eos_token_ids):
+            peer = await self._next_verifier(answer)
+            answer.begin(peer)
             transport = P2PVerifierTransport(
                 self.node,
                 peer,
@@ -265,17 +258,12 @@ class EdgeClient:
                 side.start_soon(self._refill_spare, peer)  # for the next request to this peer
                 try:
                     r = await self._session(
-                        transport,
-                        mode,
-                        ids + committed,
-                        max_tokens - len(committed),
-                        options,
-                        on_commit,
+                        transport, mode, answer.context, answer.remaining, options, on_commit
                     )
                 except Exception as exc:  # handled below, outside the nursery
                     failure = exc
                     side.cancel_scope.cancel()
-            if len(result.verifiers) == 1:
+            if len(answer.targets) == 1:
                 result.warm = transport.used_spare
             if isinstance(failure, _CALLER_ERRORS):
                 raise failure
@@ -283,11 +271,11 @@ class EdgeClient:
                 log.info("verifier %s failed (%r); failing over", peer, failure)
                 if isinstance(failure, BadVerdict):
                     self.trust.observe_fault(peer)
-                tried[peer] = repr(failure)[:200]
+                answer.fail(peer, repr(failure)[:200])
                 continue
             self._add(result.stats, r.stats)
             break
-        result.tokens = trim(committed, max_tokens, self.eos_token_ids)
+        result.tokens = trim(answer.delivered, max_tokens, self.eos_token_ids)
         result.text = self.tokenizer.decode(result.tokens, skip_special_tokens=True)
         result.seconds = time.perf_counter() - started
         result.stats.seconds = result.seconds
@@ -296,6 +284,18 @@ class EdgeClient:
             rate = result.tokens_per_s
             self.mode_rates[mode] = rate if old is None else old + 0.5 * (rate - old)
         return result
+
+    async def _next_verifier(self, answer: Continuation) -> str:
+        """The best verifier for what is left of the request that has not failed it yet."""
+        found = await self.find_verifiers()
+        candidates = self.rank([p for p in found if p not in answer.failures], answer.context)
+        if not candidates:
+            why = "; ".join(f"{p[-8:]}: {e}" for p, e in answer.failures.items()) or "none found"
+            raise NoVerifier(
+                f"no verifier for {self.model_id} could serve this request ({why}); "
+                "start one with `p2pnode join --role verifier` or check --bootstrap"
+            )
+        return candidates[0]
 
     def _pick_mode(self) -> str:
         self._auto_runs += 1
