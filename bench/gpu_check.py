@@ -15,7 +15,7 @@ Checks (any failure -> exit 1, with the reason printed):
    depth and wait estimate, cost calibration, the CPU engine's validation errors, early close;
    KV events feeding a DigestBuilder whose cached lengths equal what was sent and vLLM's own
    hits, evictions removing blocks from it, a prefix-cache reset emptying it.
-2. a speculation session (the W4A16 draft on CPU, speculation/client.py) verified by
+2. a speculation session (the W4A16 draft on CPU, speculation/edge.py) verified by
    speculation/verify.py's BatchedVerifier on CUDA returns the target's greedy output (HF fp32
    greedy on the same GPU), alone and with 16 sessions batched together.
 Figures printed and written to $OUT/gpu_check.json (if $OUT is set) and bench/results/: vLLM

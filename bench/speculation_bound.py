@@ -280,8 +280,8 @@ def _measure(n_prompts: int, new_tokens: int) -> dict:
 
     _one_thread()
     from p2pnode.inference.models import load_model
-    from p2pnode.speculation.client import target_generate
     from p2pnode.speculation.draft import load_draft
+    from p2pnode.speculation.edge import target_generate
 
     target, draft = load_model(None), load_draft()
     prompts = [chat_ids(target.tokenizer, p) for p in PROMPTS[:n_prompts]]

@@ -15,7 +15,7 @@ itself to EDGE_CORE. Regions of a generated spec: "cloud" (the verifier) and "rN
 at RTT N ms, one-way N/2 ms); the edge opens a fresh libp2p node per RTT, dialing from rN.
 
 Target-only remote generation (``target_remote``) is measured over the same protocol:
-``client.remote_generate`` opens a session with a lead of all the tokens, so the verifier
+``edge.remote_generate`` opens a session with a lead of all the tokens, so the verifier
 streams the target's own tokens (no draft). ``target_local+rtt`` is the verifier's decoding
 timed in its own process plus one round trip per request: what streaming could reach at best.
 ``--delay-in transport`` puts the delay above an undelayed libp2p stream instead (the edge holds
@@ -171,7 +171,7 @@ def serve(spec: Path, n_prompts: int, new_tokens: int, texts: list[str], lookup:
     from p2pnode.identity import NodeKey
     from p2pnode.inference.models import load_model
     from p2pnode.overlay.net.node import OverlayConfig, open_overlay_node
-    from p2pnode.speculation.client import target_generate
+    from p2pnode.speculation.edge import target_generate
     from p2pnode.speculation.protocol import serve_verifier
     from p2pnode.speculation.verify import BatchedVerifier
     from p2pnode.testnet.netns import wan
@@ -280,8 +280,8 @@ async def edge_runs(
     from p2pnode.identity import NodeKey
     from p2pnode.overlay.net.node import OverlayConfig, open_overlay_node
     from p2pnode.speculation._flight import DraftHistory
-    from p2pnode.speculation.client import remote_generate, speculative_generate
     from p2pnode.speculation.draft import load_draft
+    from p2pnode.speculation.edge import remote_generate, speculative_generate
     from p2pnode.speculation.protocol import P2PVerifierTransport, open_spare
     from p2pnode.speculation.verify import VerifierError
     from p2pnode.testnet.netns import wan
@@ -290,9 +290,9 @@ async def edge_runs(
     trace = os.environ.get("SPEC_TRACE")
     edge_trace = open(trace + ".edge", "w") if trace else None  # noqa: SIM115, ASYNC230
     if edge_trace is not None:
-        from p2pnode.speculation import client
+        from p2pnode.speculation import edge
 
-        extend = client.DraftRunner.extend
+        extend = edge.DraftRunner.extend
 
         def traced_extend(self, n, *, argmax=False):
             t0 = time.time()
@@ -300,7 +300,7 @@ async def edge_runs(
             edge_trace.write(json.dumps({"t0": t0, "t": time.time(), "ev": "draft"}) + "\n")
             return out
 
-        client.DraftRunner.extend = traced_extend
+        edge.DraftRunner.extend = traced_extend
     eos = (draft.tokenizer.eos_token_id,)
     prompts = [chat_ids(draft.tokenizer, p) for p in info["texts"][: len(info["refs"])]]
     t_d = forward_ms(draft.model, prompts[0], 1)
@@ -420,7 +420,7 @@ async def edge_runs(
                     "blocks_stale": tot["stale"],
                     "equal_to_target": equal,
                     "failures": tot.get("failures", 0),
-                    # the model replays the client without leads
+                    # the model replays the edge loop without leads
                     "model_tokens_per_s": (
                         simulate(alpha, gamma, depth, rtt, t_d, t_v) if depth and not lead else None
                     ),
@@ -436,7 +436,7 @@ async def edge_runs(
 
 
 def simulate(alpha, gamma, depth, rtt, t_d, t_v, n_tokens=20000, seed=0) -> float:
-    """tok/s that ``client.speculative_generate`` can reach: its algorithm (token-granular
+    """tok/s that ``edge.speculative_generate`` can reach: its algorithm (token-granular
     drafting, ``depth`` blocks in flight, the bonus guessed by the draft) replayed with each draft
     token accepted with probability ``alpha`` and the guess right with probability ``alpha``;
     ``t_d`` ms per draft token, ``t_v(k)`` ms to verify k drafts, FIFO verifier, RTT in ms."""

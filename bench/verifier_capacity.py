@@ -123,8 +123,8 @@ def build_trace(n: int, new_tokens: int, prompt_set: str) -> dict:
     from transformers import DynamicCache
 
     from p2pnode.inference.models import load_model
-    from p2pnode.speculation.client import target_generate
     from p2pnode.speculation.draft import load_draft
+    from p2pnode.speculation.edge import target_generate
 
     target, draft = load_model(None), load_draft()
     prompts = chat_prompts(target.tokenizer, n, prompt_set)
@@ -255,7 +255,7 @@ def serve(spec: Path, block_control: bool) -> None:
     from p2pnode.inference.models import load_model
     from p2pnode.overlay.limits import PeerLimiter
     from p2pnode.overlay.net.node import OverlayConfig, open_overlay_node
-    from p2pnode.speculation.client import target_generate
+    from p2pnode.speculation.edge import target_generate
     from p2pnode.speculation.protocol import serve_verifier
     from p2pnode.speculation.verify import BatchedVerifier
     from p2pnode.testnet.netns import wan
@@ -349,7 +349,7 @@ async def _one_request(edge, req, new_tokens, temp, seed, mode, stamps):
 
 
 async def run_config(nodes, peer_id, draft_for, requests, mode, n, new_tokens, temp) -> dict:
-    from p2pnode.speculation.edge import EdgeClient
+    from p2pnode.speculation.client import EdgeClient
 
     results: list[list] = [[] for _ in range(n)]
     clients = []

@@ -7,7 +7,8 @@ Map of the package:
 - ``node.py``: ``run_node(settings)``, the composition of key, engine, overlay node, routed
   service, verifier and HTTP API; start-up problems are ``NodeStartError`` with a message for
   the person at the terminal. ``extension.py``: ``NodeExtension``, what a caller (a trial) adds
-  to a node it starts: ``run_node(settings, extensions=[...])``.
+  to a node it starts: ``run_node(settings, extensions=[...])``. ``status.py``: what a node
+  reports in ``GET /status`` (views, routing, probation, process cost).
 - ``api/``: the OpenAI-compatible HTTP API (its own map in ``api/__init__.py``); ``auth.py``,
   ``health.py``, ``metrics.py`` (Prometheus), ``console/`` (the web console).
 - ``demo.py``: ``p2pnode demo``, the main job on one machine.

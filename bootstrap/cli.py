@@ -11,6 +11,8 @@ p2pnode peers      what the running node sees (peer table)
 p2pnode status     the running node's status (JSON)
 p2pnode demo       a local overlay of four processes serving an MMLU-style workload
 p2pnode edge       generate with a local W4A16 draft, verified by a remote verifier
+p2pnode testnet    run a trial of many nodes (testnet/commands.py, as is simulate)
+p2pnode simulate   the real routing code on a simulated swarm
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ from p2pnode.bootstrap.config import (
     default_home,
     settings_from,
 )
+from p2pnode.testnet.commands import simulate as simulate_command
+from p2pnode.testnet.commands import testnet as trial_command
 
 _home_option = click.option(
     "--home",
@@ -511,39 +515,10 @@ def status(home: Path | None) -> None:
     click.echo(json.dumps(_fetch_status(home, "/status"), indent=2))
 
 
-@main.command(
-    context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False},
-    add_help_option=False,
-)
-@click.argument("args", nargs=-1, type=click.UNPROCESSED)
-def testnet(args: tuple[str, ...]) -> None:
-    """Run a testnet trial: `p2pnode testnet SPEC [--arms routing,baseline] [--out DIR]`.
-
-    SPEC is a trial TOML file or a built-in name (paper-lan, paper-wan-200, paper-wan-1000, each
-    also -zipf; paper-lan-zipf-real; chat-lan, chat-wan, chat-lan-real; mixed-6; scale-64,
-    scale-128; smoke; adversarial-liar). `--hosts netns` runs each node in a network namespace;
-    `--inventory hosts.toml` runs the trial on your own machines over SSH (docs/testnet.md).
-    `p2pnode testnet --help` lists every option.
-    """
-    from p2pnode.testnet.run.trial import main as run_trial_main
-
-    sys.exit(run_trial_main(list(args)))
-
-
-@main.command(
-    context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False},
-    add_help_option=False,
-)
-@click.argument("args", nargs=-1, type=click.UNPROCESSED)
-def simulate(args: tuple[str, ...]) -> None:
-    """Simulate the real routing code at swarm scale: `p2pnode simulate --nodes 100,1000,10000`.
-
-    A discrete-event simulation (simpy) of the router, digests, views and scoped views on a
-    simulated WAN; `p2pnode simulate --help` lists every option.
-    """
-    from p2pnode.testnet.sim import main as simulate_main
-
-    sys.exit(simulate_main(list(args)))
+# Trials and the simulator: their options live beside them (testnet/commands.py imports click
+# alone, so `p2pnode --help` stays light).
+main.add_command(trial_command)
+main.add_command(simulate_command)
 
 
 @main.command()
@@ -591,7 +566,7 @@ def edge(
     audit: bool,
 ) -> None:
     """Speculative generation: local W4A16 draft, verified by a verifier peer of the overlay."""
-    from p2pnode.speculation.edge import run_edge_cli
+    from p2pnode.speculation.client import run_edge_cli
 
     try:
         click.echo(

@@ -15,8 +15,9 @@ import signal
 import socket
 from collections.abc import Callable, Sequence
 from contextlib import AsyncExitStack
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import trio
 from prometheus_client import CollectorRegistry
@@ -27,34 +28,17 @@ from p2pnode.bootstrap.api import build_app, serve_api
 from p2pnode.bootstrap.config import NodeSettings
 from p2pnode.bootstrap.extension import NodeExtension
 from p2pnode.bootstrap.health import StartingApp
+from p2pnode.bootstrap.status import process_status, routing_status
 from p2pnode.errors import P2PNodeError
 from p2pnode.identity import IdentityError, NodeKey
 
 if TYPE_CHECKING:
     from p2pnode.overlay.cache.views import PeerViews
-    from p2pnode.overlay.serve.probation import ProbationChallenges
     from p2pnode.overlay.serve.service import RoutedService
-    from p2pnode.overlay.serve.swarm import SwarmModels
-    from p2pnode.overlay.trust.audit import AuditConfig, Auditor
+    from p2pnode.overlay.trust.audit import AuditConfig
     from p2pnode.overlay.trust.book import TrustBook
 
 log = logging.getLogger("p2pnode.node")
-
-
-class _AuditedService(Protocol):
-    """The routed service, as the probation status reads it."""
-
-    @property
-    def auditor(self) -> Auditor | None: ...  # None: this node audits no one
-
-    @property
-    def probation(self) -> ProbationChallenges | None: ...  # None: no challenges
-
-    @property
-    def views(self) -> PeerViews: ...
-
-    @property
-    def trust(self) -> TrustBook: ...
 
 
 class NodeStartError(P2PNodeError, RuntimeError):
@@ -187,93 +171,6 @@ def _serve_tokenizer(node, engine) -> None:
     node.set_stream_handler(TOKENIZER_PROTOCOL, TokenizerServer(lambda: files).handle)
 
 
-def _views_status(views: PeerViews) -> dict[str, Any]:
-    """What this node's routers know of each peer's cache and queue (its last digest)."""
-    return {
-        view.peer_id: {
-            "model": view.model_id,
-            "version": view.version,
-            "blocks": len(view.fingerprints),
-            "queue_depth": view.load.queue_depth,
-            "est_wait_s": round(view.load.est_wait_s, 3),
-            "push_back": view.load.push_back,
-            "age_s": round(views.info_age_s(view.peer_id, view.model_id) or 0.0, 3),
-        }
-        for view in views.views()
-    }
-
-
-def _routing_status(service: RoutedService | None, swarm: SwarmModels | None) -> dict[str, Any]:
-    if service is None:  # a light node: its routers' views (they share one), nothing local
-        return {"views": _views_status(swarm.views)} if swarm is not None else {}
-    local = service.local_load() if service.engine is not None else None
-    return {
-        "enabled": service.router.config.max_remote_attempts > 0,
-        "views": _views_status(service.views),
-        "queue_depth": local.queue_depth if local else None,
-        "push_back": local.push_back if local else None,
-        "cached_tokens": service.engine.tree.num_tokens if service.engine is not None else None,
-        # What the router learned online: the network cost of forwards and each peer's
-        # cache-claim confidence; and the completion lengths its estimates expect.
-        "learned": {
-            **service.router.learned(),
-            "lengths": service.lengths.as_dict(),
-            "sessions": service.sessions.as_dict(),
-        },
-        "probation": _probation_status(service),
-        "gossip": service.antientropy.status(),
-    }
-
-
-def _probation_status(service: _AuditedService) -> dict[str, Any] | None:
-    """Which peers still have their answers held for audit, and the known-answer challenges
-    sent to get them out (overlay/trust/challenge.py)."""
-    auditor, probation = service.auditor, service.probation
-    if auditor is None:
-        return None
-    peers = sorted({v.peer_id for v in service.views.views()} | auditor.by_peer.keys())
-    none = {"passed": 0, "failed": 0, "skipped": 0}
-    return {
-        "answers_needed": auditor.config.probation_answers,
-        "on_probation": [p for p in peers if auditor.on_probation(p)],
-        "challenges": dict(probation.counts) if probation is not None else None,
-        "audits": dict(auditor.counts),
-        # Per peer: member / probation (with passed audits so far) / trusted / demoted, and
-        # this node's audits of its answers.
-        "peers": {
-            p: {
-                "state": auditor.state(p),
-                "passed_for_probation": service.trust.audited_ok(p),
-                "audits": dict(auditor.by_peer.get(p, none)),
-            }
-            for p in peers
-        },
-    }
-
-
-# Modules whose presence says what a node costs: an emulated node must load neither.
-HEAVY_MODULES = ("torch", "transformers", "vllm")
-
-
-def process_status() -> dict[str, Any]:
-    """This process's resident memory and which heavy libraries it has imported (read from
-    the process itself at each call, so trials and tests can check what a node really costs)."""
-    import resource
-    import sys
-
-    rss_kb = None
-    try:
-        with open("/proc/self/status") as f:
-            rss_kb = next((int(line.split()[1]) for line in f if line.startswith("VmRSS:")), None)
-    except OSError:
-        pass
-    return {
-        "rss_bytes": rss_kb * 1024 if rss_kb is not None else None,
-        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-        "heavy_modules": [m for m in HEAVY_MODULES if m in sys.modules],
-    }
-
-
 def _lock_home(home: Path) -> int:
     """Hold ``<home>/node.lock`` for the life of the process: two nodes on one home would
     share one key, i.e. one peer id, and overwrite each other's runtime file."""
@@ -390,10 +287,8 @@ async def _run_locked(
     extensions: Sequence[NodeExtension],
     task_status,
 ) -> None:
-    from p2pnode.overlay.net.hello import NetworkMismatch
-    from p2pnode.overlay.net.node import OverlayConfig, open_overlay_node
-    from p2pnode.overlay.net.reachability import ReachabilityService
-
+    """Role by role: the API (503 while the rest loads), a closed network's membership, engine,
+    overlay node, NAT traversal, services; then the verifier, the services and the app run."""
     _check_ports(settings)
     try:
         key = NodeKey.load_or_create(settings.home)
@@ -408,135 +303,31 @@ async def _run_locked(
 
         closed = await closed_network(settings, key)
         engine = await _load_engine(settings, stack)
-        config = OverlayConfig(
-            key=key,
-            listen_addrs=list(settings.listen),
-            bootstrap=list(settings.bootstrap),
-            announce=list(settings.announce),
-            network=settings.network,
-            models=[engine.model_id] if engine is not None else [],
-            roles=set(settings.role),
-            capacity={"max_batch": float(settings.max_batch)},
-            ping_interval=settings.ping_interval,
-            gossip_heartbeat=settings.gossip_interval,
-            gossip_degree=settings.gossip_degree,
-            records_budget=min(OverlayConfig.records_budget, settings.gossip_budget),
-            conn_low=settings.min_connections if settings.max_connections else 0,
-            conn_high=settings.max_connections,
-            closed=closed,
-            **timeouts,
-        )
-        try:
-            node = await stack.enter_async_context(open_overlay_node(config))
-        except OSError as exc:
-            raise NodeStartError(
-                f"cannot listen on {settings.listen}: {exc}; choose another --listen"
-            ) from None
-        except NetworkMismatch as exc:
-            raise NodeStartError(str(exc)) from None
-        # NAT traversal: every node can dial peers behind NAT through a relay; a node that
-        # dial-backs show unreachable finds relays itself, a reachable one relays for members
-        from p2pnode.overlay.net.relay import open_relay
-
-        hop = {"auto": "auto", "on": True, "off": False}[settings.relay_hop]
-        relay = await stack.enter_async_context(
-            open_relay(node, relays=settings.relay, hop=hop, auto=True, limiter=node.limiter)
-        )
-        reachability = ReachabilityService(node, limiter=node.limiter)
-        reachability.on_change.append(relay.on_reachability)
-        # Two NAT'd peers that met through a relay try a direct path (DCUtR)
-        from p2pnode.overlay.net.holepunch import open_hole_punching
-
-        punch = await stack.enter_async_context(
-            open_hole_punching(
-                node, public_ips=lambda: sorted(set(reachability.observed_ips.values()))
-            )
-        )
-
+        node = await _open_node(settings, key, engine, closed, timeouts, stack)
+        nat = await _Nat.open(node, settings, stack)
         registry = CollectorRegistry()
-        service = None
-        if engine is not None:
-            from p2pnode.overlay.cache.antientropy import AntiEntropyConfig
-            from p2pnode.overlay.routing.router import RouterConfig
-            from p2pnode.overlay.serve.service import RoutedService
-            from p2pnode.overlay.trust.challenge import ChallengeConfig
-
-            trust, audit_config = _trust_and_audit(settings, registry)
-            service = RoutedService(
-                node,
-                key,
-                engine,
-                router_config=RouterConfig(
-                    max_remote_attempts=RouterConfig.max_remote_attempts if settings.routing else 0
-                ),
-                antientropy_config=AntiEntropyConfig(
-                    interval_s=settings.gossip_interval,
-                    topic_budget_msgs_per_s=settings.gossip_budget,
-                ),
-                pushback_high=settings.pushback_threshold,
-                registry=registry,
-                trust=trust,
-                audit_config=audit_config,
-                challenge_config=ChallengeConfig(enabled=settings.probation_challenges),
-                advertise_min_uses=settings.advertise_min_uses,
-                # Members of a closed network are trusted from their first answer.
-                is_member=node.membership.is_member if node.membership.closed else None,
-            )
-
-        swarm = None
-        if settings.routing and "bootstrap" not in settings.role:
-            swarm = _swarm_models(settings, node, key, service, registry)
+        service = _routed_service(settings, node, key, engine, registry)
+        routes = settings.routing and "bootstrap" not in settings.role  # the swarm's models too
+        swarm = _swarm_models(settings, node, key, service, registry) if routes else None
         if engine is not None:
             _serve_tokenizer(node, engine)
-
-        def status() -> dict[str, Any]:
-            overlay_status = node.status()
-            return {
-                "version": __version__,
-                "peer_id": node.peer_id,
-                "addrs": list(node.addrs),
-                "roles": sorted(settings.role),
-                "model": engine.model_id if engine is not None else None,
-                "swarm_models": swarm.listing() if swarm is not None else {},
-                **{k: v for k, v in overlay_status.items() if k not in {"peer_id", "addrs"}},
-                "routing": _routing_status(service, swarm),
-                "relay": relay.status(),
-                "reachability": reachability.status(),
-                "holepunch": punch.status(),
-                "network": settings.network,
-                "closed": closed is not None,
-                "process": process_status(),
-            }
-
+        parts = _Parts(settings, node, api, closed, engine, nat, service, swarm)
         # The API stops first (its graceful shutdown runs while the overlay and engine close).
         stack.callback(api_nursery.cancel_scope.cancel)
         async with trio.open_nursery() as nursery:
-            await nursery.start(reachability.run)
-            verifier = None
-            if engine is not None and "verifier" in settings.role:
-                from p2pnode.speculation.advert import VerifierAdvert
-                from p2pnode.speculation.protocol import serve_verifier
-                from p2pnode.speculation.verify import BatchedVerifier
+            await nursery.start(nat.reachability.run)
+            verifier = await _start_verifier(settings, node, engine, service, nursery)
+            if service is not None:  # then what the caller adds, and its trust kept on disk
+                from p2pnode.overlay.trust.store import TRUST_FILE, keep_trust_saved
 
-                verifier = BatchedVerifier(await _verifier_model(engine, settings))
-                await nursery.start(verifier.run)
-                # One per-peer budget for everything a peer can make this node do.
-                limiter = service.limiter if service is not None else None
-                serve_verifier(node, verifier, limiter=limiter)
-                if service is not None:  # its cache and queue in the digests edges follow
-                    advert = VerifierAdvert(node.peer_id, verifier, settings.advertise_min_uses)
-                    service.advertise(advert.builder)
-            if service is not None:
                 await nursery.start(service.run)
                 for extension in extensions:
                     extension.service_started(service, nursery)
-                from p2pnode.overlay.trust.store import TRUST_FILE, keep_trust_saved
-
                 nursery.start_soon(keep_trust_saved, service.trust, settings.home / TRUST_FILE)
             if swarm is not None:
                 await nursery.start(swarm.run)
             app = build_app(
-                status,
+                parts.status,
                 service=service,
                 engine=engine,
                 registry=registry,
@@ -548,22 +339,164 @@ async def _run_locked(
                 app.state.metrics.live.verifier = verifier  # p2pnode_verifier_* on /metrics
             starting.serve(app)
             nursery.start_soon(_stop_on_signal, nursery.cancel_scope)
-
-            def runtime() -> dict[str, Any]:
-                return {
-                    "peer_id": node.peer_id,
-                    "addrs": list(node.addrs),
-                    "api": api,
-                    "network": settings.network,
-                    "closed": closed is not None,  # `p2pnode invite` and `revoke` read it
-                    "reachability": reachability.verdict,
-                }
-
-            write_runtime(settings.home, runtime())
+            write_runtime(settings.home, parts.runtime())
             stack.callback(remove_runtime, settings.home)
-            nursery.start_soon(_keep_runtime, settings.home, runtime)
+            nursery.start_soon(_keep_runtime, settings.home, parts.runtime)
             log.info("node %s up", node.peer_id)
             for addr in node.addrs:
                 log.info("  listening on %s", addr)
             log.info("  HTTP API on %s", api)
             task_status.started(node)
+
+
+async def _open_node(settings, key, engine, closed, timeouts, stack: AsyncExitStack):
+    """The overlay node (libp2p host, DHT, gossip, peer table), or a ``NodeStartError``."""
+    from p2pnode.overlay.net.hello import NetworkMismatch
+    from p2pnode.overlay.net.node import OverlayConfig, open_overlay_node
+
+    config = OverlayConfig(
+        key=key,
+        listen_addrs=list(settings.listen),
+        bootstrap=list(settings.bootstrap),
+        announce=list(settings.announce),
+        network=settings.network,
+        models=[engine.model_id] if engine is not None else [],
+        roles=set(settings.role),
+        capacity={"max_batch": float(settings.max_batch)},
+        ping_interval=settings.ping_interval,
+        gossip_heartbeat=settings.gossip_interval,
+        gossip_degree=settings.gossip_degree,
+        records_budget=min(OverlayConfig.records_budget, settings.gossip_budget),
+        conn_low=settings.min_connections if settings.max_connections else 0,
+        conn_high=settings.max_connections,
+        closed=closed,
+        **timeouts,
+    )
+    try:
+        return await stack.enter_async_context(open_overlay_node(config))
+    except OSError as exc:
+        why = f"cannot listen on {settings.listen}: {exc}; choose another --listen"
+        raise NodeStartError(why) from None
+    except NetworkMismatch as exc:
+        raise NodeStartError(str(exc)) from None
+
+
+@dataclass
+class _Nat:
+    """NAT traversal: relays (sought when dial-backs show this node unreachable, offered to
+    members when reachable); a direct path (DCUtR) for NAT'd peers that met through a relay."""
+
+    relay: Any
+    reachability: Any
+    punch: Any
+
+    @classmethod
+    async def open(cls, node, settings: NodeSettings, stack: AsyncExitStack) -> _Nat:
+        from p2pnode.overlay.net.holepunch import open_hole_punching
+        from p2pnode.overlay.net.reachability import ReachabilityService
+        from p2pnode.overlay.net.relay import open_relay
+
+        hop = {"auto": "auto", "on": True, "off": False}[settings.relay_hop]
+        relay = await stack.enter_async_context(
+            open_relay(node, relays=settings.relay, hop=hop, auto=True, limiter=node.limiter)
+        )
+        reachability = ReachabilityService(node, limiter=node.limiter)
+        reachability.on_change.append(relay.on_reachability)
+        punch = await stack.enter_async_context(
+            open_hole_punching(
+                node, public_ips=lambda: sorted(set(reachability.observed_ips.values()))
+            )
+        )
+        return cls(relay, reachability, punch)
+
+
+def _routed_service(settings, node, key, engine, registry) -> RoutedService | None:
+    """This node's own model, routed, audited and trusted; None on a node without one."""
+    if engine is None:
+        return None
+    from p2pnode.overlay.cache.antientropy import AntiEntropyConfig
+    from p2pnode.overlay.routing.router import RouterConfig
+    from p2pnode.overlay.serve.service import RoutedService
+    from p2pnode.overlay.trust.challenge import ChallengeConfig
+
+    trust, audit_config = _trust_and_audit(settings, registry)
+    remote = RouterConfig.max_remote_attempts if settings.routing else 0
+    return RoutedService(
+        node,
+        key,
+        engine,
+        router_config=RouterConfig(max_remote_attempts=remote),
+        antientropy_config=AntiEntropyConfig(
+            interval_s=settings.gossip_interval, topic_budget_msgs_per_s=settings.gossip_budget
+        ),
+        pushback_high=settings.pushback_threshold,
+        registry=registry,
+        trust=trust,
+        audit_config=audit_config,
+        challenge_config=ChallengeConfig(enabled=settings.probation_challenges),
+        advertise_min_uses=settings.advertise_min_uses,
+        # Members of a closed network are trusted from their first answer.
+        is_member=node.membership.is_member if node.membership.closed else None,
+    )
+
+
+async def _start_verifier(settings, node, engine, service, nursery: trio.Nursery):
+    """Role "verifier" (None without it or a model): serves ``/p2pnode/verify/1``."""
+    if engine is None or "verifier" not in settings.role:
+        return None
+    from p2pnode.speculation.advert import VerifierAdvert
+    from p2pnode.speculation.protocol import serve_verifier
+    from p2pnode.speculation.verify import BatchedVerifier
+
+    verifier = BatchedVerifier(await _verifier_model(engine, settings))
+    await nursery.start(verifier.run)
+    # One per-peer budget for everything a peer can make this node do.
+    limiter = service.limiter if service is not None else None
+    serve_verifier(node, verifier, limiter=limiter)
+    if service is not None:  # its cache and queue in the digests edges follow
+        advert = VerifierAdvert(node.peer_id, verifier, settings.advertise_min_uses)
+        service.advertise(advert.builder)
+    return verifier
+
+
+@dataclass
+class _Parts:
+    """What one node runs, as ``/status`` and the runtime file report it."""
+
+    settings: NodeSettings
+    node: Any
+    api: str
+    closed: Any
+    engine: Any
+    nat: _Nat
+    service: RoutedService | None
+    swarm: Any
+
+    def status(self) -> dict[str, Any]:
+        node, settings, swarm, nat = self.node, self.settings, self.swarm, self.nat
+        return {
+            "version": __version__,
+            "peer_id": node.peer_id,
+            "addrs": list(node.addrs),
+            "roles": sorted(settings.role),
+            "model": self.engine.model_id if self.engine is not None else None,
+            "swarm_models": swarm.listing() if swarm is not None else {},
+            **{k: v for k, v in node.status().items() if k not in {"peer_id", "addrs"}},
+            "routing": routing_status(self.service, swarm),
+            "relay": nat.relay.status(),
+            "reachability": nat.reachability.status(),
+            "holepunch": nat.punch.status(),
+            "network": settings.network,
+            "closed": self.closed is not None,
+            "process": process_status(),
+        }
+
+    def runtime(self) -> dict[str, Any]:
+        return {
+            "peer_id": self.node.peer_id,
+            "addrs": list(self.node.addrs),
+            "api": self.api,
+            "network": self.settings.network,
+            "closed": self.closed is not None,  # `p2pnode invite` and `revoke` read it
+            "reachability": self.nat.reachability.verdict,
+        }

@@ -3,12 +3,12 @@
 Map of the package (public modules first; ``_`` modules are private, their names re-exported
 here where others need them):
 
-- ``edge.py``: ``open_edge``, ``EdgeClient`` (verifier choice, failover, audits), ``EdgeResult``.
-- ``client.py``: the edge loop, ``speculative_generate`` (loop: ``_Edge.draft``; its state:
+- ``edge.py``: the edge loop, ``speculative_generate`` (loop: ``_Edge.draft``; its state:
   ``_flight.py``); ``remote_generate`` (target only, over the same protocol);
   ``target_generate`` (the local reference); ``VerifierTransport``, the seam to a verifier;
   ``DraftRunner``, ``SpecStats``, ``SpecResult``, ``DraftHistory`` (what an edge learned
   about one verifier: drafting or letting it decode alone, which is faster).
+- ``client.py``: ``open_edge``, ``EdgeClient`` (verifier choice, failover, audits), ``EdgeResult``.
 - ``verify.py``: ``BatchedVerifier``, the multi-tenant verifier and its batching loop (``run``).
 - ``protocol.py``: ``/p2pnode/verify/1``: ``serve_verifier`` (verifier side),
   ``P2PVerifierTransport`` (edge side), the wire messages.
@@ -53,21 +53,21 @@ from p2pnode.speculation._errors import WrongModel as WrongModel
 from p2pnode.speculation.advert import VerifierAdvert as VerifierAdvert
 from p2pnode.speculation.advert import rank_verifiers as rank_verifiers
 from p2pnode.speculation.advert import verify_digest_model as verify_digest_model
-from p2pnode.speculation.client import DraftHistory as DraftHistory
-from p2pnode.speculation.client import DraftRunner as DraftRunner
-from p2pnode.speculation.client import SpecResult as SpecResult
-from p2pnode.speculation.client import SpecStats as SpecStats
-from p2pnode.speculation.client import VerifierTransport as VerifierTransport
-from p2pnode.speculation.client import remote_generate as remote_generate
-from p2pnode.speculation.client import speculative_generate as speculative_generate
-from p2pnode.speculation.client import target_generate as target_generate
+from p2pnode.speculation.client import EdgeClient as EdgeClient
+from p2pnode.speculation.client import EdgeResult as EdgeResult
+from p2pnode.speculation.client import open_edge as open_edge
 from p2pnode.speculation.draft import DraftModel as DraftModel
 from p2pnode.speculation.draft import Int4Linear as Int4Linear
 from p2pnode.speculation.draft import build_draft as build_draft
 from p2pnode.speculation.draft import load_draft as load_draft
-from p2pnode.speculation.edge import EdgeClient as EdgeClient
-from p2pnode.speculation.edge import EdgeResult as EdgeResult
-from p2pnode.speculation.edge import open_edge as open_edge
+from p2pnode.speculation.edge import DraftHistory as DraftHistory
+from p2pnode.speculation.edge import DraftRunner as DraftRunner
+from p2pnode.speculation.edge import SpecResult as SpecResult
+from p2pnode.speculation.edge import SpecStats as SpecStats
+from p2pnode.speculation.edge import VerifierTransport as VerifierTransport
+from p2pnode.speculation.edge import remote_generate as remote_generate
+from p2pnode.speculation.edge import speculative_generate as speculative_generate
+from p2pnode.speculation.edge import target_generate as target_generate
 from p2pnode.speculation.protocol import VERIFY_PROTOCOL as VERIFY_PROTOCOL
 from p2pnode.speculation.protocol import P2PVerifierTransport as P2PVerifierTransport
 from p2pnode.speculation.protocol import serve_verifier as serve_verifier

@@ -9,7 +9,7 @@ measured per-token acceptance) and takes one position. While the pass is busy it
 verifier wants the k-th draft iff ``alpha ** k >= cost(k)``, where ``cost(k)`` is 0 while the
 other sessions' positions plus this block's stay within ``FREE_POSITIONS``, else ``c * R``:
 ``want`` is the largest such k (at most ``max_want``); 0 means the session gains more by the
-verifier decoding for it alone (the edge moves to lead-only decoding; see ``client.py``).
+verifier decoding for it alone (the edge moves to lead-only decoding; see ``edge.py``).
 Load up (more positions from others, so the free positions are taken, or a slower pass per
 position) or acceptance down shortens the blocks. Why never worse than everyone target-only:
 at ``want`` 0 for every session each pass is a target-only pass, and a session gets a k-th draft

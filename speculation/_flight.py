@@ -1,5 +1,5 @@
 """The edge's state during speculation: its copy of the committed tokens, the blocks in flight,
-and what they counted. ``client.py``'s loop and verdict receiver share it.
+and what they counted. ``edge.py``'s loop and verdict receiver share it.
 
 Contract:
 - ``Committed``: the session's committed tokens as the verifier gave them, in its commit order.
@@ -12,8 +12,8 @@ Contract:
   on the oldest one (``overlay.trust.verdict_problem``, a base that was committed, the committed
   length it states) and commits its tokens; ``take_lead(lead)`` commits a lead token at the end;
   ``resync(draft)`` marks the draft stale (``dirty``) and the blocks built on a wrong token dead
-  (``live_from``). Anything impossible is a ``BadVerdict``: the edge fails over (``edge.py``).
-- ``SpecStats``: blocks and tokens counted per session (``edge.py`` sums them over failovers).
+  (``live_from``). Anything impossible is a ``BadVerdict``: the edge fails over (``client.py``).
+- ``SpecStats``: blocks and tokens counted per session (``client.py`` sums them over failovers).
 """
 
 from __future__ import annotations
@@ -225,7 +225,7 @@ class Flight:
 
     def take(self, res: BlockResult) -> None:
         """A verdict on the oldest block in flight (an impossible one is a ``BadVerdict``: the
-        edge then fails over, see edge.py)."""
+        edge then fails over, see client.py)."""
         if not self.sent or res.number != self.sent[0].number:
             raise BadVerdict(f"verifier answered block {res.number}, which is not in flight")
         block, alive = self.sent.popleft(), res.number >= self.live_from

@@ -1,529 +1,507 @@
-"""Python API for edge apps: speculative generation against verifiers found through the overlay.
+"""The edge loop of speculative decoding: a local W4A16 draft, a remote target verifier.
 
 Contract:
-- ``async with open_edge(bootstrap=[MULTIADDR, ...]) as edge:`` joins the overlay as role
-  "edge" (or uses ``node=`` an overlay node you already run), loads the W4A16 draft (building it
-  once if needed, see ``draft.load_draft``) and serves the draft's target model id.
-- ``await edge.find_verifiers()`` -> peer ids that provide the model in the DHT AND whose signed
-  node record has the "verifier" role, lowest ping RTT first (unknown RTT last). ``verifiers=``
-  given to ``open_edge`` fixes the list and order instead (tests, pinned deployments).
-- ``await edge.generate(prompt_or_messages, max_tokens=64, temperature=0.0, mode="async")`` ->
-  ``EdgeResult`` (text, token ids, acceptance, tokens/s, verifiers used). A ``str`` prompt is
-  wrapped in the chat template as one user turn; a list of ``{"role", "content"}`` dicts is
-  used as is; a list of ints is sent as token ids. ``mode="sync"`` drafts, waits, verifies;
-  ``"async"`` keeps 2 blocks of 4 drafts in flight and lets the verifier decode on its own
-  (lead, up to 8 tokens) while a rejection's correction travels (see
-  ``client.speculative_generate``; ``gamma=`` overrides the per-mode block size);
-  ``"remote"`` is target-only remote generation (the verifier streams the target's tokens, no
-  draft): the fastest choice where the draft is barely cheaper than the target. ``"auto"``
-  measures: its first requests try "async" then "remote", later ones use the faster (tokens/s,
-  smoothed per mode in ``edge.mode_rates``) and retry the other every ``AUTO_EXPLORE``-th time;
-  ``EdgeResult.mode`` says which ran.
-- ``edge.stream(...)``: same arguments, an async iterator of text pieces as tokens are committed.
-- Failover: when a verifier dies, hangs past ``result_timeout_s`` or refuses mid-session, the
-  edge opens a new session on the next verifier from prompt + the tokens already committed, so a
-  greedy output is the same as without the failure. With no verifier left it raises
-  ``NoVerifier`` (the message lists what each one answered). Caller mistakes (``BadRequest``,
-  ``BadBlock``, ``SessionLimit``) are raised at once, not retried.
-- ``await edge.audit(result)``: a second opinion on a greedy result; a verifier that answered
-  plausibly but wrongly is blamed once a third one confirms it (``speculation._audit``). A
-  sampled result takes ``scorer=`` (the target's ``Scorer``): its likelihood under the target
-  must be plausible (a z-test with a stated false-alarm rate, ``speculation._audit``).
-- Trust: a verifier whose verdict is impossible (``BadVerdict``: see
-  ``overlay.trust.verdict_problem``) is failed over like a dead one and loses trust in
-  ``edge.trust`` (a ``TrustBook``); a demoted verifier is left out of ``find_verifiers`` until
-  its trust recovers.
-
-One file of ~500 lines: failover, the "auto" mode choice and spare streams all act on one
-request in ``EdgeClient.generate``; ``open_edge`` and ``run_edge_cli`` are its thin doors.
+- ``speculative_generate(draft, transport, prompt, max_new_tokens, ...)`` returns the generated
+  ids (at most ``max_new_tokens``, cut after the first EOS) and stats. For greedy options they
+  equal the target's own greedy output token for token; for sampling they follow the target's
+  distribution (the verifier does rejection sampling against the q each draft token came from).
+- ``depth=1`` is the synchronous baseline: draft gamma tokens, send, wait for the verdict.
+  ``depth>=2`` is the asynchronous (PicoSpec-style) pipeline: right after sending block k the edge
+  guesses the target's bonus token (the draft's argmax), drafts block k+1 on top and sends it too,
+  so drafting and the WAN trip overlap verification. When block k is not fully accepted, or the
+  bonus differs from the guess, every block in flight is dead: the draft's cache is cropped back to
+  the committed tokens and drafting resumes from the target's token. The verifier answers dead
+  blocks "stale" without computing (each block names the committed length and token it builds on).
+  ``depth`` is the number of blocks kept in flight. Verdicts are taken by a receiver task while
+  the draft runs ONE token per worker call, so a verdict that kills the pipeline stops the
+  drafting within one draft step (not one block) and the edge redrafts at once. A block built on
+  a guess survives with probability ~alpha^(gamma+1): at alpha ~0.75 short blocks (gamma 2) with
+  3 in flight beat gamma 4 (bench/speculation_processes.py models and measures it).
+- ``lead=n`` (async): the verifier decodes on its own, up to n tokens, whenever no block of the
+  session waits after a rejection (see ``verify.py``), so a rejection no longer idles it for a
+  round trip. Its tokens arrive as ``Lead`` in commit order and are committed at once; a lead
+  that contradicts the draft kills the blocks in flight like a rejection, one that runs past the
+  draft just moves it forward. The first block after a reset is lengthened by the overlap
+  measured on earlier ones, so its last ``gamma`` drafts reach past the verifier's own tokens.
+  At a break the edge may instead stop drafting for ``SEGMENT`` tokens and let the verifier
+  decode alone (empty blocks keep its lead budget full): per verifier (``history=``, a
+  ``_flight.DraftHistory``) it keeps the committed tokens a second of both behaviours and
+  takes the faster, the other every ``EXPLORE_EVERY``-th stretch.
+- The verifier's block-size control (``BlockResult.want``, ``_blocksize.py``): the edge drafts
+  at most ``want`` tokens per block (at least 1), and with lead, at ``want`` 0, lets the
+  verifier decode alone (lead-only stretches) until a result asks for drafts again. Every verdict must agree with what is committed (``_flight.Committed``), else ``BadVerdict``.
+- ``remote_generate(transport, prompt, n)``: target-only remote generation over the same
+  protocol (the verifier streams leads; empty blocks refill the budget): the baseline, and the
+  fastest mode where the draft is barely cheaper than the target.
+- The verifier is reached through ``VerifierTransport`` (open / send_block / receive_result /
+  close; results and leads come back in the verifier's commit order).
+  ``p2pnode.speculation.protocol`` provides the libp2p one; ``speculation.testing`` an
+  in-process one for tests and benches.
+- Where: ``speculative_generate`` sets up an ``_Edge``; its ``draft`` is the edge loop and its
+  ``receive`` the verdict receiver; both work on the ``Flight`` (``_flight.py``: the blocks in
+  flight and the edge's copy of the committed tokens) and wake each other through a ``_Signal``.
+- Draft and target forwards run in worker threads (``trio.to_thread``) so the event loop keeps
+  moving frames and timers while torch computes.
 """
 
 from __future__ import annotations
 
-import logging
-import math
-import os
+import copy
 import time
-from collections.abc import AsyncIterator, Sequence
-from contextlib import AsyncExitStack, asynccontextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
+import torch
 import trio
+from transformers import DynamicCache
 
-from p2pnode.inference.scoring import Scorer
-from p2pnode.overlay.cache.antientropy import AntiEntropy
-from p2pnode.overlay.cache.views import PeerViews
-from p2pnode.overlay.routing.router import rtt_from_peer_table
-from p2pnode.overlay.trust.book import TrustBook
-from p2pnode.speculation._audit import audit_result, audit_sampled
-from p2pnode.speculation._blocks import SamplingOptions
-from p2pnode.speculation._errors import BadBlock, BadRequest, BadVerdict, NoVerifier, SessionLimit
-from p2pnode.speculation._flight import DraftHistory, finished, trim
-from p2pnode.speculation.advert import rank_verifiers, verify_digest_model
-from p2pnode.speculation.client import (
-    DraftPrefix,
-    SpecResult,
+from p2pnode.inference._cpu import fastpath as _fastpath
+from p2pnode.inference.models import LoadedModel
+from p2pnode.inference.sampling import make_generator, probs_from_logits
+from p2pnode.speculation._accept import truncate_probs
+from p2pnode.speculation._blocks import Block, BlockResult, Lead, SamplingOptions
+from p2pnode.speculation._errors import BadVerdict
+from p2pnode.speculation._flight import (
+    Committed,
+    DraftHistory,
+    Flight,
+    Part,
     SpecStats,
-    remote_generate,
-    speculative_generate,
+    finished,
+    trim,
 )
-from p2pnode.speculation.draft import DraftModel, load_draft
-from p2pnode.speculation.protocol import (
-    OPEN_TIMEOUT_S,
-    P2PVerifierTransport,
-    drop_stream,
-    open_spare,
-)
+from p2pnode.speculation.draft import DraftModel
 
-log = logging.getLogger(__name__)
-# mode -> (blocks in flight, draft tokens per block, verifier lead). Async: with the verifier's
-# lead filling the round trip after each rejection, 2 blocks of 4 measured best at 0-100 ms RTT
-# (bench/speculation_processes.py; without lead, 3 blocks of 2 were best, as a block built on a
-# guess survives with probability alpha^(gamma+1)); on its tuning prompts (--prompt-set tune)
-# 3x4, 3x2, 2x3 and 4x2 came within run-to-run noise of it. Sync pays a round trip per block:
-# gamma 4.
-MODES = {"sync": (1, 4, 0), "async": (2, 4, 8), "remote": (0, 0, 0)}
-AUTO_MODES = ("async", "remote")
-AUTO_EXPLORE = 8  # every 8th "auto" request retries the slower mode (load and peers change)
-# A spare stream is used only while the verifier still waits for its open (OPEN_TIMEOUT_S).
-SPARE_MAX_AGE_S = OPEN_TIMEOUT_S * 2 / 3
-_CALLER_ERRORS = (BadRequest, BadBlock, SessionLimit)
+GREEDY = SamplingOptions()
+DEFAULT_PROBS_TOP_K = 64  # draft distributions are cut to 64 tokens: exact, and cheap on the wire
+MAX_OVERLAP = 8  # draft tokens a first block may add for the verifier's lead
+# With lead, at a break the edge either drafts or lets the verifier decode alone, for a stretch
+# of at least SEGMENT committed tokens, whichever was faster against this verifier so far
+# (``DraftHistory``), the other again every EXPLORE_EVERY-th stretch (as "auto" does for
+# modes). On a long round trip drafts land after the verifier's own tokens and only slow it
+# where the two share a host (its lead steps took 24-29 ms while the edge drafted, 17-20 alone).
+SEGMENT = 16
+EXPLORE_EVERY = 8
+
+
+class VerifierTransport(Protocol):
+    async def open(self, prompt: list[int], options: SamplingOptions, *, lead: int = 0) -> int:
+        """Open the session; returns the lead the verifier granted (<= ``lead``)."""
+
+    async def send_block(self, block: Block) -> None: ...
+
+    # Optional: ``max_block``, the verifier's block limit once open (caps lengthened blocks).
+
+    async def receive_result(self) -> BlockResult | Lead:
+        """The next result or lead token, in the verifier's commit order."""
+
+    async def close(self) -> None: ...
+
+
+# ---------------------------------------------------------------- the draft's own state
+
+
+class DraftRunner:
+    """The draft's token list (committed + speculative) and a KV cache covering a prefix of it."""
+
+    def __init__(
+        self, draft: DraftModel, options: SamplingOptions, *, top_k: int, seed: int | None
+    ):
+        self.model = draft.model
+        self.options = options
+        self.top_k = top_k
+        self.generator = make_generator(seed)
+        self.tokens: list[int] = []
+        self.cache = DynamicCache()
+        self.cache_len = 0
+
+    def start_from(self, prefix: DraftPrefix, prompt: list[int]) -> None:
+        """Start on ``prompt`` from the KV ``prefix`` holds of an earlier prompt (a copy)."""
+        self.tokens = list(prompt)
+        n = prefix.usable(prompt)
+        if n and prefix.cache is not None:
+            self.cache = copy.deepcopy(prefix.cache)
+            self.cache.crop(n)
+            self.cache_len = n
+
+    def reset_to(self, committed: list[int]) -> None:
+        """Drop speculative tokens that disagree with ``committed``; crop the cache to match."""
+        same = 0
+        for a, b in zip(self.tokens, committed, strict=False):
+            if a != b:
+                break
+            same += 1
+        if self.cache_len > same:
+            self.cache.crop(same - self.cache_len)
+            self.cache_len = same
+        self.tokens = list(committed)
+
+    def _feed(self, end: int) -> torch.Tensor:
+        """Cache ``tokens[cache_len:end]``; returns the last position's logits. In runs of at
+        most ``_fastpath.MAX_ROWS``: the draft's C path took 156 ms for a 36-token prompt in
+        runs of 16 where one call, on torch's bf16 int4 op, took 270 (100 tokens: 444 / 734)."""
+        logits = None
+        while self.cache_len < end:
+            stop = min(end, self.cache_len + _fastpath.MAX_ROWS)
+            x = torch.tensor([self.tokens[self.cache_len : stop]])
+            logits = self.model(
+                input_ids=x, past_key_values=self.cache, use_cache=True, logits_to_keep=1
+            ).logits[0, -1]
+            self.cache_len = stop
+        assert logits is not None, "nothing to feed"
+        return logits
+
+    @torch.inference_mode()
+    def prefill(self) -> None:
+        """Cache all tokens but the last (``extend`` feeds it): runs while the session opens."""
+        if len(self.tokens) - 1 > self.cache_len:
+            self._feed(len(self.tokens) - 1)
+
+    @torch.inference_mode()
+    def extend(self, n: int, *, argmax: bool = False) -> tuple[list[int], torch.Tensor | None]:
+        """Draft ``n`` tokens after ``self.tokens``; returns them and their q rows (sampling)."""
+        out: list[int] = []
+        rows: list[torch.Tensor] = []
+        for _ in range(n):
+            logits = self._feed(len(self.tokens))
+            if argmax or self.options.greedy:
+                token = int(logits.argmax())
+            else:
+                q = probs_from_logits(logits.float(), self.options.temperature, self.options.top_p)
+                q = truncate_probs(q, self.top_k)
+                token = int(torch.multinomial(q, 1, generator=self.generator))
+                rows.append(q)
+            self.tokens.append(token)
+            out.append(token)
+        return out, (torch.stack(rows) if rows else None)
+
+
+class DraftPrefix:
+    """The draft's KV of the last session's prompt, which the next session on the same prefix
+    (a deployment's system prompt) starts from. Why: the draft prefilled a 375-token chat
+    prompt in ~1.2 s, longer than the verifier's lead took for a 32-token answer, so without
+    it the edge drafted nothing on the chat workload (bench/verifier_capacity.py)."""
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.cache: DynamicCache | None = None
+
+    def usable(self, prompt: list[int]) -> int:
+        """Cached tokens ``prompt`` can start from (its last token is always run)."""
+        n = 0
+        for a, b in zip(self.tokens, prompt[:-1], strict=False):
+            if a != b:
+                break
+            n += 1
+        return n
+
+    def keep(self, runner: DraftRunner, prompt: list[int]) -> None:
+        """Keep the runner's cache of ``prompt`` (the runner is done with it)."""
+        n = min(runner.cache_len, len(prompt) - 1)
+        if n > 0 and runner.tokens[:n] == prompt[:n]:
+            runner.cache.crop(n)
+            self.tokens, self.cache = list(prompt[:n]), runner.cache
+
+
+# ---------------------------------------------------------------- the speculative loop
 
 
 @dataclass
-class EdgeResult:
-    text: str
+class SpecResult:
     tokens: list[int]
     stats: SpecStats = field(default_factory=SpecStats)
-    verifiers: list[str] = field(default_factory=list)  # in the order they were used
-    seconds: float = 0.0
-    warm: bool = False  # the first session started on a spare stream (no stream negotiation)
-    mode: str = ""  # the mode that ran ("auto" resolved)
-    prompt_ids: list[int] = field(default_factory=list)
-    greedy: bool = True
-    temperature: float = 0.0  # the sampling it was asked for (a sampled audit tests against it)
-    top_p: float = 1.0
-    starts: list[int] = field(default_factory=list)  # tokens index where each verifier began
-
-    def producer_of(self, index: int) -> str:
-        """The verifier that committed ``tokens[index]`` (failover splits a result)."""
-        owner = self.verifiers[0]
-        for start, peer in zip(self.starts, self.verifiers, strict=True):
-            if start <= index:
-                owner = peer
-        return owner
-
-    @property
-    def failovers(self) -> int:
-        return max(len(self.verifiers) - 1, 0)
-
-    @property
-    def tokens_per_s(self) -> float:
-        return len(self.tokens) / self.seconds if self.seconds > 0 else 0.0
-
-    @property
-    def acceptance(self) -> float:
-        return self.stats.acceptance
 
 
-class EdgeClient:
-    def __init__(
-        self,
-        node,
-        draft: DraftModel,
-        *,
-        verifiers: Sequence[str] | None = None,
-        gamma: int | None = None,
-        result_timeout_s: float = 30.0,
-        trust: TrustBook | None = None,
-        views: PeerViews | None = None,
-    ) -> None:
-        self.node = node
-        # Verifiers' digests (speculation/advert.py), when this edge follows them: the choice
-        # weighs what each verifier has cached and its queue against its RTT.
-        self.views = views
-        # Trust hook (overlay/trust/book.py): impossible verdicts count against a verifier; demoted
-        # verifiers are left out of find_verifiers until their trust recovers.
-        self.trust = trust if trust is not None else TrustBook()
-        self.draft = draft
-        self.model_id = draft.target_model_id
-        self.tokenizer = draft.tokenizer
-        self.gamma = gamma
-        self.result_timeout_s = result_timeout_s
-        self._fixed = list(verifiers) if verifiers is not None else None
-        self._spares: dict[str, tuple[object, float]] = {}  # peer -> (stream, opened at)
-        self.mode_rates: dict[str, float] = {}  # "auto": smoothed tokens/s per mode
-        self._auto_runs = 0
-        # Per verifier: whether drafting pays depends on its round trip and its speed.
-        self.histories: dict[str, DraftHistory] = {}
-        self.draft_prefix = DraftPrefix()  # the last prompt's draft KV (a shared system prompt)
-        eos = getattr(self.tokenizer, "eos_token_id", None)
-        self.eos_token_ids: tuple[int, ...] = (eos,) if isinstance(eos, int) else ()
+class _Signal:
+    """Wakes whoever waits for a change of the flight (a verdict, a lead token, a failure)."""
 
-    def rank(self, peers: list[str], prompt_ids: list[int]) -> list[str]:
-        """``peers`` best first for this prompt: by RTT + queue + uncached prefill when the
-        verifiers' digests are followed, else by RTT."""
-        if self.views is None:
-            return peers
-        return rank_verifiers(
-            peers, prompt_ids, self.model_id, self.views, rtt_from_peer_table(self.node.peers)
-        )
+    def __init__(self) -> None:
+        self._event = trio.Event()
 
-    async def find_verifiers(self) -> list[str]:
-        if self._fixed is not None:
-            return [
-                p
-                for p in self._fixed
-                if self.node.peers.state(p) != "down" and self.trust.usable(p)
-            ]
-        providers: list[str] = []
-        with trio.move_on_after(10):  # a slow DHT walk must not stall the request forever
-            providers = await self.node.find_providers(self.model_id)
-        found = []
-        for pid in dict.fromkeys(providers):
-            if pid == self.node.peer_id:
+    def fire(self) -> None:
+        self._event.set()
+        self._event = trio.Event()
+
+    async def wait(self) -> None:
+        await self._event.wait()
+
+
+@dataclass
+class _Edge:
+    """One speculative session at the edge: the drafting loop (``draft``) and the verdict
+    receiver (``receive``) share the flight and wake each other through ``changed``."""
+
+    transport: VerifierTransport
+    runner: DraftRunner
+    fl: Flight
+    prompt_len: int
+    max_new: int
+    eos: frozenset[int]
+    gamma: int
+    depth: int
+    lead: int
+    max_block: int = 0
+    history: DraftHistory = field(default_factory=DraftHistory)  # against this verifier
+    stretch: tuple[int, float] | None = None  # the drafting stretch's start: committed, time
+    want: int | None = None  # the verifier's block-size advice (``_blocksize.py``); None: none
+    changed: _Signal = field(default_factory=_Signal)
+    failure: list[Exception] = field(default_factory=list)  # the receiver's, raised by draft()
+
+    def done(self) -> bool:
+        return finished(self.fl.committed.tokens[self.prompt_len :], self.max_new, self.eos)
+
+    async def receive(self) -> None:
+        """Verdicts and lead tokens, in the verifier's commit order, into the flight."""
+        try:
+            while not self.done():
+                msg = await self.transport.receive_result()
+                if isinstance(msg, Lead):
+                    self.fl.take_lead(msg)
+                else:
+                    self.fl.take(msg)
+                    if msg.want is not None:
+                        self.want = msg.want
+                self.fl.resync(self.runner.tokens)
+                self.changed.fire()
+        except Exception as exc:  # handed to the drafting loop, which raises it
+            self.failure.append(exc)
+            self.changed.fire()
+
+    async def draft(self) -> None:
+        """The edge loop: draft one token at a time, send each block once full, keep ``depth``
+        live blocks in flight, and start over from the committed tokens when a verdict or a
+        lead kills the blocks in flight (``fl.dirty``)."""
+        fl, d, part, first = self.fl, self.runner, None, True
+        while not self.done() and not self.failure:
+            if fl.dirty:
+                d.reset_to(fl.committed.tokens)
+                fl.dirty, part, first = False, None, True
+            full = fl.live() >= self.depth or len(d.tokens) - self.prompt_len >= self.max_new
+            if full and part is None:  # a block being drafted is always finished
+                await self.changed.wait()
                 continue
-            entry = self.node.peers.get(pid)
-            record = entry.record if entry is not None else None
-            if record is None:
-                with trio.move_on_after(5):
-                    record = await self.node.get_node_record(pid)
-            if record is not None and "verifier" in record.roles and self.trust.usable(pid):
-                rtt = entry.rtt_ms if entry is not None and entry.rtt_ms is not None else math.inf
-                found.append((rtt, pid))
-        return [pid for _, pid in sorted(found)]
-
-    def encode(self, prompt: str | list[dict] | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            prompt = [{"role": "user", "content": prompt}]
-        if prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            return list(prompt)  # type: ignore[arg-type]
-        if not prompt or not all(
-            isinstance(m, dict) and {"role", "content"} <= m.keys() for m in prompt
-        ):
-            raise BadRequest("prompt must be text, a list of {role, content} messages or token ids")
-        enc = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
-        return list(enc["input_ids"])
-
-    async def generate(
-        self,
-        prompt: str | list[dict] | list[int],
-        max_tokens: int = 64,
-        temperature: float = 0.0,
-        *,
-        top_p: float = 1.0,
-        seed: int | None = None,
-        mode: str = "async",
-        _sink: trio.MemorySendChannel | None = None,
-    ) -> EdgeResult:
-        if mode not in MODES and mode != "auto":
-            raise BadRequest(f"mode must be one of {sorted([*MODES, 'auto'])}, got {mode!r}")
-        auto, mode = mode == "auto", self._pick_mode() if mode == "auto" else mode
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-            raise BadRequest(f"max_tokens must be an int >= 1, got {max_tokens!r}")
-        options = SamplingOptions(temperature, top_p, seed)
-        ids = self.encode(prompt)
-        committed: list[int] = []
-        result = EdgeResult(
-            "",
-            [],
-            prompt_ids=ids,
-            greedy=options.greedy,
-            temperature=float(temperature),
-            top_p=float(top_p),
-            mode=mode,
-        )
-        started = time.perf_counter()
-        tried: dict[str, str] = {}
-
-        def on_commit(new: list[int]) -> None:
-            committed.extend(new)
-            if _sink is not None:
-                _sink.send_nowait(list(new))
-
-        while not finished(committed, max_tokens, self.eos_token_ids):
-            found = await self.find_verifiers()
-            candidates = self.rank([p for p in found if p not in tried], ids + committed)
-            if not candidates:
-                why = "; ".join(f"{p[-8:]}: {e}" for p, e in tried.items()) or "none found"
-                raise NoVerifier(
-                    f"no verifier for {self.model_id} could serve this request ({why}); "
-                    "start one with `p2pnode join --role verifier` or check --bootstrap"
-                )
-            peer = candidates[0]
-            result.verifiers.append(peer)
-            result.starts.append(len(committed))
-            transport = P2PVerifierTransport(
-                self.node,
-                peer,
-                self.model_id,
-                result_timeout_s=self.result_timeout_s,
-                spare=await self._take_spare(peer),
-            )
-            failure: Exception | None = None
-            async with trio.open_nursery() as side:
-                side.start_soon(self._refill_spare, peer)  # for the next request to this peer
-                try:
-                    r = await self._session(
-                        transport,
-                        mode,
-                        ids + committed,
-                        max_tokens - len(committed),
-                        options,
-                        on_commit,
-                    )
-                except Exception as exc:  # handled below, outside the nursery
-                    failure = exc
-                    side.cancel_scope.cancel()
-            if len(result.verifiers) == 1:
-                result.warm = transport.used_spare
-            if isinstance(failure, _CALLER_ERRORS):
-                raise failure
-            if failure is not None:  # dead, hung or refusing verifier
-                log.info("verifier %s failed (%r); failing over", peer, failure)
-                if isinstance(failure, BadVerdict):
-                    self.trust.observe_fault(peer)
-                tried[peer] = repr(failure)[:200]
+            if part is None and first and self.lead and self.lead_now():
+                await self.lead_only()
                 continue
-            self._add(result.stats, r.stats)
-            break
-        result.tokens = trim(committed, max_tokens, self.eos_token_ids)
-        result.text = self.tokenizer.decode(result.tokens, skip_special_tokens=True)
-        result.seconds = time.perf_counter() - started
-        result.stats.seconds = result.seconds
-        if auto and result.tokens:
-            old = self.mode_rates.get(mode)
-            rate = result.tokens_per_s
-            self.mode_rates[mode] = rate if old is None else old + 0.5 * (rate - old)
-        return result
+            if part is None:
+                if fl.ends_at(len(d.tokens)):  # guess the bonus of the block in flight
+                    await self._draft_one(argmax=True)
+                    if fl.dirty:
+                        continue
+                extra = min(round(fl.overlap), MAX_OVERLAP) if first and self.lead else 0
+                gamma = self.gamma if self.want is None else max(1, min(self.gamma, self.want))
+                part = Part(len(d.tokens), max(gamma, min(gamma + extra, self.max_block)))
+            toks, q = await self._draft_one()
+            if fl.dirty:
+                continue
+            part.tokens.extend(toks)
+            if q is not None:
+                part.rows.append(q)
+            if len(part.tokens) >= part.size:
+                block = fl.launch(d.tokens, part, first)
+                part, first = None, False
+                await self.transport.send_block(block)
 
-    def _pick_mode(self) -> str:
-        self._auto_runs += 1
-        untried = [m for m in AUTO_MODES if m not in self.mode_rates]
-        if untried:
-            return untried[0]
-        ranked = sorted(AUTO_MODES, key=lambda m: -self.mode_rates[m])
-        return ranked[1] if self._auto_runs % AUTO_EXPLORE == 0 else ranked[0]
+    def lead_now(self) -> bool:
+        """At a break: whether to let the verifier decode alone next: when it asks for no
+        drafts (``want`` 0), else as ``lead_next`` measures."""
+        if self.want == 0:
+            self.end_stretch()
+            return True
+        return self.lead_next()
 
-    async def audit(self, result: EdgeResult, *, scorer: Scorer | None = None, **kw):
-        """Greedy: a second opinion (see ``speculation._audit``): re-verifies a window of its
-        tokens on other verifiers and blames whoever was wrong in ``self.trust`` -> ``Audit``.
-        Sampled: the likelihood test under the target, run by ``scorer`` (a ``Scorer`` of the
-        target model, e.g. ``inference.scoring.ModelScorer``) -> ``SampledAudit``."""
-        if result.greedy:
-            return await audit_result(self, result, **kw)
-        if scorer is None:
-            raise BadRequest(
-                "a sampled result is audited by its likelihood under the target: pass "
-                "scorer=ModelScorer(target_model) (the draft is another distribution)"
-            )
-        return await trio.to_thread.run_sync(
-            lambda: audit_sampled(self.trust, result, scorer, **kw)
-        )
+    def lead_next(self) -> bool:
+        """At a break: whether the next stretch lets the verifier decode alone. A drafting
+        stretch lasts until its first break after ``SEGMENT`` tokens; its rate is kept then."""
+        n, now = len(self.fl.committed.tokens), time.perf_counter()
+        if self.stretch is not None:
+            if n - self.stretch[0] < SEGMENT:
+                return False
+            self.end_stretch()
+        choice = self.history.choose(EXPLORE_EVERY)
+        self.stretch = (n, now) if choice == "draft" else None
+        return choice == "lead"
 
-    async def _session(self, transport, mode, ids, max_tokens, options, on_commit) -> SpecResult:
-        depth, gamma, lead = MODES[mode]
-        if depth == 0:
-            return await remote_generate(
-                transport,
-                ids,
-                max_tokens,
-                options=options,
-                eos_token_ids=self.eos_token_ids,
-                on_commit=on_commit,
-            )
-        return await speculative_generate(
-            self.draft,
-            transport,
-            ids,
-            max_tokens,
-            gamma=self.gamma or gamma,
-            depth=depth,
-            lead=lead,
-            options=options,
-            eos_token_ids=self.eos_token_ids,
-            on_commit=on_commit,
-            history=self.histories.setdefault(transport.peer_id, DraftHistory()),
-            prefix=self.draft_prefix,
-        )
-
-    async def _take_spare(self, peer: str):
-        stream, opened_at = self._spares.pop(peer, (None, 0.0))
-        if stream is not None and trio.current_time() - opened_at > SPARE_MAX_AGE_S:
-            await drop_stream(stream)  # the verifier has dropped it or soon will
-            return None
-        return stream
-
-    async def _refill_spare(self, peer: str) -> None:
-        """Open the stream the next session with ``peer`` will start on (saves 2 RTT)."""
-        if peer in self._spares:
+    def end_stretch(self) -> None:
+        """Keep the rate of the drafting stretch under way, if it is long enough to judge by."""
+        if self.stretch is None:
             return
-        with trio.move_on_after(5):
+        (start, t0), n = self.stretch, len(self.fl.committed.tokens)
+        if n - start >= SEGMENT:
+            self.history.observe("draft", n - start, time.perf_counter() - t0)
+        self.stretch = None
+
+    async def lead_only(self) -> None:
+        """``SEGMENT`` tokens of the verifier decoding alone, its rate kept. Empty blocks refill
+        its lead budget (answered at once, nothing to verify); two in flight, so that a refill
+        lands about every half round trip, well inside a budget sized to a whole one. The draft
+        catches up on the committed tokens afterwards (one forward)."""
+        fl, t0 = self.fl, time.perf_counter()
+        start = len(fl.committed.tokens)
+        fl.stats.lead_only += 1
+        while not self.done() and not self.failure and len(fl.committed.tokens) - start < SEGMENT:
+            while len(fl.sent) < 2:
+                c = fl.committed.tokens
+                await self.transport.send_block(fl.launch(c, Part(len(c), 0), first=False))
+            await self.changed.wait()
+        self.history.observe("lead", len(fl.committed.tokens) - start, time.perf_counter() - t0)
+
+    async def _draft_one(self, argmax: bool = False) -> tuple[list[int], torch.Tensor | None]:
+        return await trio.to_thread.run_sync(lambda: self.runner.extend(1, argmax=argmax))
+
+    async def run(self, prompt: list[int], options: SamplingOptions) -> None:
+        """Open the session while the draft prefills the prompt, and take the verifier's first
+        tokens as soon as they come: its prefill's token is a lead, and a draft prefill (~150 ms
+        here for a chat prompt) held it back, ~200 ms of first-token latency that remote
+        generation did not pay. Drafting starts once the prefill is done."""
+        prefilled = trio.Event()
+
+        async def prefill() -> None:
             try:
-                stream = await open_spare(self.node, peer)
-            except Exception as exc:  # a dead peer: the next request opens its own stream
-                log.debug("no spare stream to %s: %r", peer, exc)
-                return
-            if peer in self._spares:  # a concurrent request refilled it first
-                await drop_stream(stream)
-            else:
-                self._spares[peer] = (stream, trio.current_time())
+                await trio.to_thread.run_sync(self.runner.prefill)
+                prefilled.set()
+            except Exception as exc:  # raised by run(), as the receiver's are
+                self.failure.append(exc)
+            self.changed.fire()
 
-    async def aclose(self) -> None:
-        """Drop the spare streams (``open_edge`` calls this on exit)."""
-        spares, self._spares = self._spares, {}
-        for stream, _ in spares.values():
-            await drop_stream(stream)
-
-    async def stream(
-        self, prompt: str | list[dict] | list[int], max_tokens: int = 64, **kw
-    ) -> AsyncIterator[str]:
-        """Text pieces as they are committed (same arguments as ``generate``)."""
-        send, recv = trio.open_memory_channel[list[int]](math.inf)
-        got: list[int] = []
-        text = ""
         async with trio.open_nursery() as nursery:
-
-            async def run() -> None:
-                async with send:
-                    await self.generate(prompt, max_tokens, _sink=send, **kw)
-
-            nursery.start_soon(run)
-            async for new in recv:
-                got = trim(got + new, max_tokens, self.eos_token_ids)
-                full = self.tokenizer.decode(got, skip_special_tokens=True)
-                if len(full) > len(text) and not full.endswith("\ufffd"):
-                    yield full[len(text) :]
-                    text = full
-
-    @staticmethod
-    def _add(total: SpecStats, part: SpecStats) -> None:
-        for name in (
-            "blocks_sent",
-            "blocks_verified",
-            "blocks_stale",
-            "drafted",
-            "accepted",
-            "rejections",
-            "lead_tokens",
-            "lead_only",
-            "keepalives",
-        ):
-            setattr(total, name, getattr(total, name) + getattr(part, name))
-
-
-@asynccontextmanager
-async def open_edge(
-    bootstrap: Sequence[str] = (),
-    *,
-    node=None,
-    draft: DraftModel | None = None,
-    verifiers: Sequence[str] | None = None,
-    listen: Sequence[str] = ("/ip4/127.0.0.1/tcp/0",),
-    gamma: int | None = None,
-    result_timeout_s: float = 30.0,
-) -> AsyncIterator[EdgeClient]:
-    """An ``EdgeClient`` on a new overlay node with role "edge" (or on ``node``)."""
-    async with AsyncExitStack() as stack:
-        follow: AntiEntropy | None = None
-        views = PeerViews()
-        if draft is None:
-            draft = await trio.to_thread.run_sync(load_draft)
-        if node is None:
-            from p2pnode.identity import NodeKey
-            from p2pnode.overlay.net.node import OverlayConfig, open_overlay_node
-
-            if not bootstrap:
-                raise BadRequest(
-                    "open_edge needs bootstrap=[MULTIADDR] (or node=) to find verifiers"
+            nursery.start_soon(prefill)
+            try:
+                await self.transport.open(prompt, options, lead=self.lead)
+                self.max_block = (
+                    getattr(self.transport, "max_block", None) or self.gamma + MAX_OVERLAP
                 )
-            cfg = OverlayConfig(
-                key=NodeKey.generate(),
-                listen_addrs=list(listen),
-                bootstrap=list(bootstrap),
-                roles={"edge"},
-            )
-            node = await stack.enter_async_context(open_overlay_node(cfg))
-            # Follow the verifiers' digests: their caches and queues decide which one to use.
-            # (Only on a node of our own: a given node may run its own digest handler.)
-            follow = AntiEntropy(
-                node, None, views, models=[verify_digest_model(draft.target_model_id)]
-            )
-            await stack.enter_async_context(_running(follow))
-        client = EdgeClient(
-            node,
-            draft,
-            verifiers=verifiers,
-            gamma=gamma,
-            result_timeout_s=result_timeout_s,
-            views=views if follow is not None else None,
-        )
-        try:
-            yield client
-        finally:
-            with trio.CancelScope(shield=True):
-                await client.aclose()
-
-
-@asynccontextmanager
-async def _running(service: AntiEntropy) -> AsyncIterator[None]:
-    async with trio.open_nursery() as nursery:
-        await nursery.start(service.run)
-        try:
-            yield
-        finally:
+                nursery.start_soon(self.receive)
+                while not (prefilled.is_set() or self.done() or self.failure):
+                    await self.changed.wait()
+                await self.draft()
+            except Exception as exc:  # raised below, outside the nursery: no ExceptionGroup
+                self.failure.append(exc)
             nursery.cancel_scope.cancel()
+        if self.failure:
+            raise self.failure[0]
 
 
-def run_edge_cli(
-    bootstrap: list[str],
-    prompt: str,
-    max_tokens: int,
-    mode: str,
-    temperature: float,
-    timeout: float,
-    audit: bool = False,
-) -> str:
-    """``p2pnode edge``: one generation; returns the text and a stats line (blocking). With
-    ``audit`` (greedy only) a second verifier re-checks up to 16 of its tokens.
-
-    The draft runs on ONE torch thread (env ``P2PNODE_TORCH_THREADS`` overrides): torch's
-    default of one thread per core made each draft step spin in OpenMP barriers whenever other
-    processes held the cores: measured 650-2000 ms/token with 2 threads vs 70-90 ms with 1 at
-    load ~6 (20 ms unloaded), which was the CLI's 0.3-0.4 tok/s."""
-    import torch
-
-    torch.set_num_threads(max(1, int(os.environ.get("P2PNODE_TORCH_THREADS", "1"))))
-
-    async def main() -> str:
-        with trio.fail_after(timeout):
-            async with open_edge(bootstrap) as edge:
-                with trio.move_on_after(min(10.0, timeout / 2)):  # records/providers propagate
-                    for _ in range(20):
-                        if await edge.find_verifiers():
-                            break
-                        await trio.sleep(0.5)
-                r = await edge.generate(prompt, max_tokens, temperature, mode=mode)
-                checked = ""
-                if audit:
-                    try:
-                        a = await edge.audit(r)
-                        blamed = ", ".join(p[-8:] for p in a.blamed) or "nobody"
-                        checked = (
-                            f"\n[audit: {a.verdict} on tokens {a.start}..{a.start + a.checked - 1};"
-                            f" blamed {blamed}]"
-                        )
-                    except (BadRequest, NoVerifier) as exc:
-                        checked = f"\n[audit not done: {exc}]"
-        return (
-            f"{r.text}\n\n[{len(r.tokens)} tokens in {r.seconds:.2f} s = {r.tokens_per_s:.2f} "
-            f"tok/s; acceptance {r.acceptance:.2f} over {r.stats.drafted} drafted "
-            f"(per-token alpha {r.stats.alpha:.2f}); {r.stats.lead_tokens} tokens by verifier "
-            f"lead; mode {mode}; "
-            f"verifiers {', '.join(p[-8:] for p in r.verifiers)}]{checked}"
+async def speculative_generate(
+    draft: DraftModel,
+    transport: VerifierTransport,
+    prompt: list[int],
+    max_new_tokens: int,
+    *,
+    gamma: int = 4,
+    depth: int = 1,
+    lead: int = 0,
+    options: SamplingOptions | None = None,
+    eos_token_ids: tuple[int, ...] | list[int] = (),
+    probs_top_k: int = DEFAULT_PROBS_TOP_K,
+    on_commit: Callable[[list[int]], None] | None = None,
+    history: DraftHistory | None = None,
+    prefix: DraftPrefix | None = None,
+) -> SpecResult:
+    """See the module contract. ``on_commit(new_ids)`` is called as tokens become final (for
+    streaming, and so a caller can resume on another verifier from prompt + committed ids).
+    ``history``: what the caller's earlier sessions against this verifier measured
+    (``DraftHistory``: drafting or letting the verifier decode alone, which was faster); this
+    session's stretches are added to it. ``prefix``: the draft's KV of an earlier prompt
+    (``DraftPrefix``): the draft prefills only what differs, and keeps this prompt's there."""
+    options = options or GREEDY
+    if not prompt or max_new_tokens < 1 or gamma < 1 or depth < 1 or lead < 0:
+        raise ValueError(
+            "need a non-empty prompt, max_new_tokens >= 1, gamma >= 1, depth >= 1, lead >= 0"
         )
-
+    eos, started = frozenset(eos_token_ids), time.perf_counter()
+    vocab = getattr(getattr(draft.model, "config", None), "vocab_size", None)
+    d = DraftRunner(draft, options, top_k=probs_top_k, seed=options.seed)
+    d.tokens = list(prompt)
+    if prefix is not None:
+        d.start_from(prefix, prompt)
+    c = Committed(prompt, vocab, on_commit, max_new_tokens, eos)
+    fl = Flight(c, SpecStats(), vocab, lead > 0)
+    edge = _Edge(transport, d, fl, len(prompt), max_new_tokens, eos, gamma, depth, lead)
+    edge.history = history if history is not None else DraftHistory()
     try:
-        return trio.run(main)
-    except trio.TooSlowError:
-        raise NoVerifier(f"no answer within {timeout:.0f} s: is a verifier reachable?") from None
+        await edge.run(prompt, options)
+    finally:
+        edge.end_stretch()
+        with trio.CancelScope(shield=True):
+            await transport.close()
+    if prefix is not None:
+        prefix.keep(d, prompt)
+    fl.stats.seconds = time.perf_counter() - started
+    return SpecResult(trim(fl.committed.tokens[len(prompt) :], max_new_tokens, eos), fl.stats)
+
+
+async def remote_generate(
+    transport: VerifierTransport,
+    prompt: list[int],
+    max_new_tokens: int,
+    *,
+    options: SamplingOptions | None = None,
+    eos_token_ids: tuple[int, ...] | list[int] = (),
+    on_commit: Callable[[list[int]], None] | None = None,
+) -> SpecResult:
+    """Target-only remote generation over the same protocol (no draft): the verifier streams
+    lead tokens; when its lead budget runs out an empty block asks for the next token and
+    refills it. The baseline speculation is measured against, and the output it must equal."""
+    options = options or GREEDY
+    eos, stats, started = frozenset(eos_token_ids), SpecStats(), time.perf_counter()
+    c = Committed(prompt, None, on_commit, max_new_tokens, eos)
+    try:
+        granted = await transport.open(prompt, options, lead=max_new_tokens)
+        budget, number = granted, 0
+        while not finished(c.tokens[len(prompt) :], max_new_tokens, eos):
+            if budget == 0:
+                block = Block(number, len(c.tokens), c.tokens[-1], ())
+                number += 1
+                await transport.send_block(block)
+            msg = await transport.receive_result()
+            if isinstance(msg, Lead):
+                if msg.position != len(c.tokens):
+                    raise BadVerdict(f"lead token at {msg.position}, {len(c.tokens)} committed")
+                c.place(msg.position, [msg.token])
+                budget -= 1
+                stats.lead_tokens += 1
+            elif msg.stale or msg.accepted != 0:
+                raise BadVerdict(f"an empty block answered with {msg}")
+            else:
+                c.place(len(c.tokens), [msg.next_token])
+                if msg.committed_len != len(c.tokens):
+                    raise BadVerdict(f"verifier says {msg.committed_len} committed")
+                budget = granted
+    finally:
+        with trio.CancelScope(shield=True):
+            await transport.close()
+    stats.seconds = time.perf_counter() - started
+    return SpecResult(trim(c.tokens[len(prompt) :], max_new_tokens, eos), stats)
+
+
+# ---------------------------------------------------------------- baselines and transports
+
+
+@torch.inference_mode()
+def target_generate(
+    target: LoadedModel,
+    prompt: list[int],
+    max_new_tokens: int,
+    *,
+    options: SamplingOptions | None = None,
+    eos_token_ids: tuple[int, ...] | list[int] = (),
+) -> list[int]:
+    """The target alone: a plain KV-cached decoding loop (the reference speculation must match)."""
+    options = options or GREEDY
+    eos, gen, cache = frozenset(eos_token_ids), make_generator(options.seed), DynamicCache()
+    device = next(target.model.parameters()).device
+    x, out = torch.tensor([prompt], device=device), []
+    while not finished(out, max_new_tokens, eos):
+        logits = target.model(
+            input_ids=x, past_key_values=cache, use_cache=True, logits_to_keep=1
+        ).logits[0, -1]
+        if options.greedy:
+            token = int(logits.argmax())
+        else:
+            p = probs_from_logits(logits.float().cpu(), options.temperature, options.top_p)
+            token = int(torch.multinomial(p, 1, generator=gen))
+        out.append(token)
+        x = torch.tensor([[token]], device=device)
+    return out

@@ -1,7 +1,7 @@
 """Test doubles for speculation (like ``trio.testing``): production modules never import this.
 
 Contract: ``inprocess_transport(verifier, one_way_delay_s=...)`` yields an ``InProcessTransport``,
-a ``VerifierTransport`` (``client.py``) to a ``BatchedVerifier`` in this process behind a FIFO
+a ``VerifierTransport`` (``edge.py``) to a ``BatchedVerifier`` in this process behind a FIFO
 link with a userspace one-way delay (``trio.sleep``) on each direction, like a stream. Results
 and leads come back in the verifier's commit order; a ``VerifierError`` comes back raised.
 The caller runs ``verifier.run`` in a nursery, as with ``protocol.serve_verifier``.

@@ -1,9 +1,11 @@
 """p2pnode.testnet: trials of the overlay, on one machine or across hosts, and the simulator.
 
-Product code never imports this package (checked by import-linter in ``make test``); the CLI's
-``testnet`` and ``simulate`` commands load it on demand.
+Product code never imports this package (checked by import-linter in ``make test``); the CLI
+registers the ``testnet`` and ``simulate`` commands of ``commands.py`` (click alone) and loads the
+rest when one runs.
 
 Map of the package:
+- ``commands.py``: ``p2pnode testnet`` and ``p2pnode simulate``, their options and help.
 - ``spec.py`` (``load_spec``: one TOML file: nodes, regions, links, the network's kind, workload,
   arms; shipped specs under ``specs/``).
 - ``run/``: ``trial.py`` (``run_trial``: each arm on fresh processes) -> ``launch.py`` (node

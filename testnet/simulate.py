@@ -1,12 +1,10 @@
 """``python -m p2pnode.testnet.simulate``: runs ``p2pnode simulate`` without the ``p2pnode``
-script. The simulator and its names live in ``testnet/sim/``; import them from there.
+script. The command is ``testnet/commands.py``'s; the simulator lives in ``testnet/sim/``.
 """
 
 from __future__ import annotations
 
-import sys
-
-from p2pnode.testnet.sim import main
+from p2pnode.testnet.commands import simulate
 
 if __name__ == "__main__":
-    sys.exit(main())
+    simulate(prog_name="python -m p2pnode.testnet.simulate")

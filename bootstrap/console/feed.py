@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     from p2pnode.overlay.serve.service import Attempt, RoutedResult
     from p2pnode.overlay.trust.audit import Auditor
     from p2pnode.overlay.trust.book import TrustBook
-    from p2pnode.speculation.edge import EdgeResult
+    from p2pnode.speculation.client import EdgeResult
 
 SUBSCRIBER_BUFFER = 64  # decisions a slow event-stream reader may lag; older ones are dropped
 

@@ -1,19 +1,21 @@
 """Routing one request: the router's choice, the forward to it, fallback, audit and trust.
 
 The one composition root of a served model (``RoutedService``). The forward protocol, its
-server and its client call live in ``overlay/serve/forward.py``. One file (~650 lines) on purpose:
-the fallback loop, the local run and the audit and trust bookkeeping share one request's state
-(tokens delivered, attempts, the chosen peer); what it composes lives in its own modules
-(``router.py``, ``forward.py``, ``audit.py``, ``trust.py``).
+server and its client call live in ``overlay/serve/forward.py``. One file (~750 lines) on
+purpose: the fallback loop, the local run and the audit and trust bookkeeping share one
+request's state (``_Request``: tokens delivered, attempts, the decision); what it composes lives
+in its own modules (``router.py``, ``forward.py``, ``audit.py``, ``trust.py``, ``failover.py``).
 
-Fallback (``RoutedService.generate``): the router's ``attempts`` are tried in order (the chosen
-peer, maybe one more peer, then local). A peer that refuses, cannot be reached, or is silent past
-its timeout (derived from its own estimate, see ``ForwardConfig``) is abandoned for the next
-target. Tokens already delivered are kept and never repeated: the next target continues the
-generation from ``prompt + delivered`` for the remaining ``max_tokens``. With greedy decoding
-(temperature 0) the answer equals an uninterrupted run; with sampling the continuation is a
-valid sample of the same distribution but uses a fresh RNG stream (a seeded request is then
-not bit-reproducible across a failure; documented trade-off, never duplicated or lost tokens).
+Fallback (``RoutedService.generate``: attempt, then hold and audit, then the result): the router's
+``attempts`` are tried in order (the chosen peer, maybe one more peer, then local). A peer that
+refuses, cannot be reached, or is silent past its timeout (derived from its own estimate, see
+``ForwardConfig``) is abandoned for the next target. Tokens already delivered are kept and never
+repeated: the next target continues the generation from ``prompt + delivered`` for the remaining
+``max_tokens`` (``failover.py``'s ``Continuation``, which the speculation edge client shares). With
+greedy decoding (temperature 0) the answer equals an uninterrupted run; with sampling the
+continuation is a valid sample of the same distribution but uses a fresh RNG stream (a seeded
+request is then not bit-reproducible across a failure; documented trade-off, never duplicated or
+lost tokens).
 Every gap in the token stream (``start`` not equal to the tokens received) fails the attempt.
 """
 
@@ -54,6 +56,7 @@ from p2pnode.overlay.routing.router import (
 )
 from p2pnode.overlay.routing.sessions import SessionTurns
 from p2pnode.overlay.serve.audits import AUDIT_PROTOCOL, AuditServer, ThirdPeerAudits
+from p2pnode.overlay.serve.failover import Continuation
 from p2pnode.overlay.serve.forward import (
     FORWARD_PROTOCOL,
     ForwardConfig,
@@ -369,140 +372,142 @@ class RoutedService:
         decision = self._decide(prompt, params, record=True, private=private, future_turns=future)
         if self.probation is not None:
             self.probation.note_wanted(decision)
-        delivered: list[int] = []
-        attempts: list[Attempt] = []
-
-        def emit(t: int) -> None:
-            delivered.append(t)
-            if on_token is not None:
-                on_token(t)
-
+        run = _Request(prompt, params, decision, started, on_token, on_logprob)
         for target in decision.attempts:
-            t0 = time.perf_counter()
-            remaining = params.max_tokens - len(delivered)
-            cont_params = _with_max_tokens(params, remaining)
             if target == LOCAL:
-                known = not private and not delivered  # the whole answer computed here
-                result = await self._run_local(
-                    prompt + delivered, cont_params, emit, on_logprob, private
-                )
-                attempts.append(Attempt(LOCAL, "ok", len(result.tokens), time.perf_counter() - t0))
-                if known and self.probation is not None:
-                    self.probation.know(prompt, params, result.tokens)
-                return self._result(
-                    delivered,
-                    result.finish_reason,
-                    prompt,
-                    self.node.peer_id,
-                    True,
-                    result.cached_tokens,
-                    decision,
-                    attempts,
-                    started,
-                )
-            est = decision.estimate_for(target)
-            assert est is not None
-            request = ForwardRequest.of(
-                self.model_id,
-                prompt + delivered,
-                cont_params,
-                deadline_s=self.forward_config.default_deadline_s,
-                request_id=decision.request_id,
-            )
-            cfg = self.forward_config
-            service_s = est.wait_s + est.prefill_s + est.decode_s
-            self.router.note_sent(target, service_s)
-            plan = self.auditor.plan(target, params) if self.auditor is not None else None
-            # A held answer reaches the client once its audit passed, or never.
-            held = (
-                HeldAnswer(emit, self.auditor.config.max_hold_s, emit_logprob=on_logprob)
-                if plan and plan.hold
-                else None
-            )
-            try:
-                outcome = await forward_request(
-                    self.node,
-                    target,
-                    request,
-                    accept_timeout_s=2 * est.rtt_s + cfg.accept_slack_s,
-                    first_token_timeout_s=cfg.first_token_factor
-                    * (est.rtt_s + est.wait_s + est.prefill_s)
-                    + cfg.first_token_slack_s,
-                    idle_timeout_s=max(
-                        cfg.idle_min_s,
-                        cfg.idle_factor * est.decode_s / max(1.0, decision.expected_tokens or 1),
-                    ),
-                    on_token=held if held is not None else emit,
-                    on_logprob=held.logprob if held is not None else on_logprob,
-                )
-            except ForwardFailed as exc:
-                attempts.append(
-                    Attempt(target, exc.reason, len(exc.tokens), time.perf_counter() - t0)
-                )
-                self._count(exc.reason)
-                log.info("forward to %s failed after %d tokens: %s", target, len(exc.tokens), exc)
-                if exc.reason in {"timeout", "unreachable", "eof"}:
-                    self.node.peers.record_failure(target, f"forward: {exc}")
-                if _finished(delivered, params, self.engine):
-                    return self._result(
-                        delivered,
-                        "stop" if len(delivered) < params.max_tokens else "length",
-                        prompt,
-                        target,
-                        False,
-                        0,
-                        decision,
-                        attempts,
-                        started,
-                    )
-                continue
-            finally:
-                self.router.note_done(target, service_s)
-            checked = (
-                "ok" if plan is None else await self._audited(plan, target, request, outcome, held)
-            )
-            if checked != "ok":  # dropped unseen: re-served by the next attempt
-                attempts.append(
-                    Attempt(target, checked, len(outcome.tokens), time.perf_counter() - t0)
-                )
-                self._count(checked)
-                continue
-            attempts.append(Attempt(target, "ok", len(outcome.tokens), time.perf_counter() - t0))
-            self._count("ok")
-            self.router.observe_served(target, est.cached_tokens, outcome.done.cached_tokens)
-            self.router.note_forwarded(
-                target, block_hashes(request.prompt + outcome.tokens[:-1], self.salt)
-            )
-            if outcome.first_token_s is not None:
-                self.router.observe_forward(
-                    target, len(request.prompt), outcome.first_token_s, outcome.done.ttft_s
-                )
-                expected = est.network_s + est.wait_s + est.overhead_s + est.prefill_s
-                if self.router.observe_first_token(target, expected, outcome.first_token_s):
-                    self.trust.note_digest_ignored(target)
-                    log.warning(
-                        "ignoring the cache claims of %s: its first tokens contradict them", target
-                    )
-            if self.engine is None:
-                self.lengths.observe(
-                    len(delivered), hit_limit=outcome.done.finish_reason == "length"
-                )
-            self._observe_trust(target, est, decision, outcome)
-            return self._result(
-                delivered,
-                outcome.done.finish_reason,
-                prompt,
-                target,
-                False,
-                outcome.done.cached_tokens,
-                decision,
-                attempts,
-                started,
-            )
+                return await self._serve_here(run, private)
+            result = await self._serve_by(run, target)
+            if result is not None:
+                return result
         raise NoRouteError(
             f"no node could serve the request for {self.model_id}: attempts "
-            f"{[(a.target, a.outcome) for a in attempts]}; this node runs no engine for it"
+            f"{[(a.target, a.outcome) for a in run.attempts]}; this node runs no engine for it"
         )
+
+    async def _serve_here(self, run: _Request, private: bool) -> RoutedResult:
+        """The last attempt: this node's engine continues the answer."""
+        t0 = time.perf_counter()
+        known = not private and not run.answer.delivered  # the whole answer computed here
+        result = await self._run_local(
+            run.answer.context, run.rest_params(), run.emit, run.on_logprob, private
+        )
+        run.attempt(LOCAL, "ok", len(result.tokens), t0)
+        if known and self.probation is not None:
+            self.probation.know(run.prompt, run.params, result.tokens)
+        return run.result(result.finish_reason, self.node.peer_id, True, result.cached_tokens)
+
+    async def _serve_by(self, run: _Request, target: str) -> RoutedResult | None:
+        """One forward to a peer: attempt, then (hold, audit), then the result; None fails over
+        to the next attempt."""
+        t0 = time.perf_counter()
+        est = run.decision.estimate_for(target)
+        assert est is not None
+        request = ForwardRequest.of(
+            self.model_id,
+            run.answer.context,
+            run.rest_params(),
+            deadline_s=self.forward_config.default_deadline_s,
+            request_id=run.decision.request_id,
+        )
+        plan = self.auditor.plan(target, run.params) if self.auditor is not None else None
+        # A held answer reaches the client once its audit passed, or never.
+        held = (
+            HeldAnswer(run.emit, self.auditor.config.max_hold_s, emit_logprob=run.on_logprob)
+            if plan and plan.hold
+            else None
+        )
+        try:
+            outcome = await self._forward(run, target, est, request, held)
+        except ForwardFailed as exc:
+            return self._forward_failed(run, target, exc, t0)
+        checked = (
+            "ok" if plan is None else await self._audited(plan, target, request, outcome, held)
+        )
+        run.attempt(target, checked, len(outcome.tokens), t0)
+        self._count(checked)
+        if checked != "ok":  # dropped unseen: re-served by the next attempt
+            return None
+        self._learn(run, target, est, request, outcome)
+        done = outcome.done
+        return run.result(done.finish_reason, target, False, done.cached_tokens)
+
+    async def _forward(
+        self,
+        run: _Request,
+        target: str,
+        est: CandidateEstimate,
+        request: ForwardRequest,
+        held: HeldAnswer | None,
+    ) -> ForwardOutcome:
+        """The forward itself, with timeouts from the peer's own estimate (``ForwardConfig``);
+        the router counts it in flight meanwhile."""
+        cfg = self.forward_config
+        service_s = est.wait_s + est.prefill_s + est.decode_s
+        expected_tokens = max(1.0, run.decision.expected_tokens or 1)
+        self.router.note_sent(target, service_s)
+        try:
+            return await forward_request(
+                self.node,
+                target,
+                request,
+                accept_timeout_s=2 * est.rtt_s + cfg.accept_slack_s,
+                first_token_timeout_s=cfg.first_token_factor
+                * (est.rtt_s + est.wait_s + est.prefill_s)
+                + cfg.first_token_slack_s,
+                idle_timeout_s=max(
+                    cfg.idle_min_s, cfg.idle_factor * est.decode_s / expected_tokens
+                ),
+                on_token=held if held is not None else run.emit,
+                on_logprob=held.logprob if held is not None else run.on_logprob,
+            )
+        finally:
+            self.router.note_done(target, service_s)
+
+    def _forward_failed(
+        self, run: _Request, target: str, exc: ForwardFailed, t0: float
+    ) -> RoutedResult | None:
+        """A failed forward: the answer when the tokens it delivered already complete it, else
+        None (the next attempt continues from them)."""
+        run.attempt(target, exc.reason, len(exc.tokens), t0)
+        self._count(exc.reason)
+        log.info("forward to %s failed after %d tokens: %s", target, len(exc.tokens), exc)
+        if exc.reason in {"timeout", "unreachable", "eof"}:
+            self.node.peers.record_failure(target, f"forward: {exc}")
+        delivered = run.answer.delivered
+        if not _finished(delivered, run.params, self.engine):
+            return None
+        reason = "stop" if len(delivered) < run.params.max_tokens else "length"
+        return run.result(reason, target, False, 0)
+
+    def _learn(
+        self,
+        run: _Request,
+        target: str,
+        est: CandidateEstimate,
+        request: ForwardRequest,
+        outcome: ForwardOutcome,
+    ) -> None:
+        """What a served forward teaches: the router's view of the peer's cache and speed, the
+        completion lengths (on a routing-only node) and the peer's trust."""
+        self.router.observe_served(target, est.cached_tokens, outcome.done.cached_tokens)
+        self.router.note_forwarded(
+            target, block_hashes(request.prompt + outcome.tokens[:-1], self.salt)
+        )
+        if outcome.first_token_s is not None:
+            self.router.observe_forward(
+                target, len(request.prompt), outcome.first_token_s, outcome.done.ttft_s
+            )
+            expected = est.network_s + est.wait_s + est.overhead_s + est.prefill_s
+            if self.router.observe_first_token(target, expected, outcome.first_token_s):
+                self.trust.note_digest_ignored(target)
+                log.warning(
+                    "ignoring the cache claims of %s: its first tokens contradict them", target
+                )
+        if self.engine is None:
+            self.lengths.observe(
+                len(run.answer.delivered), hit_limit=outcome.done.finish_reason == "length"
+            )
+        self._observe_trust(target, est, run.decision, outcome)
 
     def decide(
         self,
@@ -678,28 +683,55 @@ class RoutedService:
         if self.metrics is not None:
             self.metrics.attempts.labels(outcome).inc()
 
-    def _result(
+
+class _Request:
+    """One request's state across its attempts, and its result.
+
+    The tokens delivered so far (``answer``, a ``Continuation``: each attempt continues from
+    them for what is left of ``max_tokens``) and the attempts made; ``result`` builds the
+    ``RoutedResult`` whichever attempt ends the request."""
+
+    def __init__(
         self,
-        tokens: list[int],
-        finish_reason: str,
         prompt: list[int],
-        served_by: str,
-        local: bool,
-        cached: int,
+        params: SamplingParams,
         decision: RoutingDecision,
-        attempts: list[Attempt],
         started: float,
-    ) -> RoutedResult:
+        on_token: Callable[[int], None] | None,
+        on_logprob: Callable[[TokenLogprob], None] | None,
+    ) -> None:
+        self.prompt = prompt
+        self.params = params
+        self.decision = decision
+        self.started = started
+        self.on_token = on_token
+        self.on_logprob = on_logprob
+        self.answer = Continuation(prompt, params.max_tokens)
+        self.attempts: list[Attempt] = []
+
+    def emit(self, token: int) -> None:
+        self.answer.add((token,))
+        if self.on_token is not None:
+            self.on_token(token)
+
+    def rest_params(self) -> SamplingParams:
+        """The request's sampling for what is left of its budget."""
+        return _with_max_tokens(self.params, self.answer.remaining)
+
+    def attempt(self, target: str, outcome: str, tokens: int, t0: float) -> None:
+        self.attempts.append(Attempt(target, outcome, tokens, time.perf_counter() - t0))
+
+    def result(self, finish_reason: str, served_by: str, local: bool, cached: int) -> RoutedResult:
         return RoutedResult(
-            tokens=list(tokens),
+            tokens=list(self.answer.delivered),
             finish_reason=finish_reason,
-            prompt_tokens=len(prompt),
+            prompt_tokens=len(self.prompt),
             served_by=served_by,
             served_locally=local,
             cached_tokens=cached,
-            decision=decision,
-            attempts=attempts,
-            total_s=time.perf_counter() - started,
+            decision=self.decision,
+            attempts=self.attempts,
+            total_s=time.perf_counter() - self.started,
         )
 
 

@@ -19,7 +19,7 @@ Contract:
   against the cached length the peer reported serving. ``observe_timing(peer, expected_s,
   observed_s)``: what the peer's advertised wait and speeds predicted against what the origin
   measured. ``observe_fault(peer, weight)`` / ``observe_ok(peer)``: a wrong or a confirmed
-  answer from a verifier (see ``verdict_problem`` and ``speculation/edge.py``).
+  answer from a verifier (see ``verdict_problem`` and ``speculation/client.py``).
   ``observe_audit(peer, passed)``: an answer re-scored against the target model
   (``overlay/trust/audit.py``): a failure is proof, so it demotes at once; a pass counts in
   ``audited_ok(peer)``, the passed audits since the peer was first seen or last demoted (the

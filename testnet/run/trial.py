@@ -1,4 +1,5 @@
-"""Run a trial: ``python -m p2pnode.testnet.run.trial SPEC [--arms routing,baseline] [--out DIR]``.
+"""Run a trial: ``p2pnode testnet SPEC [--arms routing,baseline] [--out DIR]`` (flags parsed in
+``testnet/commands.py``; also ``python -m p2pnode.testnet.run.trial``).
 
 Contract:
 - SPEC is a spec file or the name of a shipped one (``paper-lan``, ``paper-lan-zipf``,
@@ -32,15 +33,12 @@ Contract:
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import shlex
 import signal
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -53,7 +51,7 @@ from p2pnode.testnet.report.tables import check_consistency, write_report
 from p2pnode.testnet.run import formation
 from p2pnode.testnet.run.capacity import check_cpu, check_memory
 from p2pnode.testnet.run.launch import NODE_CMD, LaunchError, RunningTrial, launch_trial
-from p2pnode.testnet.spec import ARMS, SpecError, TrialSpec, builtin_spec_path, load_spec
+from p2pnode.testnet.spec import TrialSpec
 from p2pnode.testnet.workload import chat, churn, driver
 
 CHURN_RETRIES = 3  # churn: attempts after the first for a request whose node left
@@ -466,55 +464,19 @@ def _interrupt(signum: int, _frame: object) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m p2pnode.testnet.run.trial")
-    parser.add_argument(
-        "spec", help="spec file or shipped spec name (paper-lan, paper-wan-200-zipf, ...)"
-    )
-    parser.add_argument("--arms", default=None, help="comma list of routing,baseline")
-    parser.add_argument("--out", default=None, help="results folder")
-    parser.add_argument("--stream", action="store_true", help="stream answers (measures TTFT)")
-    parser.add_argument(
-        "--hosts",
-        choices=("local", "netns"),
-        default="local",
-        help="local: every node on this host's loopback; netns: every node in a network "
-        "namespace of its own with its own address (needs root)",
-    )
-    parser.add_argument(
-        "--inventory",
-        metavar="HOSTS.toml",
-        default=None,
-        help="run on the machines of this inventory over SSH (testnet/remote/, docs/testnet.md) "
-        "instead of this host",
-    )
-    parser.add_argument(
-        "--allow-missing",
-        type=int,
-        default=0,
-        metavar="N",
-        help="--inventory: go on without up to N hosts that fail the preflight",
-    )
-    parser.add_argument(
-        "--no-churn",
-        action="store_true",
-        help="drop the spec's [[churn]] events (the same trial without churn, for comparison)",
-    )
-    args = parser.parse_args(argv)
+def run_here(
+    spec: TrialSpec,
+    arms: Sequence[str],
+    *,
+    out: Path | None,
+    stream: bool,
+    hosts: str,
+    command: str,
+) -> int:
+    """``p2pnode testnet`` on this host (its flags: ``testnet/commands.py``) -> exit status."""
     # SIGTERM (`timeout`, a job scheduler, kill) takes the Ctrl-C path, which stops every node
     # the trial started; left to its default it ended the runner alone and orphaned them all.
     signal.signal(signal.SIGTERM, _interrupt)
-    try:
-        spec = load_spec(builtin_spec_path(args.spec))
-    except SpecError as exc:
-        parser.error(str(exc))
-    if args.no_churn:  # churn: the baseline for churn's latency impact
-        spec = replace(spec, churn=())
-    arms = spec.arms if args.arms is None else tuple(a for a in args.arms.split(",") if a)
-    if not arms or any(a not in ARMS for a in arms):
-        parser.error(f"--arms: use a comma list of {', '.join(ARMS)}")
-    if args.inventory is not None:
-        return _main_inventory(spec, arms, args, argv)
     fit = check_memory(spec)
     if not fit.ok:
         print(f"not started: {fit.message}", file=sys.stderr)
@@ -523,10 +485,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     cpu = check_cpu(spec)
     print(f"cpu: {'' if cpu.ok else 'WARNING: '}{cpu.message}", file=sys.stderr)
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
-    out = Path(args.out) if args.out else Path("testnet/results") / f"{spec.name}-{stamp}"
-    command = "python -m p2pnode.testnet.run.trial " + shlex.join(argv or sys.argv[1:])
+    out = out or Path("testnet/results") / f"{spec.name}-{stamp}"
     try:
-        results = run_trial(spec, arms, out, stream=args.stream, command=command, hosts=args.hosts)
+        results = run_trial(spec, arms, out, stream=stream, command=command, hosts=hosts)
     except KeyboardInterrupt:
         print("interrupted; every node was stopped", file=sys.stderr)
         return 130
@@ -535,31 +496,36 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 1 if bad else 0
 
 
-def _main_inventory(spec: TrialSpec, arms: Sequence[str], args, argv) -> int:
+def run_on_inventory(
+    spec: TrialSpec,
+    arms: Sequence[str],
+    inventory_file: str,
+    *,
+    out: Path | None,
+    allow_missing: int,
+    command: str,
+) -> int:
     """``--inventory``: the same spec on the inventory's hosts (testnet/remote/controller.py)."""
     from p2pnode.testnet.remote.controller import RemoteTrialError, run_inventory_trial
     from p2pnode.testnet.remote.envs import EnvError
     from p2pnode.testnet.remote.inventory import InventoryError, load_inventory
     from p2pnode.testnet.remote.ssh import ssh_available
 
-    if args.hosts != "local":
-        print("--inventory and --hosts exclude each other", file=sys.stderr)
-        return 2
+    signal.signal(signal.SIGTERM, _interrupt)  # as run_here: stop every node on the way out
     missing = ssh_available()
     if missing:
         print(missing, file=sys.stderr)
         return 2
     try:
-        inventory = load_inventory(args.inventory)
+        inventory = load_inventory(inventory_file)
     except InventoryError as exc:
         print(str(exc), file=sys.stderr)
         return 2
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
-    out = Path(args.out) if args.out else Path("testnet/results") / f"{spec.name}-hosts-{stamp}"
-    command = "p2pnode testnet " + shlex.join(argv or sys.argv[1:])
+    out = out or Path("testnet/results") / f"{spec.name}-hosts-{stamp}"
     try:
         results = run_inventory_trial(
-            spec, inventory, arms, out, allow_missing=args.allow_missing, command=command
+            spec, inventory, arms, out, allow_missing=allow_missing, command=command
         )
     except KeyboardInterrupt:
         print("interrupted; every node was stopped", file=sys.stderr)
@@ -572,5 +538,7 @@ def _main_inventory(spec: TrialSpec, arms: Sequence[str], args, argv) -> int:
     return 1 if bad else 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # the same command as `p2pnode testnet`
+    from p2pnode.testnet.commands import testnet
+
+    testnet(prog_name="python -m p2pnode.testnet.run.trial")

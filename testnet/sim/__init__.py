@@ -60,12 +60,12 @@ the ``python -m`` entry point):
   prefix lookups and pulls (mixed into the run).
 - ``_run.py``: ``Simulation`` (the event loop: requests, serving, churn) and ``simulate``.
 - ``_metrics.py``: a finished run's figures.
-- ``_report.py``: ``run_grid``, ``markdown_table``, ``plot``; ``_cli.py``: ``main``.
+- ``_report.py``: ``run_grid``, ``markdown_table``, ``plot``; ``_cli.py``: what
+  ``p2pnode simulate`` runs (its flags: ``testnet/commands.py``).
 """
 
 from __future__ import annotations
 
-from p2pnode.testnet.sim._cli import main
 from p2pnode.testnet.sim._config import MODEL_ID, SimConfig, SimResult
 from p2pnode.testnet.sim._node import SimNode
 from p2pnode.testnet.sim._report import COLUMNS, as_row, markdown_table, plot, run_grid
@@ -92,7 +92,6 @@ __all__ = [
     "SimResult",
     "Simulation",
     "as_row",
-    "main",
     "markdown_table",
     "mmlu_prompts",
     "plot",

@@ -33,7 +33,7 @@ from p2pnode.overlay._errors import BadMultiaddr, OverlayError
 from p2pnode.overlay.net.node import PING_LENGTH, PING_PROTOCOL, OverlayConfig, open_overlay_node
 from p2pnode.overlay.net.relay import circuit_addr, is_circuit_addr, open_relay
 from p2pnode.overlay.serve.forward import ForwardRequest, forward_request
-from p2pnode.speculation.client import target_generate
+from p2pnode.speculation.edge import target_generate
 
 from testkit import wait_until
 

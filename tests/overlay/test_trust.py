@@ -348,9 +348,9 @@ async def _verifier_node(model_id: str, verifier: Any, stop: trio.Event, *, task
 async def test_verifier_with_impossible_verdicts_is_failed_over_then_skipped(target) -> None:
     from p2pnode.overlay.net.node import OverlayConfig, open_overlay_node
     from p2pnode.speculation import BatchedVerifier, BlockResult
-    from p2pnode.speculation.client import target_generate
+    from p2pnode.speculation.client import EdgeClient
     from p2pnode.speculation.draft import DraftModel
-    from p2pnode.speculation.edge import EdgeClient
+    from p2pnode.speculation.edge import target_generate
 
     class OverclaimingVerifier(BatchedVerifier):
         """Says it accepted one token more than the block holds (fast, and wrong)."""
@@ -450,9 +450,9 @@ async def test_audit_catches_a_plausible_liar_and_clears_an_honest_result(target
     # (it passes verdict_problem), only the tokens are wrong. An audit on two honest verifiers
     # finds the first wrong token; the third opinion confirms it and the liar is blamed.
     from p2pnode.overlay.net.node import OverlayConfig, open_overlay_node
-    from p2pnode.speculation.client import target_generate
+    from p2pnode.speculation.client import EdgeClient
     from p2pnode.speculation.draft import DraftModel
-    from p2pnode.speculation.edge import EdgeClient
+    from p2pnode.speculation.edge import target_generate
     from p2pnode.speculation.verify import BatchedVerifier
 
     class RunnerUp(BatchedVerifier):
