@@ -75,10 +75,11 @@ class _SlabLayer(DynamicLayer):
     def get_seq_length(self) -> int:
         return self.n
 
-    def crop(self, tokens_to_remove: int) -> None:
-        if tokens_to_remove > 0:
-            raise ValueError("crop takes a negative count: the number of tokens to drop")
-        self.n = max(0, self.n + tokens_to_remove)
+    def crop(self, max_length: int) -> None:
+        # transformers' DynamicLayer.crop: a negative value drops that many tokens, any other
+        # keeps the first max_length (callers use both through DynamicCache.crop).
+        keep = self.n + max_length if max_length < 0 else max_length
+        self.n = max(0, min(self.n, keep))
 
     def reset(self) -> None:
         self.n = 0
