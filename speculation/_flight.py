@@ -76,7 +76,7 @@ class SpecStats:
 class DraftHistory:
     """What an edge measured against one verifier over its sessions: committed tokens a second
     while it drafts and while it lets the verifier decode alone (``rates``, smoothed over
-    stretches of ``client.SEGMENT`` tokens or more), and how many stretches it has chosen."""
+    stretches of ``edge.SEGMENT`` tokens or more), and how many stretches it has chosen."""
 
     rates: dict[str, float] = field(default_factory=dict)  # "draft" / "lead" -> tokens/s
     chosen: int = 0

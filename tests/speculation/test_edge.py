@@ -22,7 +22,7 @@ from p2pnode.speculation import (
     DraftHistory,
     DraftRunner,
     SamplingOptions,
-    client,
+    edge,
     remote_generate,
     speculative_generate,
     target_generate,
@@ -106,7 +106,7 @@ async def test_an_edge_that_lets_the_verifier_decode_alone_then_drafts_again(
     # edge stops drafting at its first break, keeps the verifier's lead budget full with empty
     # blocks over a 30 ms link (a lead budget of 2 would run dry within one round trip
     # without them), and its 8th stretch explores drafting again. The output is the target's.
-    eos, n = target.eos_token_ids, client.SEGMENT * 2 + 24
+    eos, n = target.eos_token_ids, edge.SEGMENT * 2 + 24
     ref = target_generate(target, prompts[0], n, eos_token_ids=eos)
     history = DraftHistory(rates={"draft": 1.0, "lead": 100.0}, chosen=5)
     r = await _speculate(
@@ -117,7 +117,7 @@ async def test_an_edge_that_lets_the_verifier_decode_alone_then_drafts_again(
     assert s.lead_only >= 2 and s.keepalives >= 2  # stretches 6 and 7 (and any after 8)
     assert history.chosen >= 8 and s.blocks_sent >= 1  # the 8th explored drafting
     assert 0.0 < history.rates["lead"] < 100.0  # its measured rates were smoothed in
-    assert s.lead_tokens >= 2 * client.SEGMENT
+    assert s.lead_tokens >= 2 * edge.SEGMENT
 
 
 async def test_the_first_tokens_come_while_the_draft_still_prefills(
