@@ -129,6 +129,11 @@ def site(tmp_path_factory):
         shutil.copy(f"{key}.pub", tmp / "authorized_keys")
         where = {n: bed.ns(n) for n in HOSTS}
         where.update({f"{n}-gw": bed.router_ns(n) for n, kind in HOSTS.items() if kind == "nat"})
+        for name, kind in HOSTS.items():  # the testbed's routers drop unsolicited inbound, as
+            if kind == "nat":  # home routers do; a site's bastion accepts SSH on its WAN side
+                accept = ["iptables", "-I", "INPUT", "-i", "wan0", "-p", "tcp", "--dport", "22",
+                          "-j", "ACCEPT"]  # fmt: skip
+                subprocess.run(["ip", "netns", "exec", bed.router_ns(name), *accept], check=True)
         for name, ns in where.items():
             argv = ["ip", "netns", "exec", ns, SSHD, "-D", "-e", "-f", str(_sshd_config(tmp, name))]
             log = (tmp / f"sshd-{name}.log").open("wb")
