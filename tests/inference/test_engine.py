@@ -8,7 +8,6 @@ import time
 import pytest
 import torch
 import trio
-from transformers import DynamicCache
 
 from p2pnode.inference import (
     EmptyPrompt,
@@ -31,6 +30,8 @@ from p2pnode.inference.blockhash import (
 from p2pnode.inference.models import ShapeOnlyModel
 from p2pnode.inference.radix import RadixCache
 
+from testkit import models
+
 N_NEW = 8
 PROMPTS = [
     "The capital of France is",
@@ -48,18 +49,7 @@ def loaded(loaded):
 
 def hf_greedy(loaded, prompt: list[int], n: int) -> list[int]:
     """Plain transformers greedy loop: the reference the engine must reproduce."""
-    model, eos = loaded.model, set(loaded.eos_token_ids)
-    out: list[int] = []
-    with torch.inference_mode():
-        cache = DynamicCache()
-        logits = model(input_ids=torch.tensor([prompt]), past_key_values=cache).logits[0, -1]
-        for _ in range(n):
-            tok = int(logits.argmax())
-            out.append(tok)
-            if tok in eos:
-                break
-            logits = model(input_ids=torch.tensor([[tok]]), past_key_values=cache).logits[0, -1]
-    return out
+    return models.hf_greedy(loaded.model, set(loaded.eos_token_ids), prompt, n)
 
 
 def engine(loaded, **kw):
