@@ -12,6 +12,8 @@ Contract:
 - Given a ``pool``, the ranking runs over those peers only (and this node): with scoped views,
   the node's cell (``overlay/cache/scope.py``), one set every node of the cell has in view, where
   the peers of each node's own scope differ from node to node.
+- The router places one-shot requests only: a chat turn whose session has later turns to come
+  stays a miss at its entry (``Router.decide``), which then holds the prefix for others.
 - ``placement_home`` returns the home's peer id, ``"local"`` for this node, or None when the
   prompt is no miss (ordinary cost routing finds its holder) or nobody qualifies.
 """

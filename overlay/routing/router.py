@@ -477,7 +477,14 @@ class Router:
             (c for c in candidates if not c.is_local and c.skipped is None),
             key=lambda c: c.total_s,
         )
-        home = self._placement_home(candidates, prompt_block_hashes, prompt_tokens, local, eligible)
+        # A chat turn with later turns to come is not placed: the session follows its first
+        # turn, so a home would pull every later turn over the network and stack sessions on
+        # one node, while the entry that serves the miss becomes a holder others find anyway.
+        home = None
+        if future_turns <= 0:
+            home = self._placement_home(
+                candidates, prompt_block_hashes, prompt_tokens, local, eligible
+            )
         if local_est is None:
             margin = self.config.abs_margin_s
             attempts, reason = self._order_without_local(eligible, home)

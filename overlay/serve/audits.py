@@ -23,7 +23,8 @@ Contract:
   not_by=...)`` picks, among peers that ``trusted`` allows (members, or peers past probation)
   and not in ``not_by`` (the server; for a tie-breaker, the first auditor too), the one whose
   estimated cost (a round trip plus its prefill of what its digest does not hold, plus the
-  answer) is lowest, and only when that beats the origin's own pass; returns ``(verdict,
+  answer) is lowest, and only when that beats the origin's own pass (``own_cost_s(prompt,
+  answer_len)`` when given: the origin's pass on its own cached prefix); returns ``(verdict,
   auditor)`` or None (nobody cheaper, or the call failed: the origin then audits itself).
 """
 
@@ -219,10 +220,12 @@ class ThirdPeerAudits:
         trusted: Callable[[str], bool],
         local_cost_s: Callable[[int], float],
         rtt_s: Callable[[str], float | None],
+        own_cost_s: Callable[[list[int], int], float] | None = None,
         timeout_s: float = 30.0,
     ) -> None:
         self.node, self.views, self.model_id, self.salt = node, views, model_id, salt
         self.trusted, self.local_cost_s, self.rtt_s = trusted, local_cost_s, rtt_s
+        self.own_cost_s = own_cost_s
         self.timeout_s = timeout_s
         self.counts: dict[str, int] = {"asked": 0, "failed": 0}
 
@@ -239,7 +242,10 @@ class ThirdPeerAudits:
             cost = (1.0 if rtt is None else rtt) + (len(prompt) - cached + answer_len) * rate
             ranked.append((cost, peer))
         ranked.sort()
-        local = self.local_cost_s(len(prompt) + answer_len)
+        if self.own_cost_s is not None:
+            local = self.own_cost_s(prompt, answer_len)
+        else:
+            local = self.local_cost_s(len(prompt) + answer_len)
         return [peer for cost, peer in ranked if cost < local]
 
     async def audit(

@@ -231,6 +231,7 @@ class RoutedService:
                 trusted=self._may_audit,
                 local_cost_s=scorer.cost_s,
                 rtt_s=lambda peer: self.router.rtt_s(peer),  # the router's, as it changes
+                own_cost_s=self._own_audit_cost_s,
             )
             self.auditor = Auditor(
                 scorer,
@@ -240,6 +241,8 @@ class RoutedService:
                 registry=registry,
                 is_member=is_member,
                 others=third,
+                # Our own audits run on the engine's cached prefix, not a fresh full pass.
+                score=engine.score,
             )
             self.audit_server = AuditServer(engine, key, self.auditor.config, idle=self._slot_free)
             # A probation answer waits for its audit: the router counts that wait.
@@ -286,6 +289,12 @@ class RoutedService:
         """A peer whose verdicts this node takes: usable and past probation (or a member)."""
         auditor = self.auditor
         return auditor is not None and self.trust.usable(peer) and not auditor.on_probation(peer)
+
+    def _own_audit_cost_s(self, prompt: list[int], answer_len: int) -> float:
+        e = self.engine
+        assert e is not None  # only nodes with an engine audit
+        cached = min(e.cached_prefix_len(prompt), len(prompt) - 1)
+        return e.cost.estimate(len(prompt) + answer_len, cached, 0)
 
     def _unaudited_hold(self, peer: str, tokens: int) -> float:
         member = self.is_member is not None and self.is_member(peer)

@@ -38,6 +38,8 @@ prefill of that length, far less than generating it.
 - Who audits (``SecondAuditor``, optional): a trusted third peer that holds the prompt's
   prefix scores the answer for less than this node's own pass (``overlay/serve/audits.py``;
   never the serving peer); this node audits itself when nobody is cheaper or the call fails.
+  Given ``score`` (``OwnScore``: the node's engine), this node's own pass runs on its cached
+  prefix too, so an origin that holds a chat's system prompt pays for the rest only.
   A failed verdict from a third peer is checked by a second auditor (another peer, else this
   node) before anyone is demoted: if the second finds the answer right, the first auditor is
   the liar and loses trust (``observe_fault``), and the answer stands.
@@ -245,6 +247,13 @@ def check_answer(
 # --------------------------------------------------------------------------- policy
 
 
+class OwnScore(Protocol):
+    """This node's engine scoring an answer on its cached prefix (``Engine.score``): the
+    uncached part of the prompt plus the answer, scheduled with the engine's other work."""
+
+    async def __call__(self, prompt: list[int], answer: list[int]) -> torch.Tensor | LogitRows: ...
+
+
 class SecondAuditor(Protocol):
     """Audits on other peers, none of ``not_by`` (``overlay/serve/audits.py``): ``(verdict,
     auditor)``, or None when nobody cheaper than this node could give one."""
@@ -369,8 +378,10 @@ class Auditor:
         rng: random.Random | None = None,
         is_member: Callable[[str], bool] | None = None,
         others: SecondAuditor | None = None,
+        score: OwnScore | None = None,
     ) -> None:
         self.scorer = scorer
+        self.score = score
         self.is_member = is_member
         self.others = others
         self.trust = trust
@@ -545,7 +556,14 @@ class Auditor:
     ) -> AuditVerdict:
         async with self._lock:
             t0 = time.perf_counter()
-            logits = await trio.to_thread.run_sync(self.scorer.logits, prompt, answer)
+            logits = None
+            if self.score is not None:
+                try:
+                    logits = await self.score(prompt, answer)
+                except ValueError:  # the engine refuses it (a token outside the vocabulary)
+                    logits = None
+            if logits is None:
+                logits = await trio.to_thread.run_sync(self.scorer.logits, prompt, answer)
             verdict = check_answer(logits, answer, params, self.config)
             spent = time.perf_counter() - t0
         self._budget.spend(spent)

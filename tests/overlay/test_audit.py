@@ -566,3 +566,29 @@ async def test_the_emulated_model_answers_as_a_function_of_the_input_alone() -> 
     for i, p in enumerate(prompts):
         assert batched[i] == emulated_answer(p, 12, shape.vocab_size, shape.eos_token_ids)
     assert len({tuple(t) for t in batched.values()}) >= 3  # not one constant answer
+
+
+async def test_the_origins_own_audit_runs_on_its_cached_prefix_and_still_catches_a_lie(
+    loaded,
+) -> None:
+    # An origin that holds a chat's system prompt pays only for the rest of the prompt and the
+    # answer when it audits an answer itself (the engine's scoring pass reuses its cache).
+    system = [{"role": "system", "content": "You are a terse assistant. " * 40}]
+    async with open_engine(loaded, calibrate_cost=False, torch_threads=2) as engine:
+        first = engine.encode_chat([*system, {"role": "user", "content": "Name a colour."}])
+        await engine.generate(first, {"max_tokens": 2})  # the system prompt is now cached
+        prompt = engine.encode_chat([*system, {"role": "user", "content": "Name a fruit."}])
+        answer = (await engine.generate(prompt, {"max_tokens": 6})).tokens
+        cached = engine.cached_prefix_len(prompt)
+        assert cached >= len(prompt) // 2
+        book = TrustBook()
+        auditor = Auditor(
+            ModelScorer(loaded.model), book, AuditConfig(probation_answers=0), score=engine.score
+        )
+        params = SamplingParams(max_tokens=6)
+        before = dict(engine.totals)
+        assert (await auditor._own(prompt, answer, params)).passed
+        used = engine.totals["cached_tokens"] - before["cached_tokens"]
+        assert used >= cached - 16, (used, cached)  # the pass started from the cached prefix
+        lie = [*answer[:-1], (answer[-1] + 1) % engine.vocab_size]
+        assert not (await auditor._own(prompt, lie, params)).passed

@@ -203,6 +203,28 @@ def test_placement_skips_a_home_in_push_back_and_far_peers() -> None:
     assert decide(router, tokens, 8).placement_home is None
 
 
+def test_a_chat_turn_with_later_turns_is_not_placed_away_from_its_entry() -> None:
+    # One-shot misses go to their home; a session's first turn stays at its entry (its later
+    # turns would follow the history to the home), whichever entry it arrives at.
+    keys, routers = placement_routers(4)
+    tokens = prompt(200, seed=100)
+    home = home_of(routers[0], tokens)
+    entries = [r for r, k in zip(routers, keys, strict=True) if k.peer_id != home]
+    for r in entries:
+        assert decide(r, tokens, 8).chosen != LOCAL  # one-shot: to the home
+        d = r.decide(
+            model_id=MODEL,
+            prompt_block_hashes=hashes_of(tokens),
+            prompt_tokens=len(tokens),
+            max_tokens=8,
+            local=LocalState(
+                cached_tokens=0, wait_s=0.0, prefill_s_per_token=PREFILL, decode_s_per_token=DECODE
+            ),
+            future_turns=3.0,
+        )
+        assert d.chosen == LOCAL and d.placement_home is None, d.to_log()
+
+
 def test_what_this_node_forwarded_counts_as_cached_there() -> None:
     # A chat's history is used once: never advertised. The node that forwarded the previous
     # turn still knows where it lives, and sends the next turn after it.
