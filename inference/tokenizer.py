@@ -15,9 +15,10 @@ A BPE model is built from the file's vocabulary and merges as Python objects (``
 not by ``Tokenizer.from_file``: the same tokenizer (its ``to_str()`` is identical), but
 ``tokenizers``' own JSON path keeps the file's vocabulary and merges in two intermediate trees of
 small allocations interleaved with the strings it keeps, and the freed nodes pin ~20 MB of
-half-used heap pages per 262k-token vocabulary that ``malloc_trim`` cannot return (measured in
-docs/models.md). Built from Python objects, its kept strings and tables are allocated in runs
-and the garbage (Python objects, one contiguous list of merges) goes back to the OS whole.
+half-used heap pages per 262k-token vocabulary that ``malloc_trim`` cannot return. Built from
+Python objects, its kept strings and tables are allocated in runs and the Python garbage goes
+back in 1 MB arenas, all but a few that small objects made meanwhile keep (5-14 MB in a light
+node; docs/models.md has the figures).
 """
 
 from __future__ import annotations
@@ -130,11 +131,7 @@ _BPE_OPTIONS = (
 def _read_json(path: Path) -> Tokenizer:
     """``Tokenizer.from_file(path)``, with a BPE model built from Python objects (see the module
     docstring); any file this does not know to build exactly goes to ``from_file`` itself.
-
-    The big lists are converted by ``map`` in C, not in a Python loop: a worker thread parses,
-    and each Python-level switch back to the event loop would let it place long-lived objects
-    among the millions of temporary ones, pinning 1 MB Python arenas that would otherwise be
-    freed whole (~8 MB more resident in a light node, measured with a loop here)."""
+    The merges are checked and turned into pairs by ``set``/``map`` in C, one pass each."""
     _utf8_of_shared_chars()
     spec = json.loads(path.read_text(encoding="utf-8"))
     model = spec.get("model") if isinstance(spec, dict) else None
