@@ -6,7 +6,9 @@ serving node converted a model into (``~/.cache/p2pnode/models/gguf-<sha256>`` f
 file); none given: the default model's. Prints, and writes to ``bench/results/light_memory.json``,
 VmRSS after glibc ``malloc_trim`` and the peak so far: after the imports of a light node (the
 API, the overlay, the swarm's routers), then after parsing each folder's tokenizer as a light
-node does (``tokenizer_model`` in a worker thread, ``overlay/serve/swarm.py``). A few seconds.
+node does (one malloc heap for all threads, ``share_one_heap``, set before any thread starts,
+as ``bootstrap/node.py`` does; ``tokenizer_model`` in a worker thread, ``overlay/serve/swarm.py``).
+A few seconds; the figures vary by a few MB from run to run (hash seeds: where the maps land).
 """
 
 from __future__ import annotations
@@ -55,6 +57,9 @@ def main() -> None:
         from p2pnode.inference.models import DEFAULT_MODEL_NAME, cache_dir
 
         folders = [cache_dir() / "models" / DEFAULT_MODEL_NAME]
+    from p2pnode.inference.models import share_one_heap
+
+    share_one_heap()  # as a light node does before its first thread (bootstrap/node.py)
     rows = trio.run(_measure, folders)
     for row in rows:
         print(f"{row['holds']:50s} {row['rss_mb']:6.0f} MB  (peak {row['peak_mb']:.0f} MB)")

@@ -274,6 +274,10 @@ async def run_node(
         "dial_timeout": settings.connect_timeout + 2.0,
         "health_ping_timeout": 2.0 * settings.ping_timeout,
     }
+    if settings.model == "none":  # before any thread starts: see share_one_heap
+        from p2pnode.inference.models import share_one_heap
+
+        share_one_heap()
     lock = _lock_home(settings.home)
     try:
         await _run_locked(settings, timeouts, extensions, task_status)

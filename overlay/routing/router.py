@@ -1,6 +1,6 @@
 """WAN-aware, cache-aware routing: pick the node (local included) that should serve a request.
 
-One file (~690 lines) on purpose: the cost formula, its margin rule and every knob with the
+One file (~750 lines) on purpose: the cost formula, its margin rule and every knob with the
 measurement behind it read best beside the one class that applies them; what the router learns from
 lives in its own modules (``netcost.py``, ``inference/lengths.py``, ``sessions.py``), and where a
 miss is placed in ``placement.py``.
@@ -14,7 +14,9 @@ Contract:
   of the peer table, ``default_rtt_s`` while none is measured), the wait and the per-token speeds
   the peer advertises in its digests (our own speeds when it advertises none), plus the service
   time of requests this router already sent there and that the peer's digests cannot show yet
-  (``inflight``); the cached prefix is the view's estimate times the peer's measured
+  (``inflight``), less the work of its forwards there that the digest still counts as queued
+  but that have finished since it was issued (``note_done``: see ``_digest_wait``); the cached
+  prefix is the view's estimate times the peer's measured
   *confidence*: an EWMA of real / estimated cached tokens reported by the requests it served
   (stale views cost what they really cost), and times its *digest credit*: first tokens this
   node measured itself against what the digest promised (``observe_first_token``); a peer
@@ -77,7 +79,7 @@ import json
 import logging
 import math
 import uuid
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
@@ -235,6 +237,21 @@ class RouterMetrics:
         )
 
 
+@dataclass(slots=True)
+class SentForward:
+    """One forward in flight or done, as ``Router.note_sent`` returns it and ``note_done``
+    takes it back: times on the views' wall clock, the clock digests are stamped with."""
+
+    work_s: float  # its own prefill and decode at the peer, as estimated when it was sent
+    sent_at: float
+    done_at: float | None = None
+
+
+# Forwards remembered per peer to correct its digests: a digest older than the last few dozen
+# of this router's forwards there has been replaced long since.
+_FORWARDS_KEPT = 64
+
+
 @dataclass
 class _PeerStats:
     confidence: float = 1.0
@@ -243,6 +260,7 @@ class _PeerStats:
     digest_credit: float = 1.0
     inflight_s: float = 0.0
     inflight: int = 0
+    forwards: deque[SentForward] = field(default_factory=lambda: deque(maxlen=_FORWARDS_KEPT))
     served: int = 0
     # Block hashes of what this node forwarded there (prompt and answer), newest last: the
     # peer caches them, but a block used once is never advertised (overlay/cache/privacy.py), so
@@ -354,18 +372,26 @@ class Router:
         stats.confidence = max(self.config.min_confidence, (1 - a) * stats.confidence + a * ratio)
         stats.served += 1
 
-    def note_sent(self, peer_id: str, service_s: float) -> None:
+    def note_sent(self, peer_id: str, service_s: float, work_s: float | None = None) -> SentForward:
+        """A forward leaves for ``peer_id``: it costs ``service_s`` there (its wait included)
+        until ``note_done``, which takes back what this returns; ``work_s`` (default
+        ``service_s``) is its own share of the peer's queue."""
         stats = self._stats.setdefault(peer_id, _PeerStats())
         stats.inflight += 1
         stats.inflight_s += service_s
+        sent = SentForward(service_s if work_s is None else work_s, self.views.wall_now())
+        stats.forwards.append(sent)
+        return sent
 
     def inflight(self, peer_id: str) -> int:
         """Requests this router sent to ``peer_id`` that have not finished."""
         stats = self._stats.get(peer_id)
         return 0 if stats is None else stats.inflight
 
-    def note_done(self, peer_id: str, service_s: float) -> None:
+    def note_done(self, peer_id: str, service_s: float, sent: SentForward | None = None) -> None:
         stats = self._stats.get(peer_id)
+        if sent is not None:
+            sent.done_at = self.views.wall_now()
         if stats is not None and stats.inflight > 0:
             stats.inflight -= 1
             stats.inflight_s = max(0.0, stats.inflight_s - service_s) if stats.inflight else 0.0
@@ -630,7 +656,7 @@ class Router:
         rtt = cfg.default_rtt_s if rtt is None else rtt
         prefill_rate = load.prefill_s_per_token or local.prefill_s_per_token
         decode_rate = load.decode_s_per_token or local.decode_s_per_token
-        wait = load.est_wait_s + (0.0 if stats is None else stats.inflight_s)
+        wait = self._digest_wait(view, stats) + (0.0 if stats is None else stats.inflight_s)
         if not cfg.load_aware:
             wait = 0.0
         prefill = (prompt_tokens - cached) * prefill_rate
@@ -674,6 +700,34 @@ class Router:
             hold_s=hold,
             lookahead_s=lookahead,
         )
+
+    @staticmethod
+    def _digest_wait(view: PeerView, stats: _PeerStats | None) -> float:
+        """The peer's advertised wait, less what this router knows has left its queue since.
+
+        The digest was stamped ``load_issued_at`` (T, the peer's wall clock; this router's
+        forwards carry its own, as a digest's age does): the peer's queue then held
+        the forwards this router had sent by T that had not finished by T. Those that have
+        finished since are gone, yet an older digest still counts them (a holder's digest
+        showed 48.7 s of this router's finished work and the router sent the next request of
+        that prefix elsewhere). When the digest's whole queue was such forwards, nothing of it
+        is left; else each takes away at most its own work and at most the time it ran on
+        after T (it could not have had more left at T), so the wait is never understated for
+        what others queued there."""
+        wait = view.load.est_wait_s
+        if stats is None or wait <= 0.0:
+            return wait
+        t = view.load_issued_at
+        at_t = [
+            f for f in stats.forwards if f.sent_at <= t and (f.done_at is None or f.done_at > t)
+        ]
+        done = [f for f in at_t if f.done_at is not None]
+        if not done:
+            return wait
+        if len(done) == len(at_t) >= view.load.queue_depth:
+            return 0.0
+        gone = sum(min(f.work_s, f.done_at - t) for f in done if f.done_at is not None)
+        return max(0.0, wait - gone)
 
     def _record(self, decision: RoutingDecision) -> None:
         if log.isEnabledFor(logging.INFO):

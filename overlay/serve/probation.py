@@ -212,7 +212,7 @@ class ProbationChallenges:
             deadline_s=cfg.default_deadline_s,
             request_id=uuid.uuid4().hex[:16],
         )
-        self._router.note_sent(peer, 0.0)  # the peer is busy with it: no second challenge
+        sent = self._router.note_sent(peer, 0.0)  # the peer is busy with it: no second challenge
         try:
             outcome = await forward_request(
                 self._node,
@@ -225,7 +225,7 @@ class ProbationChallenges:
         except ForwardFailed as exc:
             raise ChallengeUnanswered(str(exc)) from exc
         finally:
-            self._router.note_done(peer, 0.0)
+            self._router.note_done(peer, 0.0, sent)
         if outcome.first_token_s is not None:  # a forward like any other: learn its cost
             self._router.observe_forward(
                 peer, len(prompt), outcome.first_token_s, outcome.done.ttft_s

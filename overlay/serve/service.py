@@ -453,7 +453,7 @@ class RoutedService:
         cfg = self.forward_config
         service_s = est.wait_s + est.prefill_s + est.decode_s
         expected_tokens = max(1.0, run.decision.expected_tokens or 1)
-        self.router.note_sent(target, service_s)
+        sent = self.router.note_sent(target, service_s, est.prefill_s + est.decode_s)
         try:
             return await forward_request(
                 self.node,
@@ -470,7 +470,7 @@ class RoutedService:
                 on_logprob=held.logprob if held is not None else run.on_logprob,
             )
         finally:
-            self.router.note_done(target, service_s)
+            self.router.note_done(target, service_s, sent)
 
     def _forward_failed(
         self, run: _Request, target: str, exc: ForwardFailed, t0: float

@@ -23,7 +23,7 @@ Contract:
   the model and checked against the id (``tokenizers.py``); the local engine for this node's
   own model. ``TokenizerFetchFailed`` when no serving peer hands over matching files.
   A tokenizer is parsed on the first request for its model, not when the model is seen: a
-  parsed 262k-token vocabulary holds ~90 MB (and its parse peaks ~360 MB higher), which a
+  parsed 262k-token vocabulary holds ~75 MB (and its parse peaks ~330 MB higher), which a
   light node pays only for the models it is asked for.
 """
 

@@ -1,7 +1,10 @@
 """Router decisions (overlay/routing/router.py): forward or serve locally by cached prefix, RTT, queue and
-push-back; rendezvous placement of misses; what this node forwarded; push-back hysteresis."""
+push-back; rendezvous placement of misses; what this node forwarded; a digest's queue less this
+router's forwards that finished after it; push-back hysteresis."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -13,7 +16,8 @@ from p2pnode.overlay.cache.digest import DigestBuilder
 from p2pnode.overlay.cache.views import PeerViews
 from p2pnode.overlay.routing.router import LOCAL, LocalState, PushBack, Router, RouterConfig
 
-from testkit.routing import DECODE, KEY_B, MODEL, PREFILL, hashes_of, load, prompt
+from testkit.clock import FakeClock
+from testkit.routing import DECODE, KEY_A, KEY_B, MODEL, PREFILL, hashes_of, load, prompt
 
 
 def router_with_peer(
@@ -242,6 +246,61 @@ def test_what_this_node_forwarded_counts_as_cached_there() -> None:
         .view_cached_tokens
         == 0
     )
+
+
+def test_a_digest_stops_counting_forwards_that_finished_after_it() -> None:
+    # A light node (no local engine) between the holder of a prompt's prefix and an idle peer.
+    clock = FakeClock(1000.0)
+    views = PeerViews(clock=clock, wall_clock=clock)
+    holder_load = {"queue_depth": 0, "est_wait_s": 0.0}
+    holder = DigestBuilder(KEY_B.peer_id, MODEL, load_fn=lambda: load(**holder_load))
+    holder.on_event(BlockStored(tuple(hashes_of(SHARED)), None))
+    idle = DigestBuilder(KEY_A.peer_id, MODEL, load_fn=load)
+
+    def publish(builder: DigestBuilder) -> None:  # a digest stamped now, as a sealed one is
+        views.apply(replace(builder.full(), timestamp=clock.now))
+
+    publish(holder)
+    publish(idle)
+    router = Router(views, rtt_s=lambda _p: 0.002)
+    light = LocalState(0, 0.0, PREFILL, DECODE, available=False)
+
+    def holder_wait() -> tuple[str, float]:
+        d = router.decide(
+            model_id=MODEL,
+            prompt_block_hashes=hashes_of(LONG_PROMPT),
+            prompt_tokens=len(LONG_PROMPT),
+            max_tokens=8,
+            local=light,
+        )
+        return d.chosen, d.estimate_for(KEY_B.peer_id).wait_s
+
+    assert holder_wait() == (KEY_B.peer_id, 0.0)
+    clock.now += 1
+    sent = router.note_sent(KEY_B.peer_id, 48.7, 48.7)
+    clock.now += 1  # the holder's digest: that forward is its whole queue
+    holder_load.update(queue_depth=1, est_wait_s=48.7)
+    publish(holder)
+    clock.now += 9
+    router.note_done(KEY_B.peer_id, 48.7, sent)  # done; the holder has sent no digest since
+    clock.now += 1
+    assert holder_wait() == (KEY_B.peer_id, 0.0)  # was 48.7 s: the idle peer got the prefix
+
+    # Another node's request queued there too: ours takes away only what it could have had
+    # left when the digest was stamped (it ran 5 s after), the rest of the queue stays.
+    sent = router.note_sent(KEY_B.peer_id, 30.0, 30.0)
+    clock.now += 1
+    holder_load.update(queue_depth=2, est_wait_s=60.0)
+    publish(holder)
+    clock.now += 5
+    router.note_done(KEY_B.peer_id, 30.0, sent)
+    clock.now += 1
+    assert holder_wait() == (KEY_A.peer_id, pytest.approx(55.0))
+    # A forward sent after the digest was stamped: the digest never counted it.
+    sent = router.note_sent(KEY_B.peer_id, 10.0, 10.0)
+    clock.now += 2
+    router.note_done(KEY_B.peer_id, 10.0, sent)
+    assert holder_wait() == (KEY_A.peer_id, pytest.approx(55.0))
 
 
 def test_push_back_hysteresis() -> None:
