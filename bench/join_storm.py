@@ -9,9 +9,10 @@ started:
   ``testnet.run.formation``) and holds a cache view of each; p50/p95/max and max/p50;
 - formed: the time every joiner's scope is complete and the up links make one overlay;
 - the bootstrap's admissions (``admitted`` hellos, ``overlay/net/admission.py``; connections
-  and streams turned away as busy and abandoned streams skipped, ``patches/busy.py``), admitted joins a second (peak over 5 s and
+  and streams turned away as busy, hellos answered "busy, retry after N s" and abandoned
+  streams skipped, ``patches/busy.py``), admitted joins a second (peak over 5 s and
   mean over the storm), its CPU and connections; the joiners' failed and retried joins
-  (``bootstrap_retries``) and the referrals they got; the load average.
+  (``bootstrap_retries``), the busy answers they got and the referrals; the load average.
 
 `--load-generator`: instead of N node processes, `--procs` processes each run
 `--hosts`/`--procs` light overlay hosts (no engine, no API) in one trio loop; each joins the
@@ -268,6 +269,9 @@ def run_storm(args: argparse.Namespace, root: Path, zygote: Zygote, procs: list[
         "bootstrap_connections_max": boot_conns_max,
         "bootstrap_cpu_s": round(cpu_s(procs[0].pid) - boot_cpu0, 1),
         "bootstrap_busy_streams": int(((bstat or {}).get("counters") or {}).get("busy_streams", 0)),
+        "bootstrap_busy_answered": int(
+            ((bstat or {}).get("counters") or {}).get("busy_answered", 0)
+        ),
         "bootstrap_abandoned_streams": int(
             ((bstat or {}).get("counters") or {}).get("abandoned_streams", 0)
         ),
@@ -276,6 +280,7 @@ def run_storm(args: argparse.Namespace, root: Path, zygote: Zygote, procs: list[
         "bootstrap_libp2p_max": libp2p_max,
         "joiner_referrals_received": sum(int(c.get("referrals_received", 0)) for c in counters),
         "joiner_bootstrap_retries": sum(int(c.get("bootstrap_retries", 0)) for c in counters),
+        "joiner_busy_answers": sum(int(c.get("busy_answers", 0)) for c in counters),
         "load_avg_1m_max": round(load_max, 2),
         "load_avg_1m_end": round(os.getloadavg()[0], 2),
         "waits_s": sorted(round(w, 2) for w in waits),
@@ -309,13 +314,14 @@ def run_load_generator(args: argparse.Namespace, root: Path, zygote: Zygote, pro
         bstat = client.get(boot["api"] + "/status").json()
     admitted, busy = admissions(bstat)
     joined: list[float] = []
-    failed = retries = 0
+    failed = retries = busy_answers = 0
     for out in outs:
         if out.exists():
             data = json.loads(out.read_text())
             joined += data["joined_s"]
             failed += data["failed"]
             retries += data["retries"]
+            busy_answers += data.get("busy_answers", 0)
     span = max(joined) if joined else args.timeout
     return {
         "mode": "load generator",
@@ -324,10 +330,13 @@ def run_load_generator(args: argparse.Namespace, root: Path, zygote: Zygote, pro
         "joined": len(joined),
         "failed": failed,
         "retries": retries,
+        "busy_answers": busy_answers,
         "join_p50_s": pct(joined, 0.5),
         "join_max_s": round(max(joined), 2) if joined else None,
         "bootstrap_admitted": admitted,
         "bootstrap_busy_conns": busy,
+        "bootstrap_busy_streams": int((bstat.get("counters") or {}).get("busy_streams", 0)),
+        "bootstrap_busy_answered": int((bstat.get("counters") or {}).get("busy_answered", 0)),
         "admitted_per_s_peak": peak_rate(samples),
         "admitted_per_s_mean": round(len(joined) / span, 2) if span else None,
         "bootstrap_cpu_s": round(cpu_s(procs[0].pid) - boot_cpu0, 1),
@@ -353,7 +362,7 @@ async def light_joins(boot_addr: str, hosts: int, limit_s: float, start_at: floa
     boot = parse_peer_addr(boot_addr)
     rng = random.Random(start_at)
     joined: list[float] = []
-    counts = {"failed": 0, "retries": 0}
+    counts = {"failed": 0, "retries": 0, "busy_answers": 0}
     done = trio.Event()
     ours = Hello(network=DEFAULT_NETWORK, version=VERSION)
 
@@ -367,9 +376,17 @@ async def light_joins(boot_addr: str, hosts: int, limit_s: float, start_at: floa
                 try:
                     with trio.fail_after(15):
                         await host.connect(boot)
-                        await say_hello(
+                        theirs = await say_hello(
                             lambda: host.new_stream(boot.peer_id, [TProtocol(HELLO_PROTOCOL)]), ours
                         )
+                    if theirs.retry_after_s is not None:
+                        # "Busy, retry after N s": leave, and come back after 1-1.5x N
+                        # (overlay/net/admission.py does the same).
+                        counts["busy_answers"] += 1
+                        with trio.move_on_after(2):
+                            await host.disconnect(boot.peer_id)
+                        await trio.sleep(theirs.retry_after_s * (1.0 + 0.5 * rng.random()))
+                        continue
                     joined.append(time.time() - start_at)
                     break
                 except (Exception, trio.TooSlowError):
