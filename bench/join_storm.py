@@ -127,6 +127,34 @@ def admissions(status: dict[str, Any] | None) -> tuple[int, int]:
     return int(counters.get("admitted", 0)), int(counters.get("busy_conns", 0))
 
 
+def gossip_figures(statuses: list[dict | None]) -> dict[str, Any]:
+    """Where digests were late, summed over the joiners: their ages as they arrived
+    (``gossip_age_in_*``) and as our own left a send queue (``gossip_age_out_*``), those
+    dropped as expired on arrival or in a queue (``patches/safepubsub.py``), and what came of
+    the rest (``antientropy.py``'s results, drops and pulls)."""
+    out: dict[str, Any] = {"age_in": {}, "age_out_own": {}, "results": {}, "drops": {}}
+    out["pulls"] = {}
+    expired = {"in": 0, "out": 0}
+    for status in statuses:
+        counters = (status or {}).get("counters") or {}
+        for key, value in counters.items():
+            for prefix, where in (("gossip_age_in_", "age_in"), ("gossip_age_out_", "age_out_own")):
+                if key.startswith(prefix):
+                    bucket = key[len(prefix) :]
+                    out[where][bucket] = out[where].get(bucket, 0) + int(value)
+        expired["in"] += int(counters.get("gossip_expired_in", 0))
+        expired["out"] += int(counters.get("gossip_expired_out", 0))
+        gossip = ((status or {}).get("routing") or {}).get("gossip") or {}
+        for part in ("results", "drops", "pulls"):
+            for key, value in (gossip.get(part) or {}).items():
+                out[part][key] = out[part].get(key, 0) + int(value)
+    order = ["lt2", "lt10", "lt30", "lt60", "lt120", "ge120"]
+    for where in ("age_in", "age_out_own"):
+        out[where] = {b: out[where][b] for b in order if b in out[where]}
+    out["expired_in"], out["expired_out"] = expired["in"], expired["out"]
+    return out
+
+
 def peak_rate(samples: list[tuple[float, int]]) -> float:
     best = 0.0
     for i, (t0, n0) in enumerate(samples):
@@ -281,6 +309,15 @@ def run_storm(args: argparse.Namespace, root: Path, zygote: Zygote, procs: list[
         "joiner_referrals_received": sum(int(c.get("referrals_received", 0)) for c in counters),
         "joiner_bootstrap_retries": sum(int(c.get("bootstrap_retries", 0)) for c in counters),
         "joiner_busy_answers": sum(int(c.get("busy_answers", 0)) for c in counters),
+        "digests": gossip_figures(statuses),
+        "joiner_loop_lag_s_p50": pct(
+            [float(((s or {}).get("liveness") or {}).get("loop_lag_s") or 0) for s in statuses],
+            0.5,
+        ),
+        "joiner_echo_delay_s_p50": pct(
+            [float(((s or {}).get("liveness") or {}).get("echo_delay_s") or 0) for s in statuses],
+            0.5,
+        ),
         "load_avg_1m_max": round(load_max, 2),
         "load_avg_1m_end": round(os.getloadavg()[0], 2),
         "waits_s": sorted(round(w, 2) for w in waits),

@@ -12,6 +12,9 @@ Contract:
   comes early (within ``change_poll_s``) when the cache changed or the push-back flag flipped,
   paid from a token bucket of ``publish_burst`` messages refilled at one per interval, so the
   average rate stays within the budget.
+- Digests gossiped past ``max_age_s`` are dropped by pubsub itself, on arrival and before
+  they leave a send queue (``set_topic_expiry``, ``overlay/net/patches/safepubsub.py``), so
+  a node never forwards what every receiver refuses.
 - Receiving (``ingest``): open and verify the envelope (``overlay.digest.open_digest``), check the
   topic's model, apply to ``PeerViews``. A gossiped digest must be signed by the message's
   publisher (gossipsub's strict signing authenticates ``from_id``): a digest of B published by
@@ -60,6 +63,7 @@ import trio
 from prometheus_client import CollectorRegistry, Counter
 
 from p2pnode.errors import P2PNodeError
+from p2pnode.identity import peek_timestamp
 from p2pnode.overlay import wire
 from p2pnode.overlay._streams import close_quietly
 from p2pnode.overlay.cache.digest import (
@@ -230,7 +234,7 @@ class AntiEntropy:
                 self._nursery = nursery
                 self.node.peers.add_listener(self._on_peer_state)
                 for model in self.models:
-                    sub = await self.node.pubsub.subscribe(digest_topic(model))
+                    sub = await self._subscribe(model)
                     nursery.start_soon(self._receive_loop, model, sub)
                 nursery.start_soon(self._publish_loop)
                 task_status.started()
@@ -250,8 +254,13 @@ class AntiEntropy:
             return
         self.models = sorted({*self.models, model})
         if self._nursery is not None:  # running: subscribe now (else run subscribes)
-            sub = await self.node.pubsub.subscribe(digest_topic(model))
+            sub = await self._subscribe(model)
             self._nursery.start_soon(self._receive_loop, model, sub)
+
+    async def _subscribe(self, model: str) -> Subscription:
+        topic = digest_topic(model)
+        self.node.pubsub.set_topic_expiry(topic, peek_timestamp, self.config.max_age_s)
+        return await self.node.pubsub.subscribe(topic)
 
     # -- publishing -------------------------------------------------------------------------
 
