@@ -14,7 +14,8 @@ Contract:
   average rate stays within the budget.
 - Digests gossiped past ``max_age_s`` are dropped by pubsub itself, on arrival and before
   they leave a send queue (``set_topic_expiry``, ``overlay/net/patches/safepubsub.py``), so
-  a node never forwards what every receiver refuses.
+  a node never forwards what every receiver refuses; each still counts as dropped
+  ``expired`` and its publisher as heard.
 - Receiving (``ingest``): open and verify the envelope (``overlay.digest.open_digest``), check the
   topic's model, apply to ``PeerViews``. A gossiped digest must be signed by the message's
   publisher (gossipsub's strict signing authenticates ``from_id``): a digest of B published by
@@ -34,6 +35,11 @@ Contract:
   connections a node links to peers whose gossip it has not heard yet, and the origin's
   publish interval grows with the number of publishers (64 nodes: ~16 s a round), so
   waiting for its gossip left views missing for minutes while the links churned.
+- A pull's time limit is ``PULL_ROUND_TRIPS`` of the peer's retransmission timeout (srtt + 4
+  rttvar of its pings, ``PeerTable.rto``), at least ``pull_timeout_s`` and at most
+  ``MAX_PULL_TIMEOUT_S``: under load a loopback round trip took 2.4 s (64 node processes on
+  2 cores), and a fixed 5 s limit ended 2,472 of 2,795 pulls before their answer, so views of
+  linked peers waited for a full digest instead (every ``full_every`` rounds).
 - A view silent for ``silent_pull_rounds`` publish intervals is pulled too (its origin's gossip
   does not reach us, so no gap would show). Pulls are jittered (``pull_jitter_s``) and at most
   ``max_concurrent_pulls`` run at once.
@@ -128,6 +134,10 @@ class PullFailed(P2PNodeError):
 # How long a peer that came up may take to hand us its signed record before we give up
 # pulling its view on up (gossip and the silent-view pull still repair it).
 RECORD_WAIT_S = 10.0
+# Round trips a pull takes: the stream's negotiation, then its request and answer (and one
+# spare); its limit is this many of the peer's retransmission timeouts.
+PULL_ROUND_TRIPS = 3.0
+MAX_PULL_TIMEOUT_S = 60.0
 # Publish intervals a view may stay silent before it expires: past the silent pull
 # (``silent_pull_rounds``) with room for that pull to be answered.
 EXPIRE_ROUNDS = 6.0
@@ -259,8 +269,19 @@ class AntiEntropy:
 
     async def _subscribe(self, model: str) -> Subscription:
         topic = digest_topic(model)
-        self.node.pubsub.set_topic_expiry(topic, peek_timestamp, self.config.max_age_s)
+
+        def expired(publisher: str) -> None:
+            self._count_drop("expired")
+            self._heard(topic, publisher)
+
+        self.node.pubsub.set_topic_expiry(topic, peek_timestamp, self.config.max_age_s, expired)
         return await self.node.pubsub.subscribe(topic)
+
+    def _heard(self, topic: str, publisher: str) -> None:
+        """A publisher on ``topic`` (gossipsub's strict signing names it), even one whose
+        digest came too late: not counting it shortened our rounds exactly when the swarm
+        was too busy to deliver digests in time, and the extra digests made it busier."""
+        self._publishers.setdefault(topic, {})[publisher] = trio.current_time()
 
     # -- publishing -------------------------------------------------------------------------
 
@@ -416,12 +437,7 @@ class AntiEntropy:
             self._count_drop(exc.reason)
             log.debug("digest dropped (%s): %s", exc.reason, exc)
             if exc.reason == "expired" and source == "gossip" and expected_peer is not None:
-                # Still a publisher on the topic (gossipsub's strict signing names it): not
-                # counting it shortened our rounds exactly when the swarm was too busy to
-                # deliver digests in time, and the extra digests made it busier.
-                self._publishers.setdefault(digest_topic(model), {})[expected_peer] = (
-                    trio.current_time()
-                )
+                self._heard(digest_topic(model), expected_peer)
             return None
         if digest.peer_id == self.node.peer_id:
             return None  # our own publication, echoed by gossipsub
@@ -511,16 +527,22 @@ class AntiEntropy:
         if self.metrics is not None:
             self.metrics.pulls.labels(result).inc()
 
+    def pull_timeout(self, peer_id: str) -> float:
+        """How long a pull from ``peer_id`` may take (module contract)."""
+        rtts = PULL_ROUND_TRIPS
+        floor = self.config.pull_timeout_s / rtts
+        ceiling = max(floor, MAX_PULL_TIMEOUT_S / rtts)
+        return rtts * self.node.peers.rto(peer_id, floor, ceiling)
+
     async def pull(self, peer_id: str, model: str) -> ApplyResult | None:
         """Fetch ``peer_id``'s digest for ``model`` over a direct stream and apply it."""
         have = self.views.version_of(peer_id, model)
         request = DigestPull(model, *(have or (None, None)))
         limit = wire.limit_for(DIGEST_PROTOCOL)
+        timeout = self.pull_timeout(peer_id)
         try:
-            with trio.fail_after(self.config.pull_timeout_s):
-                stream = await self.node.open_stream(
-                    peer_id, DIGEST_PROTOCOL, timeout=self.config.pull_timeout_s
-                )
+            with trio.fail_after(timeout):
+                stream = await self.node.open_stream(peer_id, DIGEST_PROTOCOL, timeout=timeout)
                 try:
                     await wire.write_frame(stream, wire.to_wire(request), limit=limit)
                     reply = wire.from_wire(
@@ -531,7 +553,7 @@ class AntiEntropy:
                         await close_quietly(stream)
         except trio.TooSlowError:
             self._count_pull("timeout")
-            raise PullFailed(f"no reply within {self.config.pull_timeout_s:.1f} s") from None
+            raise PullFailed(f"no reply within {timeout:.1f} s") from None
         except Exception as exc:  # unreachable peer, reset stream, malformed frame
             self._count_pull("error")
             raise PullFailed(f"{type(exc).__name__}: {exc}") from None

@@ -122,7 +122,8 @@ async def test_gossip_older_than_its_topics_expiry_is_dropped_on_arrival() -> No
     drops the expired message before delivering or forwarding it, and takes the fresh one
     sent after it on the same stream."""
     async with overlay_nodes(2) as (keys, (a, b)):
-        b.pubsub.set_topic_expiry(TOPIC, peek_timestamp, MAX_AGE_S)
+        heard: list[str] = []
+        b.pubsub.set_topic_expiry(TOPIC, peek_timestamp, MAX_AGE_S, heard.append)
         sub = await b.pubsub.subscribe(TOPIC)
         await a.pubsub.subscribe(TOPIC)
         got: list[bytes] = []
@@ -139,6 +140,7 @@ async def test_gossip_older_than_its_topics_expiry_is_dropped_on_arrival() -> No
                 assert peek_timestamp(data) is not None
                 assert time.time() - peek_timestamp(data) < MAX_AGE_S  # type: ignore[operator]
         assert b.pubsub.counters["gossip_expired_in"] == 1
+        assert heard == [a.peer_id]  # who published it, once its pubsub signature verified
         assert b.pubsub.counters["gossip_age_in_ge120"] == 1
         tallied = [k for k in b.pubsub.counters if k.startswith("gossip_age_in_lt")]
         assert sum(b.pubsub.counters[k] for k in tallied) >= 2  # warm and fresh, however slow

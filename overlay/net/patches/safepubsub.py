@@ -23,10 +23,12 @@ each message as "seen" for 120 s, which is also the digests' lifetime, so a copy
 backlog delayed past that is new to it again, and every node forwarded it to its whole mesh
 once more (64 node processes on 2 cores: 6,427 digests arrived expired, 30 % of all,
 each one forwarded on before its receiver dropped it). ``set_topic_expiry(topic,
-issued_at, max_age_s)``: a message of that topic whose ``issued_at(data)`` (unix time, None
-when unreadable: the checks after decide) is older than ``max_age_s`` is dropped when it
-arrives, before its signature check, delivery and forwarding (``gossip_expired_in``), and
-when it is about to be written, after waiting in a peer's send queue (``gossip_expired_out``).
+issued_at, max_age_s, on_expired)``: a message of that topic whose ``issued_at(data)`` (unix
+time, None when unreadable: the checks after decide) is older than ``max_age_s`` is dropped
+when it arrives, before its delivery and forwarding (``gossip_expired_in``; once its pubsub
+signature verifies, ``on_expired(publisher id)`` hears of it: it still says who publishes),
+and when it is about to be written, after waiting in a peer's send queue
+(``gossip_expired_out``).
 The age of each such message is tallied as it arrives (``gossip_age_in_<bucket>``) and as
 our own leaves (``gossip_age_out_<bucket>``, the time it waited in our send queues): which
 of the two a delay comes from.
@@ -46,6 +48,7 @@ import weakref
 from collections import Counter
 from collections.abc import Callable
 from contextlib import suppress
+from dataclasses import dataclass
 
 import trio
 from google.protobuf.message import DecodeError
@@ -54,6 +57,7 @@ from libp2p.network.stream.exceptions import StreamClosed, StreamReset
 from libp2p.peer.id import ID
 from libp2p.pubsub.pb import rpc_pb2
 from libp2p.pubsub.pubsub import Pubsub
+from libp2p.pubsub.validators import signature_validator
 
 __all__ = ["SafePubsub"]
 
@@ -74,21 +78,25 @@ class SafePubsub(Pubsub):
         self._write_locks: weakref.WeakKeyDictionary[INetStream, trio.Lock] = (
             weakref.WeakKeyDictionary()
         )
-        self._expiry: dict[str, tuple[Callable[[bytes], float | None], float]] = {}
+        self._expiry: dict[str, _Expiry] = {}
 
     def set_topic_expiry(
-        self, topic: str, issued_at: Callable[[bytes], float | None], max_age_s: float
+        self,
+        topic: str,
+        issued_at: Callable[[bytes], float | None],
+        max_age_s: float,
+        on_expired: Callable[[str], None] | None = None,
     ) -> None:
         """Drop messages of ``topic`` older than ``max_age_s`` (module doc)."""
-        self._expiry[topic] = (issued_at, max_age_s)
+        self._expiry[topic] = _Expiry(issued_at, max_age_s, on_expired)
 
-    def _age(self, msg: rpc_pb2.Message) -> tuple[float, float] | None:
-        """(age, max age) of a message of a topic with an expiry; None for others."""
+    def _age(self, msg: rpc_pb2.Message) -> tuple[float, _Expiry] | None:
+        """(age, rule) of a message of a topic with an expiry; None for others."""
         for topic in msg.topicIDs:
             rule = self._expiry.get(topic)
             if rule is not None:
-                issued = rule[0](bytes(msg.data))
-                return None if issued is None else (time.time() - issued, rule[1])
+                issued = rule.issued_at(bytes(msg.data))
+                return None if issued is None else (time.time() - issued, rule)
         return None
 
     def _tally_age(self, direction: str, age: float) -> None:
@@ -99,9 +107,13 @@ class SafePubsub(Pubsub):
         if msg_forwarder != self.my_id and not self._is_msg_seen(msg):
             aged = self._age(msg)
             if aged is not None:
-                self._tally_age("in", aged[0])
-                if aged[0] > aged[1]:
+                age, rule = aged
+                self._tally_age("in", age)
+                if age > rule.max_age_s:
                     self.counters["gossip_expired_in"] += 1
+                    signed = not self.strict_signing or signature_validator(msg)
+                    if rule.on_expired is not None and signed:
+                        rule.on_expired(ID(msg.from_id).to_base58())
                     return
         await super().push_msg(msg_forwarder, msg)
 
@@ -112,7 +124,7 @@ class SafePubsub(Pubsub):
         keep = []
         for msg in rpc.publish:
             aged = self._age(msg)
-            if aged is not None and aged[0] > aged[1]:
+            if aged is not None and aged[0] > aged[1].max_age_s:
                 self.counters["gossip_expired_out"] += 1
                 continue
             if aged is not None and msg.from_id == self.my_id.to_bytes():
@@ -183,6 +195,13 @@ class SafePubsub(Pubsub):
             for part in ("ihave", "iwant", "graft", "prune", "idontwant"):
                 if getattr(rpc.control, part):
                     self.counters[f"rpc_out_{part}"] += 1
+
+
+@dataclass(frozen=True)
+class _Expiry:
+    issued_at: Callable[[bytes], float | None]
+    max_age_s: float
+    on_expired: Callable[[str], None] | None
 
 
 async def _reset(stream: INetStream) -> None:
