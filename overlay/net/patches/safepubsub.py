@@ -58,6 +58,7 @@ which part of it to cut.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 import weakref
@@ -87,6 +88,9 @@ RESET_TIMEOUT_S = 2.0
 BATCH_BYTES = 64 * 1024
 # One read takes what has arrived up to this many bytes (then the loop yields once).
 READ_CHUNK = 64 * 1024
+# Messages whose issue time is remembered per topic (each is read once, however many peers it
+# goes to, within moments); the cache holds their bytes, a full digest up to 64 KiB each.
+ISSUED_CACHE = 128
 # Upper bounds (s) of the age buckets tallied for topics with an expiry.
 AGE_BUCKETS_S = (2.0, 10.0, 30.0, 60.0, 120.0)
 
@@ -110,7 +114,9 @@ class SafePubsub(Pubsub):
         on_expired: Callable[[str], None] | None = None,
     ) -> None:
         """Drop messages of ``topic`` older than ``max_age_s`` (module doc)."""
-        self._expiry[topic] = _Expiry(issued_at, max_age_s, on_expired)
+        # One message is judged on arrival and again for each peer it is forwarded to.
+        cached = functools.lru_cache(maxsize=ISSUED_CACHE)(issued_at)
+        self._expiry[topic] = _Expiry(cached, max_age_s, on_expired)
 
     def _age(self, msg: rpc_pb2.Message) -> tuple[float, _Expiry] | None:
         """(age, rule) of a message of a topic with an expiry; None for others."""
