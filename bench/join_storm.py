@@ -4,6 +4,7 @@ Starts `p2pnode bootstrap` and N `p2pnode join --bootstrap INVITE` processes (de
 emulated engines, forked from one process that imported the modules: testnet/run/zygote.py)
 on 127.0.0.1 with no pause between joiners, and measures from the moment the last joiner was
 started:
+- per joiner, when its node ran (its invite redeemed: ``started_*``);
 - per joiner, the time its scope is complete: it sees the peers it should up (every other
   joiner, or with bounded connections, the default, its low watermark less one:
   ``testnet.run.formation``) and holds a cache view of each; p50/p95/max and max/p50;
@@ -179,6 +180,7 @@ def run_storm(args: argparse.Namespace, root: Path, zygote: Zygote, procs: list[
     launched = time.monotonic()
     deadline = launched + args.timeout
     infos: list[dict[str, Any]] = []
+    started_at: list[float] = []  # when each joiner's node ran (its invite redeemed)
     failed_starts: list[str] = []
     starting = list(zip(homes, procs[1:], strict=True))
 
@@ -193,6 +195,7 @@ def run_storm(args: argparse.Namespace, root: Path, zygote: Zygote, procs: list[
                 info = None
             if info and info.get("api"):
                 infos.append(info)
+                started_at.append(time.monotonic() - launched)
                 starting.remove((home, proc))
             elif proc.poll() is not None:  # a failed join is a figure, not a crash
                 log = home / "node.log"
@@ -278,6 +281,8 @@ def run_storm(args: argparse.Namespace, root: Path, zygote: Zygote, procs: list[
         "joiners_failed_to_start": len(failed_starts),
         "joiners_not_started": len(starting),
         "failed_starts": failed_starts[:5],
+        "started_p50_s": pct(started_at, 0.5),
+        "started_max_s": round(max(started_at), 2) if started_at else None,
         "scopes_linked": len(done_at),
         "links_formed_s": None if links_formed_at is None else round(links_formed_at, 2),
         "scopes_with_views": len(views_at),
