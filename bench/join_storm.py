@@ -131,13 +131,18 @@ def admissions(status: dict[str, Any] | None) -> tuple[int, int]:
 def gossip_figures(statuses: list[dict | None]) -> dict[str, Any]:
     """Where digests were late, summed over the joiners: their ages as they arrived
     (``gossip_age_in_*``) and as our own left a send queue (``gossip_age_out_*``), those
-    dropped as expired on arrival or in a queue (``patches/safepubsub.py``), and what came of
-    the rest (``antientropy.py``'s results, drops and pulls)."""
+    dropped as expired on arrival or in a queue (``patches/safepubsub.py``), what came of
+    the rest (``antientropy.py``'s results, drops and pulls), and the pubsub RPCs written,
+    batched and dropped for a full send queue (``patches/tuning.py``)."""
     out: dict[str, Any] = {"age_in": {}, "age_out_own": {}, "results": {}, "drops": {}}
     out["pulls"] = {}
     expired = {"in": 0, "out": 0}
+    sent = {"rpcs_out": 0, "rpcs_batched": 0}
     for status in statuses:
         counters = (status or {}).get("counters") or {}
+        for key, value in counters.items():
+            if key in sent or key.startswith("rpcs_dropped_"):
+                sent[key] = sent.get(key, 0) + int(value)
         for key, value in counters.items():
             for prefix, where in (("gossip_age_in_", "age_in"), ("gossip_age_out_", "age_out_own")):
                 if key.startswith(prefix):
@@ -153,6 +158,7 @@ def gossip_figures(statuses: list[dict | None]) -> dict[str, Any]:
     for where in ("age_in", "age_out_own"):
         out[where] = {b: out[where][b] for b in order if b in out[where]}
     out["expired_in"], out["expired_out"] = expired["in"], expired["out"]
+    out["pubsub_out"] = sent  # RPCs written, those that shared a write, and those dropped
     return out
 
 
