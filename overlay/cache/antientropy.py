@@ -12,10 +12,8 @@ Contract:
   comes early (within ``change_poll_s``) when the cache changed or the push-back flag flipped,
   paid from a token bucket of ``publish_burst`` messages refilled at one per interval, so the
   average rate stays within the budget.
-- Digests gossiped past ``max_age_s`` are dropped by pubsub itself, on arrival and before
-  they leave a send queue (``set_topic_expiry``, ``overlay/net/patches/safepubsub.py``), so
-  a node never forwards what every receiver refuses; each still counts as dropped
-  ``expired`` and its publisher as heard.
+- Gossip past ``max_age_s`` is dropped by pubsub, never forwarded (``set_topic_expiry``,
+  ``patches/safepubsub.py``); it still counts as dropped ``expired``, its publisher as heard.
 - Receiving (``ingest``): open and verify the envelope (``overlay.digest.open_digest``), check the
   topic's model, apply to ``PeerViews``. A gossiped digest must be signed by the message's
   publisher (gossipsub's strict signing authenticates ``from_id``): a digest of B published by
@@ -35,11 +33,9 @@ Contract:
   connections a node links to peers whose gossip it has not heard yet, and the origin's
   publish interval grows with the number of publishers (64 nodes: ~16 s a round), so
   waiting for its gossip left views missing for minutes while the links churned.
-- A pull's time limit is ``PULL_ROUND_TRIPS`` of the peer's retransmission timeout (srtt + 4
-  rttvar of its pings, ``PeerTable.rto``), at least ``pull_timeout_s`` and at most
-  ``MAX_PULL_TIMEOUT_S``: under load a loopback round trip took 2.4 s (64 node processes on
-  2 cores), and a fixed 5 s limit ended 2,472 of 2,795 pulls before their answer, so views of
-  linked peers waited for a full digest instead (every ``full_every`` rounds).
+- A pull may take ``PULL_ROUND_TRIPS`` of the peer's retransmission timeout (``PeerTable.rto``)
+  within [``pull_timeout_s``, ``MAX_PULL_TIMEOUT_S``]: at a 2.4 s loaded round trip (64
+  processes on 2 cores) a fixed 5 s ended 2,472 of 2,795 pulls before their answer.
 - A view silent for ``silent_pull_rounds`` publish intervals is pulled too (its origin's gossip
   does not reach us, so no gap would show). Pulls are jittered (``pull_jitter_s``) and at most
   ``max_concurrent_pulls`` run at once.
@@ -58,6 +54,7 @@ Contract:
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import random
@@ -134,8 +131,7 @@ class PullFailed(P2PNodeError):
 # How long a peer that came up may take to hand us its signed record before we give up
 # pulling its view on up (gossip and the silent-view pull still repair it).
 RECORD_WAIT_S = 10.0
-# Round trips a pull takes: the stream's negotiation, then its request and answer (and one
-# spare); its limit is this many of the peer's retransmission timeouts.
+# A pull's round trips: its stream's negotiation, its request and answer, and one spare.
 PULL_ROUND_TRIPS = 3.0
 MAX_PULL_TIMEOUT_S = 60.0
 # Publish intervals a view may stay silent before it expires: past the silent pull
@@ -268,20 +264,14 @@ class AntiEntropy:
             self._nursery.start_soon(self._receive_loop, model, sub)
 
     async def _subscribe(self, model: str) -> Subscription:
-        topic = digest_topic(model)
-
-        def expired(publisher: str) -> None:
-            self._count_drop("expired")
-            self._heard(topic, publisher)
-
+        topic, expired = digest_topic(model), functools.partial(self._expired, model)
         self.node.pubsub.set_topic_expiry(topic, peek_timestamp, self.config.max_age_s, expired)
         return await self.node.pubsub.subscribe(topic)
 
-    def _heard(self, topic: str, publisher: str) -> None:
-        """A publisher on ``topic`` (gossipsub's strict signing names it), even one whose
-        digest came too late: not counting it shortened our rounds exactly when the swarm
-        was too busy to deliver digests in time, and the extra digests made it busier."""
-        self._publishers.setdefault(topic, {})[publisher] = trio.current_time()
+    def _expired(self, model: str, publisher: str) -> None:
+        """Too old to apply; its publisher still counts (else rounds shrink when swarms are busy)."""
+        self._count_drop("expired")
+        self._publishers.setdefault(digest_topic(model), {})[publisher] = trio.current_time()
 
     # -- publishing -------------------------------------------------------------------------
 
@@ -434,10 +424,11 @@ class AntiEntropy:
             log.debug("digest dropped: %s", exc)
             return None
         except DigestError as exc:
-            self._count_drop(exc.reason)
             log.debug("digest dropped (%s): %s", exc.reason, exc)
             if exc.reason == "expired" and source == "gossip" and expected_peer is not None:
-                self._heard(digest_topic(model), expected_peer)
+                self._expired(model, expected_peer)
+            else:
+                self._count_drop(exc.reason)
             return None
         if digest.peer_id == self.node.peer_id:
             return None  # our own publication, echoed by gossipsub
@@ -529,10 +520,9 @@ class AntiEntropy:
 
     def pull_timeout(self, peer_id: str) -> float:
         """How long a pull from ``peer_id`` may take (module contract)."""
-        rtts = PULL_ROUND_TRIPS
-        floor = self.config.pull_timeout_s / rtts
-        ceiling = max(floor, MAX_PULL_TIMEOUT_S / rtts)
-        return rtts * self.node.peers.rto(peer_id, floor, ceiling)
+        floor = self.config.pull_timeout_s / PULL_ROUND_TRIPS
+        ceiling = max(floor, MAX_PULL_TIMEOUT_S / PULL_ROUND_TRIPS)
+        return PULL_ROUND_TRIPS * self.node.peers.rto(peer_id, floor, ceiling)
 
     async def pull(self, peer_id: str, model: str) -> ApplyResult | None:
         """Fetch ``peer_id``'s digest for ``model`` over a direct stream and apply it."""
