@@ -11,7 +11,7 @@ Contract:
   (discovery spaces redials by it);
   `bootstrap()` dials every one of `bootstrap_infos` at once, each with exponential backoff
   bounded by `bootstrap_attempts`, its waits jittered (`jittered`), each dial's limit growing
-  with the failures so far (across calls) up to `BACKGROUND_TIMEOUT_FACTOR`; unreachable
+  with the failures so far (across calls) up to `BOOTSTRAP_TIMEOUT_FACTOR`; unreachable
   ones are logged in one line each (with `require_bootstrap` `BootstrapFailed` is raised
   instead), then raises `NetworkMismatch` when every bootstrap peer reached is of another
   network or version. A bootstrap peer that answered busy is not retried there: it is
@@ -42,7 +42,7 @@ from multiaddr import Multiaddr
 from p2pnode.overlay._errors import BadMultiaddr, BootstrapFailed, PeerBusy, PeerUnreachable
 from p2pnode.overlay.net.addrs import dial_order
 from p2pnode.overlay.net.admission import REFUSED_US, Admission
-from p2pnode.overlay.net.config import BACKGROUND_TIMEOUT_FACTOR, OverlayConfig
+from p2pnode.overlay.net.config import BOOTSTRAP_TIMEOUT_FACTOR, OverlayConfig
 from p2pnode.overlay.net.dht import OverlayDHT
 from p2pnode.overlay.net.hello import NetworkMismatch, NotAMember
 from p2pnode.overlay.net.host import parse_multiaddr
@@ -91,9 +91,9 @@ class Dialer:
 
     async def dial(self, info: PeerInfo, *, background: float = 1.0) -> None:
         """Connect to `info` within `background` x `connect_timeout`. Discovery dials take
-        `BACKGROUND_TIMEOUT_FACTOR`, bootstrap retries grow towards it: 64 nodes joining on 2
-        cores took more than `connect_timeout` per handshake, and cutting them short threw the
-        work of both sides away and made every retry slower still (measured: ~900 handshakes
+        `BACKGROUND_TIMEOUT_FACTOR`, bootstrap retries grow towards `BOOTSTRAP_TIMEOUT_FACTOR`:
+        64 nodes joining on 2 cores took more than `connect_timeout` per handshake, and cutting
+        them short threw the work of both sides away and made every retry slower still (measured: ~900 handshakes
         torn down, a median of 15 of 63 peers connected after 200 s)."""
         pid = info.peer_id.to_base58()
         self.last_dial[pid] = trio.current_time()
@@ -129,7 +129,7 @@ class Dialer:
             # bootstrap's handshakes (slower than that) were abandoned round after round, and
             # 17 of 64 joiners never got in (measured: 64 processes on 2 cores).
             tried = self._bootstrap_failures.get(pid, 0)
-            factor = min(2.0**tried, BACKGROUND_TIMEOUT_FACTOR)
+            factor = min(2.0**tried, BOOTSTRAP_TIMEOUT_FACTOR)
             # libp2p refuses for 60 s to dial a peer whose addresses all failed once (its
             # "negative cache"): a bootstrap too busy to finish one handshake in time then
             # got no second try, and a starved joiner stayed alone for minutes (measured:

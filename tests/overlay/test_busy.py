@@ -19,10 +19,15 @@ from libp2p.peer.id import ID
 from p2pnode.identity import NodeKey
 from p2pnode.overlay._errors import PeerBusy
 from p2pnode.overlay.net.admission import Admission
-from p2pnode.overlay.net.config import OverlayConfig
+from p2pnode.overlay.net.config import BOOTSTRAP_TIMEOUT_FACTOR, OverlayConfig
 from p2pnode.overlay.net.dialing import Dialer, parse_peer_addr
 from p2pnode.overlay.net.hello import Hello
-from p2pnode.overlay.net.host import make_host, parse_multiaddr
+from p2pnode.overlay.net.host import (
+    UPGRADE_TIMEOUT_S,
+    connection_config,
+    make_host,
+    parse_multiaddr,
+)
 from p2pnode.overlay.net.node import OverlayNode, open_overlay_node
 from p2pnode.overlay.net.patches.busy import (
     BUSY_GREETING,
@@ -343,3 +348,15 @@ async def test_the_retry_after_is_the_time_the_negotiations_in_flight_take_to_dr
     assert load.retry_after_s() is None
     load.negotiations = 10_000
     assert load.retry_after_s() == RETRY_AFTER_S[1]
+
+
+def test_handshakes_may_take_as_long_as_a_loaded_machine_needs() -> None:
+    """libp2p cut every handshake at 10 s; at 128 processes on 2 cores one took ~20 s, so a
+    bootstrap's handshake slots held only doomed ones. A bootstrap dial that keeps timing out
+    may wait as long as the handshake may take."""
+    config = connection_config()
+    assert config.inbound_upgrade_timeout == config.outbound_upgrade_timeout == UPGRADE_TIMEOUT_S
+    assert UPGRADE_TIMEOUT_S >= 30.0
+    assert BOOTSTRAP_TIMEOUT_FACTOR * OverlayConfig(key=NodeKey.generate()).connect_timeout == (
+        pytest.approx(UPGRADE_TIMEOUT_S)
+    )
