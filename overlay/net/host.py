@@ -18,9 +18,10 @@ Contract:
   their connections. Pass `health_check_interval` > 0 to turn the monitor on anyway.
 - A connection's handshake (Noise XX and yamux, with their multistream negotiations: ~5
   round trips) may take `UPGRADE_TIMEOUT_S` each way, not libp2p's 10 s: 128 node processes
-  on 2 cores measured a 4.4 s round trip at the bootstrap, so every handshake was cut at
-  10 s before it could finish, the bootstrap's handshake slots (`patches/busy.py`) stayed
-  full of doomed ones, and it admitted 3 joiners in 280 s.
+  on 2 cores measured a 4.4 s round trip at the bootstrap, so handshakes were cut at 10 s
+  before they could finish and the bootstrap's handshake slots (`patches/busy.py`) held
+  doomed ones (it admitted 3 joiners in 280 s; with 45 s, 42 in 300 s against 29: there its
+  CPU share, 5 % of a core, is the limit).
 - Advertised addresses come from `addrs_factory` (`overlay/net/addrs.py`: never an unspecified
   address); without one, libp2p advertises its bound listen addresses as they are.
 - `quiet_libp2p_logs()` silences libp2p's WARNING on every clean stream close.
