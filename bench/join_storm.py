@@ -4,14 +4,16 @@ Starts `p2pnode bootstrap` and N `p2pnode join --bootstrap INVITE` processes (de
 emulated engines, forked from one process that imported the modules: testnet/run/zygote.py)
 on 127.0.0.1 with no pause between joiners, and measures from the moment the last joiner was
 started:
+- per joiner, when its node ran (its invite redeemed: ``started_*``);
 - per joiner, the time its scope is complete: it sees the peers it should up (every other
   joiner, or with bounded connections, the default, its low watermark less one:
   ``testnet.run.formation``) and holds a cache view of each; p50/p95/max and max/p50;
 - formed: the time every joiner's scope is complete and the up links make one overlay;
 - the bootstrap's admissions (``admitted`` hellos, ``overlay/net/admission.py``; connections
-  and streams turned away as busy and abandoned streams skipped, ``patches/busy.py``), admitted joins a second (peak over 5 s and
+  and streams turned away as busy, hellos answered "busy, retry after N s" and abandoned
+  streams skipped, ``patches/busy.py``), admitted joins a second (peak over 5 s and
   mean over the storm), its CPU and connections; the joiners' failed and retried joins
-  (``bootstrap_retries``) and the referrals they got; the load average.
+  (``bootstrap_retries``), the busy answers they got and the referrals; the load average.
 
 `--load-generator`: instead of N node processes, `--procs` processes each run
 `--hosts`/`--procs` light overlay hosts (no engine, no API) in one trio loop; each joins the
@@ -126,6 +128,40 @@ def admissions(status: dict[str, Any] | None) -> tuple[int, int]:
     return int(counters.get("admitted", 0)), int(counters.get("busy_conns", 0))
 
 
+def gossip_figures(statuses: list[dict | None]) -> dict[str, Any]:
+    """Where digests were late, summed over the joiners: their ages as they arrived
+    (``gossip_age_in_*``) and as our own left a send queue (``gossip_age_out_*``), those
+    dropped as expired on arrival or in a queue (``patches/safepubsub.py``), what came of
+    the rest (``antientropy.py``'s results, drops and pulls), and the pubsub RPCs written,
+    batched and dropped for a full send queue (``patches/tuning.py``)."""
+    out: dict[str, Any] = {"age_in": {}, "age_out_own": {}, "results": {}, "drops": {}}
+    out["pulls"] = {}
+    expired = {"in": 0, "out": 0}
+    sent = {"rpcs_out": 0, "rpcs_batched": 0}
+    for status in statuses:
+        counters = (status or {}).get("counters") or {}
+        for key, value in counters.items():
+            if key in sent or key.startswith("rpcs_dropped_"):
+                sent[key] = sent.get(key, 0) + int(value)
+        for key, value in counters.items():
+            for prefix, where in (("gossip_age_in_", "age_in"), ("gossip_age_out_", "age_out_own")):
+                if key.startswith(prefix):
+                    bucket = key[len(prefix) :]
+                    out[where][bucket] = out[where].get(bucket, 0) + int(value)
+        expired["in"] += int(counters.get("gossip_expired_in", 0))
+        expired["out"] += int(counters.get("gossip_expired_out", 0))
+        gossip = ((status or {}).get("routing") or {}).get("gossip") or {}
+        for part in ("results", "drops", "pulls"):
+            for key, value in (gossip.get(part) or {}).items():
+                out[part][key] = out[part].get(key, 0) + int(value)
+    order = ["lt2", "lt10", "lt30", "lt60", "lt120", "ge120"]
+    for where in ("age_in", "age_out_own"):
+        out[where] = {b: out[where][b] for b in order if b in out[where]}
+    out["expired_in"], out["expired_out"] = expired["in"], expired["out"]
+    out["pubsub_out"] = sent  # RPCs written, those that shared a write, and those dropped
+    return out
+
+
 def peak_rate(samples: list[tuple[float, int]]) -> float:
     best = 0.0
     for i, (t0, n0) in enumerate(samples):
@@ -150,6 +186,7 @@ def run_storm(args: argparse.Namespace, root: Path, zygote: Zygote, procs: list[
     launched = time.monotonic()
     deadline = launched + args.timeout
     infos: list[dict[str, Any]] = []
+    started_at: list[float] = []  # when each joiner's node ran (its invite redeemed)
     failed_starts: list[str] = []
     starting = list(zip(homes, procs[1:], strict=True))
 
@@ -164,6 +201,7 @@ def run_storm(args: argparse.Namespace, root: Path, zygote: Zygote, procs: list[
                 info = None
             if info and info.get("api"):
                 infos.append(info)
+                started_at.append(time.monotonic() - launched)
                 starting.remove((home, proc))
             elif proc.poll() is not None:  # a failed join is a figure, not a crash
                 log = home / "node.log"
@@ -249,6 +287,8 @@ def run_storm(args: argparse.Namespace, root: Path, zygote: Zygote, procs: list[
         "joiners_failed_to_start": len(failed_starts),
         "joiners_not_started": len(starting),
         "failed_starts": failed_starts[:5],
+        "started_p50_s": pct(started_at, 0.5),
+        "started_max_s": round(max(started_at), 2) if started_at else None,
         "scopes_linked": len(done_at),
         "links_formed_s": None if links_formed_at is None else round(links_formed_at, 2),
         "scopes_with_views": len(views_at),
@@ -268,6 +308,9 @@ def run_storm(args: argparse.Namespace, root: Path, zygote: Zygote, procs: list[
         "bootstrap_connections_max": boot_conns_max,
         "bootstrap_cpu_s": round(cpu_s(procs[0].pid) - boot_cpu0, 1),
         "bootstrap_busy_streams": int(((bstat or {}).get("counters") or {}).get("busy_streams", 0)),
+        "bootstrap_busy_answered": int(
+            ((bstat or {}).get("counters") or {}).get("busy_answered", 0)
+        ),
         "bootstrap_abandoned_streams": int(
             ((bstat or {}).get("counters") or {}).get("abandoned_streams", 0)
         ),
@@ -276,6 +319,16 @@ def run_storm(args: argparse.Namespace, root: Path, zygote: Zygote, procs: list[
         "bootstrap_libp2p_max": libp2p_max,
         "joiner_referrals_received": sum(int(c.get("referrals_received", 0)) for c in counters),
         "joiner_bootstrap_retries": sum(int(c.get("bootstrap_retries", 0)) for c in counters),
+        "joiner_busy_answers": sum(int(c.get("busy_answers", 0)) for c in counters),
+        "digests": gossip_figures(statuses),
+        "joiner_loop_lag_s_p50": pct(
+            [float(((s or {}).get("liveness") or {}).get("loop_lag_s") or 0) for s in statuses],
+            0.5,
+        ),
+        "joiner_echo_delay_s_p50": pct(
+            [float(((s or {}).get("liveness") or {}).get("echo_delay_s") or 0) for s in statuses],
+            0.5,
+        ),
         "load_avg_1m_max": round(load_max, 2),
         "load_avg_1m_end": round(os.getloadavg()[0], 2),
         "waits_s": sorted(round(w, 2) for w in waits),
@@ -309,13 +362,14 @@ def run_load_generator(args: argparse.Namespace, root: Path, zygote: Zygote, pro
         bstat = client.get(boot["api"] + "/status").json()
     admitted, busy = admissions(bstat)
     joined: list[float] = []
-    failed = retries = 0
+    failed = retries = busy_answers = 0
     for out in outs:
         if out.exists():
             data = json.loads(out.read_text())
             joined += data["joined_s"]
             failed += data["failed"]
             retries += data["retries"]
+            busy_answers += data.get("busy_answers", 0)
     span = max(joined) if joined else args.timeout
     return {
         "mode": "load generator",
@@ -324,10 +378,13 @@ def run_load_generator(args: argparse.Namespace, root: Path, zygote: Zygote, pro
         "joined": len(joined),
         "failed": failed,
         "retries": retries,
+        "busy_answers": busy_answers,
         "join_p50_s": pct(joined, 0.5),
         "join_max_s": round(max(joined), 2) if joined else None,
         "bootstrap_admitted": admitted,
         "bootstrap_busy_conns": busy,
+        "bootstrap_busy_streams": int((bstat.get("counters") or {}).get("busy_streams", 0)),
+        "bootstrap_busy_answered": int((bstat.get("counters") or {}).get("busy_answered", 0)),
         "admitted_per_s_peak": peak_rate(samples),
         "admitted_per_s_mean": round(len(joined) / span, 2) if span else None,
         "bootstrap_cpu_s": round(cpu_s(procs[0].pid) - boot_cpu0, 1),
@@ -353,7 +410,7 @@ async def light_joins(boot_addr: str, hosts: int, limit_s: float, start_at: floa
     boot = parse_peer_addr(boot_addr)
     rng = random.Random(start_at)
     joined: list[float] = []
-    counts = {"failed": 0, "retries": 0}
+    counts = {"failed": 0, "retries": 0, "busy_answers": 0}
     done = trio.Event()
     ours = Hello(network=DEFAULT_NETWORK, version=VERSION)
 
@@ -367,9 +424,17 @@ async def light_joins(boot_addr: str, hosts: int, limit_s: float, start_at: floa
                 try:
                     with trio.fail_after(15):
                         await host.connect(boot)
-                        await say_hello(
+                        theirs = await say_hello(
                             lambda: host.new_stream(boot.peer_id, [TProtocol(HELLO_PROTOCOL)]), ours
                         )
+                    if theirs.retry_after_s is not None:
+                        # "Busy, retry after N s": leave, and come back after 1-1.5x N
+                        # (overlay/net/admission.py does the same).
+                        counts["busy_answers"] += 1
+                        with trio.move_on_after(2):
+                            await host.disconnect(boot.peer_id)
+                        await trio.sleep(theirs.retry_after_s * (1.0 + 0.5 * rng.random()))
+                        continue
                     joined.append(time.time() - start_at)
                     break
                 except (Exception, trio.TooSlowError):

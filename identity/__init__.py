@@ -15,6 +15,7 @@ from p2pnode.identity.envelope import (
     domain_tag,
     known_kinds,
     open_envelope,
+    peek_timestamp,
     register_kind,
     seal,
 )
@@ -96,6 +97,7 @@ __all__ = [
     "known_kinds",
     "new_node_record",
     "open_envelope",
+    "peek_timestamp",
     "peer_id_from_public_key",
     "register_kind",
     "seal",

@@ -14,7 +14,8 @@ Contract of ``open_envelope``: checks, in this order, size (before decoding), ki
 CBOR and field types, the expected signer, the signature, the body, then the timestamp window;
 and raises ``EnvelopeTooLarge``/``MalformedEnvelope``, ``UnknownKind``, ``WrongSigner``,
 ``BadSignature``, ``ExpiredEnvelope`` (all ``IdentityError``). Payloads are plain data
-(see ``p2pnode.identity.plaincbor``).
+(see ``p2pnode.identity.plaincbor``). ``peek_timestamp`` reads the stamp without verifying
+anything, for dropping what is too old before paying for the checks.
 """
 
 from __future__ import annotations
@@ -120,6 +121,23 @@ def seal(key: NodeKey, kind: str, payload: Any, *, now: float | None = None) -> 
     return plaincbor.encode(
         {"v": ENVELOPE_VERSION, "body": body, "signer": key.public_key, "sig": sig}
     )
+
+
+def peek_timestamp(data: bytes, max_size: int = DEFAULT_MAX_SIZE) -> float | None:
+    """The timestamp an envelope claims, UNVERIFIED (None when ``data`` is no envelope): only
+    to drop what is too old to be worth verifying, never to accept anything."""
+    if len(data) > max_size:
+        return None
+    try:
+        outer = plaincbor.decode(data)
+        body = outer["body"] if isinstance(outer, dict) else None
+        decoded = plaincbor.decode(body) if isinstance(body, bytes) else None
+    except plaincbor.PlainCBORError:
+        return None
+    if not (isinstance(decoded, list) and len(decoded) == 3):
+        return None
+    timestamp = decoded[1]
+    return timestamp if isinstance(timestamp, float) and math.isfinite(timestamp) else None
 
 
 def open_envelope(

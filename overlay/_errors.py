@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from p2pnode.errors import P2PNodeError
 
-__all__ = ["BadMultiaddr", "BootstrapFailed", "OverlayError", "PeerUnreachable"]
+__all__ = ["BadMultiaddr", "BootstrapFailed", "OverlayError", "PeerBusy", "PeerUnreachable"]
 
 
 class OverlayError(P2PNodeError):
@@ -29,3 +29,9 @@ class PeerUnreachable(OverlayError):
     """A peer could not be dialed or a stream to it could not be opened."""
 
     reason = "unreachable"
+
+
+class PeerBusy(PeerUnreachable):
+    """The peer answered "busy, retry after N s" (its hello) and that time has not passed."""
+
+    reason = "peer_busy"

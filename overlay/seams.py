@@ -72,6 +72,14 @@ class PubSub(Protocol):
 
     async def publish(self, topic_id: str, data: bytes) -> None: ...
 
+    def set_topic_expiry(
+        self,
+        topic: str,
+        issued_at: Callable[[bytes], float | None],
+        max_age_s: float,
+        on_expired: Callable[[str], None] | None = None,
+    ) -> None: ...
+
 
 @runtime_checkable
 class OverlayHost(Protocol):

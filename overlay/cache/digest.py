@@ -19,7 +19,8 @@ Contract:
   *delta* from ``base_version`` to ``version``: apply ``cleared`` (empty the set), then remove
   ``removed`` and add ``added``. Deltas carry only the last operation per fingerprint, so a delta
   ``base -> version`` is also correct on any state between ``base`` and ``version``.
-- ``version`` is monotone per (process, model); ``epoch`` is fixed per process and grows across
+- ``version`` is monotone per (process, model) and 0 is the empty set (a delta from 0 is the
+  whole state: receivers apply it as full); ``epoch`` is fixed per process and grows across
   restarts (microsecond start time plus 16 random bits), so a restart is detected and an older
   epoch is recognised as stale.
 - On the wire a digest is an identity envelope of kind ``"digest"``; the signer is the origin.

@@ -19,6 +19,13 @@ Contract:
   came from): in a join storm no joiner's signed record has spread when the next one arrives,
   and a bootstrap that named no one left every joiner with it as its only way in. The peers
   named in an answer we got go to ``take(addrs)``; our own hellos name ``own()``.
+- Busy (``patches/busy.py``): ``use_load(retry_after)``: while ``retry_after()`` gives
+  seconds, our answer to a dialer that passes the checks is "busy, retry after N s" with
+  referrals, not an admission (``counters["busy_answered"]``); the dialer closes the
+  connection. A busy answer we get (``counters["busy_answers"]``) closes the connection and
+  keeps that peer in ``busy_until`` (trio time: now + 1-1.5x the retry-after, jittered so a
+  storm's joiners do not come back together); ``busy_left(pid)`` says how long is left, and the
+  dialer does not dial it before (``dialing.py``), while discovery dials the peers named.
 - ``wait_hellos(peer_ids)`` waits for the hello of those peers still under way (the
   bootstrap's check that it joined the right overlay).
 - Closed networks (``members.py``, ``patches/gate.py``): hellos carry our membership and
@@ -100,6 +107,23 @@ class Admission:
         # Admitted dialers' own listen addresses (peer id -> addrs), newest last; bounded.
         self.introduced: OrderedDict[str, tuple[str, ...]] = OrderedDict()
         self._rng = rng or random.Random()
+        self._retry_after: Callable[[], float | None] = lambda: None
+        self.busy_until: dict[str, float] = {}  # peer id -> trio time it may be dialed again
+
+    def use_load(self, retry_after: Callable[[], float | None]) -> None:
+        """Answer busy while ``retry_after()`` gives seconds (``patches/busy.py``)."""
+        self._retry_after = retry_after
+
+    def busy_left(self, pid: str) -> float:
+        """Seconds until a peer that answered busy may be dialed again (0: now)."""
+        until = self.busy_until.get(pid)
+        if until is None:
+            return 0.0
+        left = until - trio.current_time()
+        if left <= 0:
+            del self.busy_until[pid]
+            return 0.0
+        return left
 
     def use_referrals(
         self,
@@ -175,6 +199,7 @@ class Admission:
         peer = stream.muxed_conn.peer_id
         pid = peer.to_base58()
         verdict: list[str | None] = []
+        busy: list[float] = []
 
         def answer(theirs: Hello) -> Hello:
             reason = self._judge(pid, theirs)
@@ -183,6 +208,12 @@ class Admission:
                 # A refused peer learns why and nothing else: no membership, revocations or
                 # referrals of ours.
                 return dataclasses.replace(self.hello, refused=reason[:MAX_REFUSAL_LEN])
+            retry_after = self._retry_after()
+            if retry_after is not None:
+                busy.append(retry_after)
+                return dataclasses.replace(
+                    self._ours(), peers=self.referrals(pid), retry_after_s=retry_after
+                )
             return dataclasses.replace(self._ours(), peers=self.referrals(pid))
 
         theirs = None
@@ -191,6 +222,8 @@ class Admission:
         finally:
             if verdict and verdict[0] is not None:
                 self._refuse(peer, verdict[0])
+            elif busy:
+                self.counters["busy_answered"] += 1
             elif verdict:
                 self.counters["admitted"] += 1
                 if theirs is not None and theirs.addrs:
@@ -243,6 +276,17 @@ class Admission:
         self._peers.mark_down(pid, f"refused: {reason}")
         self._spawn(self._drop, peer)
 
+    def _busy(self, peer: ID, retry_after_s: float) -> None:
+        """The peer answered busy: leave it for the retry-after, jittered (module contract)."""
+        pid = peer.to_base58()
+        # At least what it asked, up to half again: a storm's joiners told the same come back
+        # spread out, not together.
+        wait = retry_after_s * (1.0 + 0.5 * self._rng.random())
+        self.busy_until[pid] = trio.current_time() + wait
+        self.counters["busy_answers"] += 1
+        logger.info("peer %s is busy: retrying it in %.1f s", pid, wait)
+        self._spawn(self._drop, peer)
+
     async def _check_network(self, peer: ID) -> None:
         """Dialer side of the hello exchange (overlay/net/hello.py) on a new connection."""
         pid = peer.to_base58()
@@ -270,8 +314,11 @@ class Admission:
                 reason = self._judge(pid, theirs)
                 if reason is not None:
                     self._refuse(peer, reason)
-                elif theirs.peers:
-                    self._take(theirs.peers)
+                else:
+                    if theirs.retry_after_s is not None:
+                        self._busy(peer, theirs.retry_after_s)
+                    if theirs.peers:
+                        self._take(theirs.peers)
         finally:
             self.members.settle(pid)
             done.set()

@@ -14,12 +14,16 @@ from p2pnode.identity import NodeKey
 from p2pnode.overlay.net.hello import DEFAULT_NETWORK
 from p2pnode.overlay.net.members import ClosedNetwork
 
-__all__ = ["BACKGROUND_TIMEOUT_FACTOR", "VERSION", "OverlayConfig"]
+__all__ = ["BACKGROUND_TIMEOUT_FACTOR", "BOOTSTRAP_TIMEOUT_FACTOR", "VERSION", "OverlayConfig"]
 
 VERSION = "p2pnode/0.1"
 # Background work is not urgent: a slow answer is still progress, a cancelled one is waste.
 # So its limits are this many `connect_timeout`s, far above a healthy loopback (~10-60 ms).
 BACKGROUND_TIMEOUT_FACTOR = 5.0
+# A bootstrap dial that keeps timing out reached a listener (libp2p's own TCP connect limit is
+# `dial_timeout`) whose handshake is slower than that: its limit grows to this many, up to the
+# handshake's own limit (`host.UPGRADE_TIMEOUT_S`): 128 processes on 2 cores took ~20 s.
+BOOTSTRAP_TIMEOUT_FACTOR = 15.0
 
 
 @dataclass

@@ -6,13 +6,17 @@ Contract:
   malformed or without a peer id.
 - `Dialer(host, dht, config, admission)`, owned by the node: `dial(info, background=)`
   connects within `background` x `connect_timeout` (`PeerUnreachable` otherwise, also for a
-  refused peer) and notes the time in `last_dial` (discovery spaces redials by it);
+  refused peer; `PeerBusy`, without dialing, for a peer whose hello answered "busy, retry
+  after N s" until that time has passed: `admission.py`) and notes the time in `last_dial`
+  (discovery spaces redials by it);
   `bootstrap()` dials every one of `bootstrap_infos` at once, each with exponential backoff
   bounded by `bootstrap_attempts`, its waits jittered (`jittered`), each dial's limit growing
-  with the failures so far (across calls) up to `BACKGROUND_TIMEOUT_FACTOR`; unreachable
+  with the failures so far (across calls) up to `BOOTSTRAP_TIMEOUT_FACTOR`; unreachable
   ones are logged in one line each (with `require_bootstrap` `BootstrapFailed` is raised
   instead), then raises `NetworkMismatch` when every bootstrap peer reached is of another
-  network or version.
+  network or version. A bootstrap peer that answered busy is not retried there: it is
+  reachable, so not a failure; `bootstrap_busy_s()` says how long until one may be dialed
+  again, and discovery dials it then and the peers it named meanwhile.
 - `filtered_connect(host)` and `filter_peerstore(host)` wrap the host once at assembly so
   that no dial (ours, the DHT's, the swarm's) tries an unspecified or our own address
   (``overlay/net/addrs.py``).
@@ -35,10 +39,10 @@ from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
 from multiaddr import Multiaddr
 
-from p2pnode.overlay._errors import BadMultiaddr, BootstrapFailed, PeerUnreachable
+from p2pnode.overlay._errors import BadMultiaddr, BootstrapFailed, PeerBusy, PeerUnreachable
 from p2pnode.overlay.net.addrs import dial_order
 from p2pnode.overlay.net.admission import REFUSED_US, Admission
-from p2pnode.overlay.net.config import BACKGROUND_TIMEOUT_FACTOR, OverlayConfig
+from p2pnode.overlay.net.config import BOOTSTRAP_TIMEOUT_FACTOR, OverlayConfig
 from p2pnode.overlay.net.dht import OverlayDHT
 from p2pnode.overlay.net.hello import NetworkMismatch, NotAMember
 from p2pnode.overlay.net.host import parse_multiaddr
@@ -87,14 +91,17 @@ class Dialer:
 
     async def dial(self, info: PeerInfo, *, background: float = 1.0) -> None:
         """Connect to `info` within `background` x `connect_timeout`. Discovery dials take
-        `BACKGROUND_TIMEOUT_FACTOR`, bootstrap retries grow towards it: 64 nodes joining on 2
-        cores took more than `connect_timeout` per handshake, and cutting them short threw the
-        work of both sides away and made every retry slower still (measured: ~900 handshakes
+        `BACKGROUND_TIMEOUT_FACTOR`, bootstrap retries grow towards `BOOTSTRAP_TIMEOUT_FACTOR`:
+        64 nodes joining on 2 cores took more than `connect_timeout` per handshake, and cutting
+        them short threw the work of both sides away and made every retry slower still (measured: ~900 handshakes
         torn down, a median of 15 of 63 peers connected after 200 s)."""
         pid = info.peer_id.to_base58()
         self.last_dial[pid] = trio.current_time()
         if pid in self._admission.refused:
             raise PeerUnreachable(f"peer {pid} was refused: {self._admission.refused[pid]}")
+        busy = self._admission.busy_left(pid)
+        if busy > 0:
+            raise PeerBusy(f"peer {pid} answered busy; it may be dialed again in {busy:.1f} s")
         limit = self._config.connect_timeout * background
         try:
             with trio.fail_after(limit):
@@ -122,7 +129,7 @@ class Dialer:
             # bootstrap's handshakes (slower than that) were abandoned round after round, and
             # 17 of 64 joiners never got in (measured: 64 processes on 2 cores).
             tried = self._bootstrap_failures.get(pid, 0)
-            factor = min(2.0**tried, BACKGROUND_TIMEOUT_FACTOR)
+            factor = min(2.0**tried, BOOTSTRAP_TIMEOUT_FACTOR)
             # libp2p refuses for 60 s to dial a peer whose addresses all failed once (its
             # "negative cache"): a bootstrap too busy to finish one handshake in time then
             # got no second try, and a starved joiner stayed alone for minutes (measured:
@@ -134,6 +141,10 @@ class Dialer:
                 await self.dial(info, background=factor)
                 self._bootstrap_failures.pop(pid, None)
                 return True
+            except PeerBusy:
+                # It said when to come back: discovery dials it then, and meanwhile the
+                # peers it named (no backoff of ours on top of its own estimate).
+                return False
             except PeerUnreachable as exc:
                 self._bootstrap_failures[pid] = tried + 1
                 last = str(exc)
@@ -161,7 +172,13 @@ class Dialer:
                 nursery.start_soon(one, info)
         if any(reached):
             await self._require_same_network()
-        if self.bootstrap_infos and not any(reached):
+        if self.bootstrap_infos and not any(reached) and self.bootstrap_busy_s() > 0:
+            logger.info(
+                "the bootstrap peers are busy; dialing them again in %.1f s, and meanwhile "
+                "the peers they named",
+                self.bootstrap_busy_s(),
+            )
+        elif self.bootstrap_infos and not any(reached):
             message = (
                 f"none of the {len(self.bootstrap_infos)} bootstrap peers answered; "
                 "check the addresses and that those nodes are running"
@@ -169,6 +186,12 @@ class Dialer:
             if self._config.require_bootstrap:
                 raise BootstrapFailed(message)
             logger.warning("%s (will keep retrying)", message)
+
+    def bootstrap_busy_s(self) -> float:
+        """0 when a bootstrap peer may be dialed now; else seconds until the first of them,
+        all of which answered busy, may be."""
+        left = [self._admission.busy_left(i.peer_id.to_base58()) for i in self.bootstrap_infos]
+        return min(left, default=0.0)
 
     async def _require_same_network(self) -> None:
         """Wait for the hello of each bootstrap peer we reached; when all of them are of

@@ -14,7 +14,8 @@ Contract:
   Kademlia bucket, + routing table -> connect to unknown peers; rounds at least
   `discovery_interval` apart, woken early only by a peer never seen before, backing off to
   `discovery_max_interval` while nothing new turns up; an isolated node retries its
-  bootstrap peers at least every `ISOLATED_RETRY_S`.
+  bootstrap peers at least every `ISOLATED_RETRY_S`, or, when they all answered busy, when
+  the first one's retry-after has passed (dialing the peers they named meanwhile).
 - Bounded connections (``overlay/net/connmgr.py``): new peers are dialed only below the low
   watermark (then one untried peer now and then below the high one), lost or trimmed peers
   are redialed only below the low one. Two candidates that discover each other: the larger
@@ -383,7 +384,13 @@ class Discovery:
     async def _discover_once(self) -> None:
         connected = set(self._host.get_connected_peers())
         if not connected and self._dialer.bootstrap_infos:
-            await self._dialer.bootstrap()
+            busy_s = self._dialer.bootstrap_busy_s()
+            if busy_s > 0:
+                # Every bootstrap peer answered busy: a round when the first may be dialed
+                # again, and meanwhile the peers they named (below).
+                self._next_round_by = min(self._next_round_by, trio.current_time() + busy_s)
+            else:
+                await self._dialer.bootstrap()
             connected = set(self._host.get_connected_peers())
         kad = self._dht.kad
         # Inbound peers reach the routing table only via libp2p's own bookkeeping, which lags:

@@ -24,6 +24,10 @@ Contract:
   addresses (``addrs``); the listener may name an admitted dialer to later joiners by them
   (``admission.py`` keeps only those on the IP the connection came from, with the dialer's
   own id).
+- Busy (``patches/busy.py``): a listener over its admission bound answers with
+  ``retry_after_s`` (and referrals) instead of admitting the dialer; the dialer closes the
+  connection, dials nobody there for that long (jittered) and meanwhile tries the peers named
+  (``admission.py``, ``dialing.py``, ``discovery.py``).
 - Closed networks (``members.py``): each hello also carries the sender's signed ``member``ship
   (None in an open network) and up to ``MAX_HELLO_REVOCATIONS`` of the newest revocations it
   knows, so a late joiner learns them from its first peer.
@@ -68,6 +72,8 @@ MAX_OWN_ADDRS = 4
 # An answer with referrals: MAX_REFERRALS addresses of MAX_REFERRAL_LEN characters at most.
 HELLO_ANSWER_LIMIT = HELLO_LIMIT + MAX_REFERRALS * (MAX_REFERRAL_LEN + 8)
 HELLO_TIMEOUT_S = 10.0
+# A busy answer's retry-after, at most (a longer one from a peer is refused as malformed).
+MAX_RETRY_AFTER_S = 300.0
 _NETWORK_RE = re.compile(r"[a-z0-9][a-z0-9._-]{0,63}")
 
 
@@ -111,11 +117,13 @@ class Hello:
     addrs: tuple[str, ...] = bounded_field(
         default=(), max_len=MAX_OWN_ADDRS, item_max_len=MAX_REFERRAL_LEN
     )
+    # In an answer: the listener is over its admission bound; dial it again after this long.
+    retry_after_s: float | None = bounded_field(default=None, ge=0.0, le=MAX_RETRY_AFTER_S)
 
 
 # Fields older releases do not know (their reader refuses unknown fields): sent only when set,
 # so an open network's hello reads the same to them.
-_CLOSED_FIELDS = ("member", "revocations", "refused", "addrs")
+_CLOSED_FIELDS = ("member", "revocations", "refused", "addrs", "retry_after_s")
 
 
 def _to_wire(hello: Hello) -> dict[str, object]:

@@ -16,6 +16,12 @@ Contract:
   failure dropped a healthy link and every stream on it. The node's own liveness (`liveness.py`:
   any received frame counts, adaptive probe timeouts) detects dead and hung peers and closes
   their connections. Pass `health_check_interval` > 0 to turn the monitor on anyway.
+- A connection's handshake (Noise XX and yamux, with their multistream negotiations: ~5
+  round trips) may take `UPGRADE_TIMEOUT_S` each way, not libp2p's 10 s: 128 node processes
+  on 2 cores measured a 4.4 s round trip at the bootstrap, so handshakes were cut at 10 s
+  before they could finish and the bootstrap's handshake slots (`patches/busy.py`) held
+  doomed ones (it admitted 3 joiners in 280 s; with 45 s, 42 in 300 s against 29: there its
+  CPU share, 5 % of a core, is the limit).
 - Advertised addresses come from `addrs_factory` (`overlay/net/addrs.py`: never an unspecified
   address); without one, libp2p advertises its bound listen addresses as they are.
 - `quiet_libp2p_logs()` silences libp2p's WARNING on every clean stream close.
@@ -46,7 +52,15 @@ from p2pnode.overlay.net.patches.tuning import install as install_tuning
 if TYPE_CHECKING:
     from p2pnode.identity import NodeKey
 
-__all__ = ["connection_config", "make_host", "parse_multiaddr", "quiet_libp2p_logs"]
+__all__ = [
+    "UPGRADE_TIMEOUT_S",
+    "connection_config",
+    "make_host",
+    "parse_multiaddr",
+    "quiet_libp2p_logs",
+]
+
+UPGRADE_TIMEOUT_S = 45.0
 
 
 def quiet_libp2p_logs(level: int = logging.ERROR) -> None:
@@ -90,6 +104,8 @@ def connection_config(
         ping_timeout=health_ping_timeout,
         abort_connection_on_ping_failure=monitor,
         dial_timeout=dial_timeout,
+        inbound_upgrade_timeout=UPGRADE_TIMEOUT_S,
+        outbound_upgrade_timeout=UPGRADE_TIMEOUT_S,
     )
 
 

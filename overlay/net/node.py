@@ -77,7 +77,7 @@ from p2pnode.overlay.net.hello import HELLO_PROTOCOL, Hello
 from p2pnode.overlay.net.host import make_host, parse_multiaddr
 from p2pnode.overlay.net.liveness import PING_LENGTH, PING_PROTOCOL, Liveness, serve_ping
 from p2pnode.overlay.net.members import MEMBERSHIP_PROTOCOL, Members
-from p2pnode.overlay.net.patches.busy import install_busy_limits
+from p2pnode.overlay.net.patches.busy import AdmissionLoad, install_busy_limits
 from p2pnode.overlay.net.patches.containment import contain_stream_errors
 from p2pnode.overlay.net.patches.gate import install_gate
 from p2pnode.overlay.net.patches.safepubsub import SafePubsub
@@ -170,6 +170,8 @@ class OverlayNode:
         self.link_kind: Callable[[INetConn], bool] | None = None
         self.why_relayed: Callable[[str], str | None] | None = None
         self._nursery: trio.Nursery | None = None
+        # Inbound work in flight (patches/busy.py), once the host serves.
+        self.load: AdmissionLoad | None = None
         # Who belongs to a closed network (members.py); in an open one, no one and no gate.
         self.membership = Members(config.closed, self.peer_id)
         self.admission = Admission(
@@ -508,7 +510,8 @@ async def open_overlay_node(config: OverlayConfig) -> AsyncIterator[OverlayNode]
                 serve_redemption(node.membership, closed.issuer, node.peer_id, closed.home),
             )
     # After the gate (it wraps the same negotiation): the bound counts gated streams too.
-    install_busy_limits(host, node.counters)
+    node.load = install_busy_limits(host, node.counters)
+    node.admission.use_load(node.load.retry_after_s)
     node.dialer.bootstrap_infos = [b for b in bootstrap if b.peer_id.to_base58() != node.peer_id]
     host.get_network().register_notifee(_ConnectionWatcher(node))
     host.set_stream_handler(TProtocol(PING_PROTOCOL), partial(serve_ping, limiter=node.limiter))

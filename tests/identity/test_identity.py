@@ -30,6 +30,7 @@ from p2pnode.identity import (
     known_kinds,
     new_node_record,
     open_envelope,
+    peek_timestamp,
     peer_id_from_public_key,
     plaincbor,
     register_kind,
@@ -219,6 +220,19 @@ def test_expired_and_future_envelopes() -> None:
     open_envelope(data, "digest", now=T0 - 59)
     with pytest.raises(ExpiredEnvelope, match="future"):
         open_envelope(data, "digest", now=T0 - 61)
+
+
+def test_peek_timestamp_reads_the_stamp_without_verifying() -> None:
+    data = seal(ALICE, "digest", {"pad": b"x" * 100}, now=T0)
+    assert peek_timestamp(data) == T0
+    forged = cbor2.loads(data)
+    forged["sig"] = b"\0" * 64
+    assert peek_timestamp(cbor2.dumps(forged)) == T0  # unverified: only ever to drop
+    assert peek_timestamp(data, max_size=len(data) - 1) is None
+    for junk in (b"", b"\xff", cbor2.dumps([1, 2]), b"\xc1\x00", cbor2.dumps({"body": b"\xff"})):
+        assert peek_timestamp(junk) is None
+    body = plaincbor.encode(["digest", 1, {}])  # an int stamp: no envelope of ours
+    assert peek_timestamp(cbor2.dumps({"body": body})) is None
 
 
 def test_oversized_rejected_before_decoding() -> None:

@@ -7,11 +7,18 @@ from __future__ import annotations
 import logging
 import random
 
+import pytest
 import trio
 
 from p2pnode.identity import NodeKey
 from p2pnode.inference.blockhash import BlockRemoved, BlockStored
-from p2pnode.overlay.cache.antientropy import AntiEntropy, AntiEntropyConfig
+from p2pnode.overlay.cache.antientropy import (
+    MAX_PULL_TIMEOUT_S,
+    PULL_ROUND_TRIPS,
+    AntiEntropy,
+    AntiEntropyConfig,
+    digest_topic,
+)
 from p2pnode.overlay.cache.digest import DigestBuilder, seal_digest
 from p2pnode.overlay.cache.views import PeerViews
 
@@ -201,3 +208,43 @@ async def test_a_digest_too_old_to_apply_still_counts_its_publisher() -> None:
         assert ae.drops == {"expired": 1}
         assert ae.status()["publishers_heard"] == {MODEL: 1}
         assert ae.views.get(other.peer_id, MODEL) is None  # nothing of it applied
+
+
+async def test_a_digest_that_expired_on_the_way_is_dropped_by_pubsub_and_counts_its_publisher() -> (
+    None
+):
+    """Gossiped too late: pubsub drops it before delivery and forwarding
+    (overlay/net/patches/safepubsub.py); it still counts as dropped ``expired`` and its
+    publisher as heard."""
+    async with overlay_nodes(2) as (keys, (a, b)), trio.open_nursery() as nursery:
+        ae = AntiEntropy(b, keys[1], PeerViews(), models=[MODEL])
+        await nursery.start(ae.run)
+        await a.pubsub.subscribe(digest_topic(MODEL))  # no expiry at a: an old release
+        builder = DigestBuilder(a.peer_id, MODEL, load_fn=load)
+        late = seal_digest(keys[0], builder.full(), now=1.0)
+        with trio.fail_after(30):
+            while not ae.drops.get("expired"):  # until the two meshed
+                await a.pubsub.publish(digest_topic(MODEL), late)
+                await trio.sleep(0.2)  # noqa: ASYNC110
+        assert b.pubsub.counters["gossip_expired_in"] >= 1
+        assert ae.status()["publishers_heard"] == {MODEL: 1}
+        assert ae.views.get(a.peer_id, MODEL) is None
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_pull_waits_as_many_round_trips_as_the_peer_takes() -> None:
+    """The pull limit follows the peer's measured round trips (a loaded swarm's are seconds),
+    never below the configured floor nor above the ceiling."""
+    async with overlay_nodes(1) as (keys, (node,)):
+        ae = AntiEntropy(node, keys[0], PeerViews(), models=[MODEL])
+        peer = NodeKey.generate().peer_id
+        assert ae.pull_timeout(peer) == ae.config.pull_timeout_s  # nothing measured
+        node.peers.record_rtt(peer, 0.01)
+        assert ae.pull_timeout(peer) == ae.config.pull_timeout_s
+        node.peers.record_rtt(peer, 2.4)
+        rto = node.peers.rto(peer, 0.0, 1e9)
+        assert rto > 2.4
+        assert ae.pull_timeout(peer) == pytest.approx(PULL_ROUND_TRIPS * rto)
+        for _ in range(8):
+            node.peers.record_rtt(peer, 100.0)
+        assert ae.pull_timeout(peer) == pytest.approx(MAX_PULL_TIMEOUT_S)

@@ -1,20 +1,29 @@
 """overlay/net/patches/safepubsub.py on real nodes: a malformed pubsub RPC costs its stream, not the node;
-RPCs written at once to one stream never interleave, and a write cut short resets the stream."""
+RPCs written at once to one stream never interleave, and a write cut short resets the stream;
+gossip of a topic with an expiry that is too old is neither delivered, forwarded nor sent;
+what is queued for a peer leaves in one write, and what arrived is parsed from one read."""
 
 from __future__ import annotations
+
+import time
 
 import trio
 from libp2p.custom_types import TProtocol
 from libp2p.peer.id import ID
 from libp2p.pubsub.gossipsub import PROTOCOL_ID_V12
 from libp2p.pubsub.pb import rpc_pb2
+from libp2p.pubsub.rpc_queue import RpcQueue
 from libp2p.stream_muxer.exceptions import MuxedStreamError
-from libp2p.utils.varint import encode_uvarint
+from libp2p.utils.varint import encode_uvarint, read_varint_prefixed_bytes_limited
+
+from p2pnode.identity import NodeKey, peek_timestamp, seal
+from p2pnode.overlay.net.patches.safepubsub import _ChunkedReader
 
 from testkit import wait_until
 from testkit.cluster import overlay_nodes
 
 TOPIC = "test/safepubsub"
+MAX_AGE_S = 120.0
 
 
 class HalvingStream:
@@ -23,11 +32,13 @@ class HalvingStream:
 
     def __init__(self, peer: ID) -> None:
         self.data = bytearray()
+        self.writes = 0
         self.resets = 0
         self.fail_after_half = False
         self.muxed_conn = type("Conn", (), {"peer_id": peer})()
 
     async def write(self, data: bytes) -> None:
+        self.writes += 1
         half = len(data) // 2
         self.data += data[:half]
         await trio.sleep(0.01)
@@ -104,3 +115,101 @@ async def test_rpcs_written_at_once_never_interleave_and_a_torn_write_resets() -
         else:
             raise AssertionError("the failed write was swallowed")
         assert stream.resets == 1 and a.pubsub.counters["torn_writes"] == 1
+
+
+def _stamped(key: NodeKey, age_s: float, text: str) -> bytes:
+    """An envelope issued ``age_s`` ago (the clock is only read, never waited on)."""
+    return seal(key, "digest", {"text": text}, now=time.time() - age_s)
+
+
+async def test_gossip_older_than_its_topics_expiry_is_dropped_on_arrival() -> None:
+    """``a`` has no expiry (an old release, or a node whose queue held the message); ``b``
+    drops the expired message before delivering or forwarding it, and takes the fresh one
+    sent after it on the same stream."""
+    async with overlay_nodes(2) as (keys, (a, b)):
+        heard: list[str] = []
+        b.pubsub.set_topic_expiry(TOPIC, peek_timestamp, MAX_AGE_S, heard.append)
+        sub = await b.pubsub.subscribe(TOPIC)
+        await a.pubsub.subscribe(TOPIC)
+        got: list[bytes] = []
+        with trio.fail_after(30):  # until the two meshed: a fresh one gets through
+            while not got:
+                await a.pubsub.publish(TOPIC, _stamped(keys[0], 0.0, "warm"))
+                with trio.move_on_after(0.5):
+                    got.append(bytes((await sub.get()).data))
+        await a.pubsub.publish(TOPIC, _stamped(keys[0], MAX_AGE_S + 30, "expired"))
+        fresh = _stamped(keys[0], 0.0, "fresh")
+        await a.pubsub.publish(TOPIC, fresh)
+        with trio.fail_after(30):
+            while (data := bytes((await sub.get()).data)) != fresh:
+                assert peek_timestamp(data) is not None
+                assert time.time() - peek_timestamp(data) < MAX_AGE_S  # type: ignore[operator]
+        assert b.pubsub.counters["gossip_expired_in"] == 1
+        assert heard == [a.peer_id]  # who published it, once its pubsub signature verified
+        assert b.pubsub.counters["gossip_age_in_ge120"] == 1
+        tallied = [k for k in b.pubsub.counters if k.startswith("gossip_age_in_lt")]
+        assert sum(b.pubsub.counters[k] for k in tallied) >= 2  # warm and fresh, however slow
+
+
+async def test_gossip_that_expired_in_a_send_queue_is_not_written() -> None:
+    async with overlay_nodes(1) as (keys, (a,)):
+        a.pubsub.set_topic_expiry(TOPIC, peek_timestamp, MAX_AGE_S)
+        stream = HalvingStream(ID.from_base58(a.peer_id))
+        me = ID.from_base58(a.peer_id).to_bytes()
+
+        def message(age_s: float, text: str) -> rpc_pb2.Message:
+            data = _stamped(keys[0], age_s, text)
+            return rpc_pb2.Message(data=data, topicIDs=[TOPIC], from_id=me)
+
+        other = rpc_pb2.Message(data=b"no envelope", topicIDs=["other/topic"])
+        rpc = rpc_pb2.RPC(publish=[message(MAX_AGE_S + 1, "old"), message(5.0, "new"), other])
+        await a.pubsub.write_msg(stream, rpc)
+        (written,) = _frames(stream.data)
+        assert [m.data for m in written.publish] == [rpc.publish[1].data, b"no envelope"]
+        assert a.pubsub.counters["gossip_expired_out"] == 1
+        assert a.pubsub.counters["gossip_age_out_lt10"] == 1  # our own: it waited 5 s
+        # Nothing left to send: nothing is written.
+        await a.pubsub.write_msg(stream, rpc_pb2.RPC(publish=[message(MAX_AGE_S + 1, "old")]))
+        assert len(_frames(stream.data)) == 1
+        assert a.pubsub.counters["gossip_expired_out"] == 2
+
+
+async def test_what_is_queued_for_a_peer_leaves_in_one_write() -> None:
+    async with overlay_nodes(1) as (_keys, (a,)):
+        peer = ID.from_base58(a.peer_id)
+        stream = HalvingStream(peer)
+        queue = RpcQueue()
+        rpcs = [rpc_pb2.RPC(publish=[rpc_pb2.Message(data=bytes([i]) * 100)]) for i in range(5)]
+        for rpc in rpcs:
+            assert queue.push(rpc)
+        queue.close()  # the loop ends once the queue is drained
+        await a.pubsub.handle_sending_messages(peer, stream, queue)
+        assert stream.writes == 1
+        assert [r.publish[0].data for r in _frames(stream.data)] == [
+            r.publish[0].data for r in rpcs
+        ]
+        assert a.pubsub.counters["rpcs_batched"] == 5
+
+
+class ChunkStream:
+    """Hands out what it holds in one read, and counts the reads."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+        self.reads = 0
+        self.muxed_conn = "the stream's connection"
+
+    async def read(self, n: int = -1) -> bytes:
+        self.reads += 1
+        data, self.data = self.data, b""
+        return data
+
+
+async def test_rpcs_that_arrived_together_are_parsed_from_one_read() -> None:
+    payloads = [bytes([i]) * (50 + 100 * i) for i in range(4)]
+    inner = ChunkStream(b"".join(encode_uvarint(len(p)) + p for p in payloads))
+    reader = _ChunkedReader(inner)  # type: ignore[arg-type]
+    got = [await read_varint_prefixed_bytes_limited(reader, 1 << 20) for _ in payloads]
+    assert got == payloads and inner.reads == 1
+    assert reader.muxed_conn == "the stream's connection"  # the rest is the stream's
+    assert await reader.read(1) == b"" and inner.reads == 2  # its end, as the stream says

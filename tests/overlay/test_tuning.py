@@ -3,6 +3,9 @@ from that peer skips its signature check, a bad one is still refused every time.
 
 from __future__ import annotations
 
+from collections import Counter
+from types import SimpleNamespace
+
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.identity.identify_push.identify_push import push_identify_to_peers
 from libp2p.peer.envelope import consume_envelope
@@ -10,6 +13,7 @@ from libp2p.peer.id import ID
 from libp2p.peer.peerstore import create_signed_peer_record
 from libp2p.pubsub import gossipsub as gossipsub_mod
 from libp2p.pubsub import pubsub as pubsub_mod
+from libp2p.pubsub.gossipsub import PROTOCOL_ID_V12
 from libp2p.pubsub.pb import rpc_pb2
 from multiaddr import Multiaddr
 
@@ -143,3 +147,16 @@ async def test_small_reads_are_credited_in_batches_and_a_large_transfer_still_fl
         # 2.4 MB is ~10 initial windows: it completes only if credit came back (how many
         # updates carried it depends on yamux's window auto-tuning and timing).
         assert updates
+
+
+def test_rpcs_dropped_for_a_full_send_queue_are_counted() -> None:
+    """Gossip lost before it left (a peer's send queue full) shows in the pubsub's counters."""
+    router = tuning.QuietGossipSub(
+        protocols=[PROTOCOL_ID_V12], degree=6, degree_low=4, degree_high=12
+    )
+    router.pubsub = SimpleNamespace(counters=Counter())  # type: ignore[assignment]
+    peer = ID.from_base58(NodeKey.generate().peer_id)
+    rpc = rpc_pb2.RPC(publish=[rpc_pb2.Message(data=b"x")])
+    router._handle_dropped_rpc(peer, rpc, "queue_full")
+    router._handle_dropped_rpc(peer, rpc, "queue_full")
+    assert router.pubsub.counters == {"rpcs_dropped_queue_full": 2}  # type: ignore[union-attr]

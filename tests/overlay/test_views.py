@@ -20,7 +20,19 @@ def test_views_apply_full_delta_gap_and_stale() -> None:
     toks = prompt(64)
     hs = hashes_of(toks)
     b.on_event(BlockStored(tuple(hs[:2]), None))
-    assert views.apply(b.delta_since(0)) is ApplyResult.GAP  # no view yet: pull needed
+    b.on_event(BlockStored((hs[2],), hs[1]))
+    w = b.cut()
+    b.on_event(BlockRemoved((hs[2],)))  # not in a delta's added: it went again
+    b.on_event(BlockStored((hs[3],), hs[2]))
+    assert views.apply(b.delta_since(w)) is ApplyResult.GAP  # no view yet: pull needed
+    # From version 0 (the epoch's empty start) a delta is the whole state.
+    whole = b.delta_since(0)
+    assert whole.base_version == 0 and whole.removed
+    assert views.apply(whole) is ApplyResult.APPLIED
+    assert views.get(KEY_A.peer_id, MODEL).fingerprints == b.fingerprints
+    views = PeerViews(expire_after_s=10, clock=clock)
+    b = builder_for(KEY_A)
+    b.on_event(BlockStored(tuple(hs[:2]), None))
     full = open_digest(seal_digest(KEY_A, b.full()))
     assert views.apply(full) is ApplyResult.APPLIED
     assert views.cached_prefix_tokens(KEY_A.peer_id, hs, MODEL) == 2 * BLOCK_SIZE
@@ -49,7 +61,12 @@ def test_views_restart_epoch_and_expiry_and_down() -> None:
     old.on_event(BlockStored(tuple(rand_hashes(3)), None))
     assert views.apply(old.full()) is ApplyResult.APPLIED
     new = builder_for(KEY_A, epoch=6)  # the peer restarted with an empty cache
-    assert views.apply(new.delta_since(0)) is ApplyResult.GAP
+    new.on_event(BlockStored(tuple(rand_hashes(1)), None))
+    new.cut()
+    new.on_event(BlockStored(tuple(rand_hashes(1)), None))
+    assert views.apply(new.delta_since(1)) is ApplyResult.GAP  # another epoch
+    assert views.apply(new.delta_since(0)) is ApplyResult.APPLIED  # the whole new state
+    new = builder_for(KEY_A, epoch=7)
     assert views.apply(new.full()) is ApplyResult.APPLIED
     assert views.get(KEY_A.peer_id, MODEL).fingerprints == set()
     assert views.apply(old.full()) is ApplyResult.STALE  # older epoch

@@ -16,6 +16,7 @@ from typing import Any
 import trio
 import trio.testing
 
+from p2pnode.overlay.peers import PeerTable
 from p2pnode.overlay.wire import encode_frame, read_frame, to_wire
 
 __all__ = ["BytesStream", "StubNode", "feed", "frame_bytes", "read_frames", "run_now"]
@@ -85,12 +86,14 @@ def frame_bytes(msg: Any, limit: int) -> bytes:
 
 
 class StubNode:
-    """The node attributes anti-entropy's ingest and pull and the forward client use;
+    """The node attributes anti-entropy's ingest and pull and the forward client use (its peer
+    table too);
     ``open_stream`` hands out a prepared stream (a peer's reply), or fails without one."""
 
     def __init__(self, peer_id: str, reply: Any = None) -> None:
         self.peer_id = peer_id
         self.reply = reply
+        self.peers = PeerTable()  # no round trips measured: pulls take their floor limit
 
     async def open_stream(self, peer_id: str, protocol: str, **kw: Any) -> Any:
         if self.reply is None:

@@ -1,6 +1,20 @@
 """Admission under a join storm: a node takes on only the inbound work it can finish, and
 keeps taking it on for as long as it runs.
 
+The bounds and how they were measured (details below): at most 24 inbound connections in
+their handshake at once (a bootstrap among 65 processes on 2 cores admitted ~7 joiners a
+second, so 24 is a backlog of ~3.5 s, inside a dialer's 15 s) and at most 128 inbound streams
+in protocol negotiation (the 5-8 streams each joiner opens at once for ~20 joiners). Beyond
+the first, a connection is closed before its handshake; beyond the second, a stream is reset
+unread. From ``BUSY_SHARE`` of the second bound (the hello stream itself must still be
+negotiated to be answered), and for ``BUSY_MEMORY_S`` after it last turned a stream away, the
+node's hello answers "busy, retry after N s" (``AdmissionLoad.retry_after_s``): N is the
+time its negotiations in flight take to drain at the rate it finished the last
+``RATE_SAMPLES`` of them, within ``RETRY_AFTER_S``. The hello is answered after the handshake, so the busy answer saves the
+joiner's follow-up streams (identify, Kademlia, gossipsub, ping, dial-back, records), not
+the handshake: a handshake bound that sent completed handshakes away would throw the most
+expensive step away, so a full handshake stage alone does not make the hello busy.
+
 Why: py-libp2p 0.8.1 accepts every inbound connection and starts its Noise handshake, and
 negotiates every inbound stream, however many are already waiting for the CPU. On a
 bootstrap that many joiners reach at once (64 node processes started together on 2 cores,
@@ -47,15 +61,17 @@ install this one after it so the bound counts gated negotiations too);
 close (``_do_handle_inbound_connection`` awaiting ``self.manager.wait_finished()``): once it
 releases on close, drop the lift.
 
-Contract: ``install_busy_limits(host, counters, limits=BusyLimits())`` once, before the host
-serves. ``BusyLimits`` is a frozen dataclass of the two bounds (each at least 1).
+Contract: ``install_busy_limits(host, counters, limits=BusyLimits()) -> AdmissionLoad`` once,
+before the host serves. ``BusyLimits`` is a frozen dataclass of the two bounds (each at least
+1). ``AdmissionLoad.retry_after_s()`` is None while the node admits, else seconds (the hello's
+``retry_after_s``, ``admission.py``).
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
 from contextlib import suppress
 from dataclasses import dataclass
@@ -69,7 +85,7 @@ from libp2p.protocol_muxer.multiselect_communicator import MultiselectCommunicat
 
 from p2pnode.overlay._errors import OverlayError
 
-__all__ = ["BUSY_PROTOCOL", "Busy", "BusyLimits", "install_busy_limits"]
+__all__ = ["BUSY_PROTOCOL", "AdmissionLoad", "Busy", "BusyLimits", "install_busy_limits"]
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +95,18 @@ RESET_TIMEOUT_S = 2.0
 BUSY_PROTOCOL = TProtocol("/p2pnode/busy")
 # multistream-select's header, as a listener sends it first (varint length, then the text).
 BUSY_GREETING = b"\x13/multistream/1.0.0\n"
+# Hellos answer busy from this share of the negotiation bound on.
+BUSY_SHARE = 0.75
+# After turning a stream away, hellos answer busy for this long (the backlog that made it
+# turn work away is still there; a moment later the node judges again).
+BUSY_MEMORY_S = 1.0
+# Negotiations whose end times give the drain rate (a few joiners' worth).
+RATE_SAMPLES = 32
+# A busy answer's retry-after: at least (two tries a second per joiner would be a storm of
+# their own), at most (a joiner must not wait minutes on a node that drains in seconds), and
+# before any negotiation finished.
+RETRY_AFTER_S = (2.0, 30.0)
+RETRY_AFTER_DEFAULT_S = 4.0
 
 
 class Busy(OverlayError, SwarmException):
@@ -97,17 +125,49 @@ class BusyLimits:
             raise ValueError(f"busy limits must be at least 1, got {self}")
 
 
+class AdmissionLoad:
+    """One host's inbound work in flight, and whether its hello should answer busy."""
+
+    def __init__(self, limits: BusyLimits) -> None:
+        self.limits = limits
+        self.handshakes = 0
+        self.negotiations = 0
+        self._finished: deque[float] = deque(maxlen=RATE_SAMPLES)  # trio times
+        self._turned_away_at = -math.inf
+        self.busy_at = max(1, int(limits.negotiations * BUSY_SHARE))
+
+    def turned_away(self) -> None:
+        self._turned_away_at = trio.current_time()
+
+    def finished(self) -> None:
+        self._finished.append(trio.current_time())
+
+    def retry_after_s(self) -> float | None:
+        """None while the node admits; else when to come back (module doc)."""
+        now = trio.current_time()
+        full = self.negotiations >= self.busy_at
+        if not full and now - self._turned_away_at > BUSY_MEMORY_S:
+            return None
+        lo, hi = RETRY_AFTER_S
+        done = self._finished
+        span = done[-1] - done[0] if len(done) >= 2 else 0.0
+        if span <= 0:
+            return RETRY_AFTER_DEFAULT_S
+        rate = (len(done) - 1) / span
+        return round(min(hi, max(lo, self.negotiations / rate)), 1)
+
+
 def install_busy_limits(
     host: IHost, counters: Counter[str], limits: BusyLimits | None = None
-) -> None:
+) -> AdmissionLoad:
     """Bound ``host``'s inbound handshakes and negotiations (module contract)."""
     limits = limits or BusyLimits()
     swarm: Any = host.get_network()
     upgrade = swarm.upgrade_inbound_raw_conn
-    in_flight = {"handshakes": 0, "negotiations": 0}
+    load = AdmissionLoad(limits)
 
     async def bounded_upgrade(raw_conn: Any, maddr: Any) -> Any:
-        if in_flight["handshakes"] >= limits.handshakes:
+        if load.handshakes >= limits.handshakes:
             counters["busy_conns"] += 1
             with trio.move_on_after(RESET_TIMEOUT_S), suppress(Exception):
                 # The greeting first: a dial-back probe (reachability.py) then still sees a
@@ -117,11 +177,11 @@ def install_busy_limits(
             with trio.move_on_after(RESET_TIMEOUT_S), suppress(Exception):
                 await raw_conn.close()
             raise Busy(f"{limits.handshakes} inbound handshakes under way; closed before one more")
-        in_flight["handshakes"] += 1
+        load.handshakes += 1
         try:
             return await upgrade(raw_conn, maddr)
         finally:
-            in_flight["handshakes"] -= 1
+            load.handshakes -= 1
 
     swarm.upgrade_inbound_raw_conn = bounded_upgrade
     # libp2p's own inbound cap holds a token per inbound connection until the SWARM stops
@@ -134,19 +194,22 @@ def install_busy_limits(
     negotiate = multiselect.negotiate
 
     async def bounded_negotiate(communicator: MultiselectCommunicator, *args: object) -> object:
-        if in_flight["negotiations"] >= limits.negotiations:
+        if load.negotiations >= limits.negotiations:
             counters["busy_streams"] += 1
+            load.turned_away()
             return BUSY_PROTOCOL, _reset
-        in_flight["negotiations"] += 1
+        load.negotiations += 1
         try:
             protocol, handler = await negotiate(communicator, *args)
+            load.finished()
         finally:
-            in_flight["negotiations"] -= 1
+            load.negotiations -= 1
         if handler is None:
             return protocol, handler
         return protocol, _unless_abandoned(handler, counters)
 
     multiselect.negotiate = bounded_negotiate
+    return load
 
 
 async def _reset(net_stream: INetStream) -> None:

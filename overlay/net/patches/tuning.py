@@ -199,9 +199,17 @@ def install() -> None:
 
 
 class QuietGossipSub(GossipSub):
-    """GossipSub that sends IDONTWANT only for messages of ``IDONTWANT_MIN_BYTES`` or more."""
+    """GossipSub that sends IDONTWANT only for messages of ``IDONTWANT_MIN_BYTES`` or more,
+    and counts the RPCs it drops because a peer's send queue was full (``rpcs_dropped_<why>``
+    in its pubsub's ``counters``, when it has them): gossip lost before it left."""
 
     _idontwant_worth_it = True
+
+    def _handle_dropped_rpc(self, peer_id: ID, rpc: rpc_pb2.RPC, reason: str) -> None:
+        counters = getattr(self.pubsub, "counters", None)
+        if counters is not None:
+            counters[f"rpcs_dropped_{reason}"] += 1
+        super()._handle_dropped_rpc(peer_id, rpc, reason)
 
     async def publish(self, msg_forwarder: ID, pubsub_msg: rpc_pb2.Message) -> None:
         # GossipSub.publish emits its IDONTWANTs before its first await, so the flag set here
