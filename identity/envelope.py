@@ -130,7 +130,7 @@ def peek_timestamp(data: bytes, max_size: int = DEFAULT_MAX_SIZE) -> float | Non
         return None
     try:
         outer = plaincbor.decode(data)
-        body = outer["body"] if isinstance(outer, dict) else None
+        body = outer.get("body") if isinstance(outer, dict) else None
         decoded = plaincbor.decode(body) if isinstance(body, bytes) else None
     except plaincbor.PlainCBORError:
         return None

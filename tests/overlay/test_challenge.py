@@ -350,8 +350,13 @@ async def test_peers_pass_or_fail_probation_on_known_answers_without_client_forw
         # Both would have won but for the hold: each earned the time it would have saved.
         assert set(probation.earned) == set(ids[1:])
         assert all(e.seconds > 0 for e in probation.earned.values())
-        for prompt in rng_prompts[1:]:  # known answers to challenge with
-            await ask(prompt)
+        # Known answers to challenge with. A request that arrives while this (slow) engine
+        # computes a challenge's own answer may go to a peer on probation after all: its
+        # answer is held for its audit, and that audit counts towards probation too.
+        answers = [first]
+        for prompt in rng_prompts[1:]:
+            answers.append(await ask(prompt))
+        to_honest = sum(r.served_by == ids[1] for r in answers)
         await wait_until(
             lambda: (
                 origin.trust.audited_ok(ids[1]) >= PROBATION and not origin.trust.usable(ids[2])
@@ -360,7 +365,8 @@ async def test_peers_pass_or_fail_probation_on_known_answers_without_client_forw
             "the honest peer out of probation and the liar demoted",
         )
         counts = probation.counts
-        assert counts["passed"] >= PROBATION
+        # Every pass that no client's answer earned came from a known-answer challenge.
+        assert counts["passed"] >= PROBATION - to_honest
         assert counts["mismatch"] >= 1  # the liar, audited and failed
         assert origin.auditor is not None and origin.auditor.counts["failed"] >= 1
         after = await ask([(13 * j) % 3000 + 7 for j in range(60)])  # a new prompt

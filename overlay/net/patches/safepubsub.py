@@ -123,7 +123,11 @@ class SafePubsub(Pubsub):
         for topic in msg.topicIDs:
             rule = self._expiry.get(topic)
             if rule is not None:
-                issued = rule.issued_at(bytes(msg.data))
+                try:
+                    issued = rule.issued_at(bytes(msg.data))
+                except Exception:  # a peek that fails on garbage must not end a peer's loop
+                    logger.exception("issued_at raised on a %s message; not aged", topic)
+                    issued = None
                 return None if issued is None else (time.time() - issued, rule)
         return None
 
