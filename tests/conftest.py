@@ -29,6 +29,31 @@ from p2pnode.identity import NodeKey
 from p2pnode.inference.models import LoadedModel, load_model
 from p2pnode.overlay.net.node import OverlayConfig, OverlayNode, open_overlay_node
 
+# `make test` runs two pytest-xdist workers (`-n 2 --dist loadgroup`). Tests that start
+# several model-serving processes or network namespaces run one at a time, in one group:
+# two such sets at once would starve each other's nodes of the two cores (and trials on
+# namespace hosts share one driver subnet). Every other module is a group of its own, so its
+# module fixtures are made once.
+HEAVY = (
+    "tests/system/test_holepunch_migration.py",
+    "tests/system/test_holepunch_netns.py",
+    "tests/system/test_inventory_ssh.py",
+    "tests/system/test_models_netns.py",
+    "tests/system/test_swarm_models.py",
+    "tests/system/test_swarm_netns.py",
+    "tests/testnet/test_testnet.py",
+    "tests/overlay/test_relay.py",
+    "tests/overlay/test_reachability.py",
+    "tests/overlay/test_dcutr_patch.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        module = item.nodeid.split("::", 1)[0]
+        group = "heavy" if module.startswith(HEAVY) else module
+        item.add_marker(pytest.mark.xdist_group(group))
+
 
 @pytest.fixture(scope="session")
 def loaded() -> LoadedModel:
