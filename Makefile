@@ -50,7 +50,7 @@ test: setup $(VENV)/.test-models
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/python tools/lint_imports.py
-	$(BIN)/python -m pytest -n 2 --dist loadgroup
+	$(BIN)/python -m pytest -n 2 --dist loadgroup --no-loadscope-reorder
 
 lint: setup
 	$(BIN)/ruff check .

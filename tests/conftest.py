@@ -29,11 +29,11 @@ from p2pnode.identity import NodeKey
 from p2pnode.inference.models import LoadedModel, load_model
 from p2pnode.overlay.net.node import OverlayConfig, OverlayNode, open_overlay_node
 
-# `make test` runs two pytest-xdist workers (`-n 2 --dist loadgroup`). Tests that start
-# several model-serving processes or network namespaces run one at a time, in one group:
-# two such sets at once would starve each other's nodes of the two cores (and trials on
-# namespace hosts share one driver subnet). Every other module is a group of its own, so its
-# module fixtures are made once.
+# `make test` runs two pytest-xdist workers (`-n 2 --dist loadgroup --no-loadscope-reorder`).
+# Tests that start several model-serving processes or network namespaces run one at a time, in
+# one group: two such sets at once would starve each other's nodes of the two cores (and trials
+# on namespace hosts share one driver subnet). That group goes first, being the longest; every
+# other module is a group of its own, so its module fixtures are made once.
 HEAVY = (
     "tests/system/test_holepunch_migration.py",
     "tests/system/test_holepunch_netns.py",
@@ -41,7 +41,8 @@ HEAVY = (
     "tests/system/test_models_netns.py",
     "tests/system/test_swarm_models.py",
     "tests/system/test_swarm_netns.py",
-    "tests/testnet/test_testnet.py",
+    "tests/testnet/test_testnet.py::test_smoke_trial_on_namespace_hosts",
+    "tests/testnet/test_testnet.py::test_adversarial_trial_catches_every_liar",
     "tests/overlay/test_relay.py",
     "tests/overlay/test_reachability.py",
     "tests/overlay/test_dcutr_patch.py",
@@ -49,10 +50,13 @@ HEAVY = (
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    for item in items:
-        module = item.nodeid.split("::", 1)[0]
-        group = "heavy" if module.startswith(HEAVY) else module
+    heavy = [item.nodeid.startswith(HEAVY) for item in items]
+    for item, is_heavy in zip(items, heavy, strict=True):
+        group = "heavy" if is_heavy else item.nodeid.split("::", 1)[0]
         item.add_marker(pytest.mark.xdist_group(group))
+    # Stable: the heavy group first, everything else in its collected order.
+    order = sorted(range(len(items)), key=lambda i: not heavy[i])
+    items[:] = [items[i] for i in order]
 
 
 @pytest.fixture(scope="session")
