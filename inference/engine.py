@@ -64,6 +64,7 @@ from p2pnode.inference.costmodel import (
     CostModel,
     calibrate,
     load_calibration,
+    recalibrate_when_idle,
     save_calibration,
 )
 from p2pnode.inference.emulated import EmulatedBackend
@@ -261,6 +262,9 @@ class Engine(EngineFront):
         # it should end by the cost model (a new request's wait starts with the rest of it).
         self._step_prefill: tuple[_Request, int] | None = None
         self._step_end = 0.0
+        self._idle_since = time.perf_counter()  # when the engine last ran out of work
+        # Held while the backend computes: a step, or a measurement of it (recalibration).
+        self.compute = trio.Lock()
         self._wakeup = trio.Event()
         self._closed = False
         self.steps = 0
@@ -287,6 +291,10 @@ class Engine(EngineFront):
     def queue_depth(self) -> int:
         """Requests in the engine: waiting for a slot plus running."""
         return len(self._waiting) + len(self._active)
+
+    def idle_for_s(self) -> float:
+        """Seconds since the engine last had a request (0 while it has one)."""
+        return 0.0 if self.queue_depth else time.perf_counter() - self._idle_since
 
     def estimated_wait_s(self, prefill_tokens: int | None = None) -> float:
         """Rough seconds a new request loses to the work already here.
@@ -561,6 +569,7 @@ class Engine(EngineFront):
             self._drop_cancelled()
             admit = self._take_admissible()
             if not self._active:
+                self._idle_since = time.perf_counter()
                 self._wakeup = trio.Event()
                 await self._wakeup.wait()
                 continue
@@ -580,7 +589,8 @@ class Engine(EngineFront):
                 + (c.decode_s_per_token if decode else 0.0)
             )
             try:
-                await trio.to_thread.run_sync(self._step, admit, prefill, decode)
+                async with self.compute:
+                    await trio.to_thread.run_sync(self._step, admit, prefill, decode)
             except Exception as exc:  # a failed forward fails its batch, not the engine
                 for req in set(admit + decode + ([prefill] if prefill else [])):
                     if req in self._active:
@@ -660,6 +670,7 @@ async def open_engine(
                     await calibrate(engine)
                     if backend == "hf":
                         save_calibration(engine.model_id, engine.cost)
+                    nursery.start_soon(recalibrate_when_idle, engine)
                 yield engine
             finally:
                 engine._closed = True

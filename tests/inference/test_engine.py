@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 
 import pytest
@@ -30,7 +31,7 @@ from p2pnode.inference.blockhash import (
 from p2pnode.inference.models import ShapeOnlyModel
 from p2pnode.inference.radix import RadixCache
 
-from testkit import models
+from testkit import models, wait_until
 
 N_NEW = 8
 PROMPTS = [
@@ -435,3 +436,37 @@ async def test_the_cpu_engine_offers_what_the_routing_layer_uses() -> None:
         torch_threads=None,
     ) as engine:  # fmt: skip
         assert isinstance(engine, ServingEngine)
+
+
+async def test_an_idle_engine_measures_again_and_keeps_the_faster_figures(loaded) -> None:
+    # A start-up calibration taken while other processes held the cores makes the node look
+    # slow to its router, which then forwards everything and never serves a request that
+    # would correct it: an idle engine measures again and keeps the faster of each figure.
+    from p2pnode.inference.costmodel import calibrate, recalibrate_when_idle
+
+    async with engine(loaded) as eng:
+        c = eng.cost
+        c.prefill_s_per_token, c.decode_s_per_token, c.overhead_s = 1.0, 1.0, 0.5
+        c.calibrated = True
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(
+                functools.partial(
+                    recalibrate_when_idle, eng, idle_s=0.05, first_after_s=0.05, max_after_s=0.1
+                )
+            )
+            await wait_until(
+                lambda: c.prefill_s_per_token < 1.0 and c.decode_s_per_token < 1.0,
+                120,
+                "the idle engine measured itself again",
+                detail=lambda: str(c.as_dict()),
+            )
+            nursery.cancel_scope.cancel()
+        assert c.prefill_s_per_token < 0.1 and c.decode_s_per_token < 0.5, c.as_dict()
+        # Measuring again never makes a figure slower than one it already has.
+        c.prefill_s_per_token, c.decode_s_per_token = 1e-7, 1e-7
+        await calibrate(eng, keep_faster=True)
+        assert (c.prefill_s_per_token, c.decode_s_per_token) == (1e-7, 1e-7)
+        # And the engine still serves what it served before.
+        prompt = [(3 + 11 * i) % 5000 for i in range(40)]
+        got = (await eng.generate(prompt, {"max_tokens": 4})).tokens
+        assert got == hf_greedy(loaded, prompt, 4)
