@@ -27,6 +27,7 @@ def test_install_replaces_source_choice_and_per_peer_trim_once() -> None:
 async def test_hole_punch_source_is_the_bound_listen_port_not_the_first_advertised() -> None:
     """0.8.1 binds the first ADVERTISED address; an announced public address (on no
     interface) makes that bind fail and the dial leave from an ephemeral port."""
+    dcutr.install()  # as a node's hole puncher does when it starts
     announced = "/ip4/203.0.113.7/tcp/4101"
     config = OverlayConfig(
         key=NodeKey.generate(), listen_addrs=["/ip4/0.0.0.0/tcp/0"], announce=[announced]
