@@ -139,6 +139,10 @@ def build(src: bytes, march: str = "native") -> ctypes.CDLL | None:
     lib.llama_layers.argtypes = [_P, _P, *[_I] * 6, f32, f32, _P, _I, _P, _P, _P]
     lib.llama_layers.argtypes += [i64] * 5 + [_P] * 3 + [_P, _I]
     lib.llama_layers.restype = _I
+    if hasattr(lib, "llama_layers_multi"):  # an older revision (bench/kernel_ab.py) lacks it
+        lib.llama_layers_multi.argtypes = [_P, _P, *[_I] * 6, f32, f32, _P, _I, _P, _P, _P]
+        lib.llama_layers_multi.argtypes += [_P] * 4 + [_I]
+        lib.llama_layers_multi.restype = _I
     lib.gemm_panels.argtypes = [_P, _P, _P, _I, _I, _I, _I]
     lib.gemm_panels.restype = None
     lib.panel_width.argtypes = []
