@@ -585,7 +585,6 @@ class BatchedVerifier:
         caches = batch.split()
         return [(out.logits[i, : len(x)], caches[i]) for i, x in enumerate(inputs)]
 
-
     def _slabs(self, rows: list[Row]) -> list[Slab] | None:
         """Each row's session cache as a one-row slab, or None where the C stack's batched
         pass does not run the target (no plan: not a CPU Llama, kernels off)."""

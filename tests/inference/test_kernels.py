@@ -569,7 +569,9 @@ def _alone_and_together(model, prompts: list[list[int]], blocks: list[list[int]]
         slabs.append(slab)
     together = _fastpath.extend_many(model, slabs, blocks)
     kv = [s.export(0, 0, s.length) for s in slabs]
-    assert [s.length for s in slabs] == [len(p) + len(b) for p, b in zip(prompts, blocks)]
+    assert [s.length for s in slabs] == [
+        len(p) + len(b) for p, b in zip(prompts, blocks, strict=True)
+    ]
     return alone, list(zip(together, kv, strict=True))
 
 
