@@ -391,14 +391,11 @@ class BatchedVerifier:
         return self.fused and _kernels.enabled() and _fastpath.plan(model) is not None
 
     def _pick_mode(self, rows: list[Row]) -> str:
-        """The pass's mode. Fused wherever it runs: it reads each weight once for all rows
-        (up to ``MAX_ROWS`` rows with the decode kernels, bitwise a one-row pass's rows; past
-        it with the prefill's panel GEMM), where serial reads them once a row. Else serial or
-        stacked: each is tried once, then the cheaper per position runs, the other every
-        ``PROBE_EVERY``-th pass (costs move with contexts). Why: on the 2-core CPU the
-        stacked path (transformers, caches copied into a padded batch every pass) took ~120
-        ms for 3 rows of ~400-token chats where the one-row C path takes ~22 ms a row
-        (bench/verifier_capacity.py). A GPU's stacked pass costs about one row's."""
+        """Fused wherever it runs: one read of each weight for all rows, where serial reads
+        them once a row. Else serial or stacked: each tried once, then the cheaper per
+        position, the other every ``PROBE_EVERY``-th pass (costs move with contexts). On the
+        2-core CPU stacked (transformers, caches copied into a padded batch) took ~120 ms for
+        3 rows of ~400-token chats, serial ~22 ms a row; on a GPU it costs about one row."""
         if len(rows) == 1:
             return "one"
         if self._fuses():

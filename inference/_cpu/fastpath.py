@@ -22,6 +22,8 @@ Contract:
   slab with per-row offsets (``HFBackend``'s left-padded decode batch): row ``m`` writes its KV
   at ``slots[m]`` of slab row ``batch_rows[m]`` and attends over ``[lo[m], slots[m]]``. Returns
   the final hidden states ``[rows, hidden]`` (before the final norm); the caller sets lengths.
+  Past ``MAX_ROWS`` rows (a decode batch of many sequences) the linears are the prefill's
+  panel GEMM where it is this machine's (float rounding away from the decode kernels' bits).
   ``head(model, hidden)``: their logits (the final norm in C, then the lm_head).
 - ``extend_many(model, slabs, inputs)``: many sequences, each in a one-row slab of its own
   (``slab_of(cache, model)``: a session's cache as one), extended by their tokens in ONE C
@@ -269,6 +271,8 @@ def run(
     p = plan if plan is not None else _required_plan(model)
     inner = model.model
     rows = ids.numel()
+    if lins is None and rows > MAX_ROWS:  # a decode batch of many rows: the panel GEMM's rate
+        lins = _prefill_lins(p)
     x = inner.embed_tokens(ids.reshape(1, rows)).float().contiguous()
     cos, sin = _cos_sin(inner.rotary_emb, x, positions.reshape(1, rows))
     slab.reserve(max(slots) + 1)

@@ -535,6 +535,39 @@ def test_batched_decode_with_left_pads_equals_each_row_alone() -> None:
 
 
 @needs_lib
+def test_a_decode_batch_past_16_rows_takes_the_panel_gemm_to_float_rounding(
+    c_prefill, monkeypatch
+) -> None:
+    from p2pnode.inference._backend import HFBackend
+    from p2pnode.inference._cpu import fastpath as _fastpath
+
+    model = _tiny_llama(256)
+    assert _fastpath.install(model)
+    g = torch.Generator().manual_seed(8)
+    prompts = [torch.randint(0, 96, (n,), generator=g).tolist() for n in range(3, 21)]  # 18
+    with torch.inference_mode():
+        alone = []
+        for p in prompts:
+            backend = HFBackend(model)
+            s = backend.new_state(None, 0)
+            backend.extend(s, p)
+            alone.append(backend.decode([s], [5]))
+        backend = HFBackend(model)
+        states = [backend.new_state(None, 0) for _ in prompts]
+        for s, p in zip(states, prompts, strict=True):
+            backend.extend(s, p)
+        asked = []
+        lins = _fastpath._prefill_lins
+        monkeypatch.setattr(
+            _fastpath, "_prefill_lins", lambda p: asked.append(lins(p)) or asked[-1]
+        )
+        together = backend.decode(states, [5] * len(prompts))
+    assert asked and asked[-1] is not None  # the 18 rows took the panels
+    for i, a in enumerate(alone):
+        assert (together[i] - a[0]).abs().max() <= 1e-4 * a.abs().max()
+
+
+@needs_lib
 def test_build_compiles_another_version_beside_the_current_one(caplog) -> None:
     # bench/kernel_ab.py loads a revision's source beside the tree's: the same source gives
     # a working library again, a broken one None and a warning (never an exception).
