@@ -375,6 +375,16 @@ def main() -> None:
             print(f"  {n} tenants: batched / one at a time {many / one:.2f}x")
         print(f"the batched pass alone ({torch.get_num_threads()} threads for its GEMMs):")
         rates = forward_rates(target, prompts[0], tenants, args.gamma)
+        # What batching can buy here: one tenant's verify already runs at some rate; a batch
+        # at most reaches the GEMM's, so their ratio bounds batched / one at a time.
+        big = max(rates, key=lambda r: r["rows"], default=None)
+        one = [r["gflop_per_s"] for r in tput if not r["batched"]]
+        if big and big["panel_gemm_gflop_per_s"] and one:
+            print(
+                f"  bound on batched / one at a time here: the GEMM's "
+                f"{big['panel_gemm_gflop_per_s']:.1f} GFLOP/s over one tenant's "
+                f"{statistics.mean(one):.1f} = {big['panel_gemm_gflop_per_s'] / statistics.mean(one):.2f}x"
+            )
     out = Path(__file__).parent / "results" / "speculation.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     result = {
