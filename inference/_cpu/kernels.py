@@ -20,7 +20,8 @@ Contract:
   fewer instructions: the draft's decode, whose numerics only move acceptance;
   ``interleaved=True`` reads the blocks of four rows of ``interleave_q4`` (the draft's layout).
 - ``llama_layers`` (C): a whole Llama decoder stack for a few rows over a KV slab, driven by
-  ``_fastpath.py``.
+  ``_fastpath.py``; ``llama_layers_multi``: the same for the rows of many sequences, each in a
+  KV buffer of its own (``fastpath.extend_many``).
 """
 
 from __future__ import annotations
