@@ -26,6 +26,9 @@ import torch
 import trio
 from transformers import DynamicCache
 
+from p2pnode.inference._cpu import fastpath as _fastpath
+from p2pnode.inference._cpu import gemm as _gemm
+from p2pnode.inference._cpu import kernels as _kernels
 from p2pnode.inference.models import load_model
 from p2pnode.speculation import (
     BatchedVerifier,
@@ -159,9 +162,100 @@ def flops_per_position(model, context: int) -> float:
     LM head included: a verify takes logits at every position) plus attention's 4 per key
     and channel of each layer at ``context`` cached tokens."""
     cfg = model.config
-    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
     attention = 4 * cfg.num_hidden_layers * cfg.hidden_size * context
-    return 2 * linear + attention
+    return linear_flops(model) + attention
+
+
+def best_s(fn, reps: int = 3) -> float:
+    fn()  # warm: packed copies, page faults
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+@torch.inference_mode()
+def forward_rates(target, prompt: list[int], tenants_list: list[int], gamma: int) -> list[dict]:
+    """The batched verify pass itself: ``tenants`` sessions of ``gamma + 1`` rows each through
+    ONE call of the C stack (``fastpath.extend_many``, what the verifier runs), against the
+    prefill's panel GEMM alone over the same linears (every decoder linear, then the lm_head
+    by its own packed form) at the same rows and threads: the rate the pass could reach."""
+    model, out = target.model, []
+    plan = _fastpath.plan(model)
+    if plan is None:
+        print("  no C stack for the target here: no fused pass to time")
+        return out
+    rows_per = gamma + 1
+    caches = []
+    for i in range(max(tenants_list)):
+        cache = DynamicCache()
+        model(input_ids=torch.tensor([[i, *prompt]]), past_key_values=cache, use_cache=True)
+        caches.append(cache)
+    slabs = [_fastpath.slab_of(c, model) for c in caches]
+    per_position = flops_per_position(model, len(prompt) + 1)
+    for tenants in tenants_list:
+        rows = tenants * rows_per
+        inputs = [list(range(100 + i, 100 + i + rows_per)) for i in range(tenants)]
+
+        def fused(slabs=slabs[:tenants], inputs=inputs) -> None:
+            _fastpath.extend_many(model, slabs, inputs)
+            for s in slabs:
+                s.crop(rows_per)
+
+        secs = best_s(fused)
+        gemm_s = gemm_seconds(model, plan, rows)
+        row = {
+            "tenants": tenants,
+            "rows": rows,
+            "fused_pass_ms": secs * 1e3,
+            "fused_gflop_per_s": rows * per_position / secs / 1e9,
+            "panel_gemm_gflop_per_s": None
+            if gemm_s is None
+            else rows * linear_flops(model) / gemm_s / 1e9,
+        }
+        out.append(row)
+        share = (
+            f", {row['fused_gflop_per_s'] / row['panel_gemm_gflop_per_s']:.0%} of the panel "
+            f"GEMM's {row['panel_gemm_gflop_per_s']:.1f}"
+            if row["panel_gemm_gflop_per_s"]
+            else " (no panel GEMM here: the decode kernels ran it)"
+        )
+        print(
+            f"  fused pass, {tenants} tenants x {rows_per} rows = {rows} rows: "
+            f"{row['fused_pass_ms']:.1f} ms, {row['fused_gflop_per_s']:.1f} GFLOP/s{share}"
+        )
+    return out
+
+
+def linear_flops(model) -> float:
+    """FLOPs of one position through every linear map (the tied LM head included)."""
+    linears = (torch.nn.Linear, _kernels.StreamLinear)  # the kernels' swap keeps the weight
+    return 2 * sum(m.weight.numel() for m in model.modules() if isinstance(m, linears))
+
+
+def gemm_seconds(model, plan, rows: int) -> float | None:
+    """Best seconds of the panel GEMM alone over every decoder linear and the lm_head at
+    ``rows`` rows (the fused pass's threads), or None where the panels are not this build's
+    prefill form."""
+    lins = _fastpath._prefill_lins(plan)
+    head = getattr(model.lm_head, "_packed", lambda: None)()
+    if lins is None or not isinstance(head, _gemm.PanelWeight):
+        return None
+    threads = torch.get_num_threads()
+    xs = {k: torch.randn(rows, k) for k in {lin.K for lin in lins}}
+    ys = {n: torch.empty(rows, n) for n in {lin.N for lin in lins}}
+    x_head = torch.randn(rows, head.k)
+
+    def all_linears() -> None:
+        for lin in lins:
+            plan.lib.gemm_panels(
+                lin.p, xs[lin.K].data_ptr(), ys[lin.N].data_ptr(), rows, lin.N, lin.K, threads
+            )
+        head(x_head)
+
+    return best_s(all_linears)
 
 
 async def tenant_runs(target, prompt, tenants_list, gamma, blocks_per_tenant) -> list[dict]:
@@ -266,12 +360,31 @@ def main() -> None:
             edge_runs, target, draft, prompts[: args.prompts], rtts, args.gamma, args.new_tokens
         )
     tput: list[dict] = []
+    rates: list[dict] = []
     if not args.skip_verifier:
         print(f"verifier, gamma {args.gamma}, {args.blocks_per_tenant} blocks per tenant:")
         tenants = [int(x) for x in args.tenants.split(",")]
         tput = trio.run(
             tenant_runs, target, prompts[0], tenants, args.gamma, args.blocks_per_tenant
         )
+        for n in tenants:
+            one, many = (
+                next(r["blocks_per_s"] for r in tput if r["tenants"] == n and r["batched"] is b)
+                for b in (False, True)
+            )
+            print(f"  {n} tenants: batched / one at a time {many / one:.2f}x")
+        print(f"the batched pass alone ({torch.get_num_threads()} threads for its GEMMs):")
+        rates = forward_rates(target, prompts[0], tenants, args.gamma)
+        # What batching can buy here: one tenant's verify already runs at some rate; a batch
+        # at most reaches the GEMM's, so their ratio bounds batched / one at a time.
+        big = max(rates, key=lambda r: r["rows"], default=None)
+        one = [r["gflop_per_s"] for r in tput if not r["batched"]]
+        if big and big["panel_gemm_gflop_per_s"] and one:
+            print(
+                f"  bound on batched / one at a time here: the GEMM's "
+                f"{big['panel_gemm_gflop_per_s']:.1f} GFLOP/s over one tenant's "
+                f"{statistics.mean(one):.1f} = {big['panel_gemm_gflop_per_s'] / statistics.mean(one):.2f}x"
+            )
     out = Path(__file__).parent / "results" / "speculation.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     result = {
@@ -280,6 +393,7 @@ def main() -> None:
         "load_average_end": os.getloadavg(),
         "edge": edge,
         "verifier": tput,
+        "fused_pass": rates,
     }
     out.write_text(json.dumps(result, indent=2))
     print(f"wrote {out}")

@@ -15,8 +15,8 @@ position) or acceptance down shortens the blocks. Why never worse than everyone 
 at ``want`` 0 for every session each pass is a target-only pass, and a session gets a k-th draft
 only while that position commits more (``alpha ** k``) than the pass's own rate would with the
 same time (``c * R``), so each granted position raises the tokens per second of the pass.
-Where the verifier runs a pass's rows one after another (``verify.py``'s serial mode, the
-faster on a CPU), each row is a pass of its own and has its own free positions.
+Where the verifier runs a pass's rows one after another (``verify.py``'s serial mode, where
+its fused C pass does not run), each row is a pass of its own and has its own free positions.
 
 The constants, and the measurement behind each (docs/performance.md unless named):
 - ``FREE_POSITIONS = 5``: verify(5) / verify(1) = 0.97 on the Xeon (``bench/floor.py``,

@@ -122,7 +122,7 @@ class DraftRunner:
         n = prefix.usable(prompt)
         if n and prefix.cache is not None:
             self.cache = copy.deepcopy(prefix.cache)
-            self.cache.crop(n)
+            _keep_first(self.cache, n)
             self.cache_len = n
 
     def reset_to(self, committed: list[int]) -> None:
@@ -200,8 +200,16 @@ class DraftPrefix:
         """Keep the runner's cache of ``prompt`` (the runner is done with it)."""
         n = min(runner.cache_len, len(prompt) - 1)
         if n > 0 and runner.tokens[:n] == prompt[:n]:
-            runner.cache.crop(n)
+            _keep_first(runner.cache, n)
             self.tokens, self.cache = list(prompt[:n]), runner.cache
+
+
+def _keep_first(cache: DynamicCache, n: int) -> None:
+    """Crop ``cache`` to its first ``n`` positions. By the count to drop: transformers'
+    ``DynamicLayer.crop`` refuses a length to keep (a draft off the C path holds one)."""
+    extra = cache.get_seq_length() - n
+    if extra > 0:
+        cache.crop(-extra)
 
 
 # ---------------------------------------------------------------- the speculative loop

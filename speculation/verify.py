@@ -50,15 +50,19 @@ Contract:
 
 The batching loop (``run``): gather the queued blocks, ``plan`` them (``_batching.py``: what is
 answered without computing, which rows and lead steps go into the pass), one forward over the
-rows (``_forward``; several sessions' caches stacked by ``_kvstack.py``), ``accept`` each row, and
+rows (``_forward``: fused, serial or stacked, see ``_pick_mode``), ``accept`` each row, and
 ``_apply`` the outcomes: commit tokens, crop caches, refill or spend lead budgets, answer waiters
 and ``on_lead`` callbacks. Only ``_apply`` changes a session's tokens, cache and lead budget.
 
 Device: inputs are built on the target's device (a CUDA target needs no wrapper); greedy
 acceptance runs there, sampling copies the few logit rows to the CPU and draws with the
 session's seeded CPU generator. (Not yet run on a GPU: `make gpu-check` is the check for a GPU machine.)
-A batch of one uses the session's cache directly; more are stacked left-padded (``_kvstack.py``:
-the math equals each session's own forward, logits agree to ~1e-5).
+A batch of one uses the session's cache directly. More, where the C stack runs the target (a
+CPU Llama), go through it in one call (``fastpath.extend_many``: each linear one matmul over all
+rows, each row attending to its own session's slab; up to 16 rows bitwise each session's own
+forward, past it the prefill's GEMM, float rounding away). Elsewhere they are stacked
+left-padded (``_kvstack.py``: the math equals each session's own forward, logits agree to
+~1e-5) or run one after another.
 """
 
 from __future__ import annotations
@@ -73,6 +77,9 @@ import torch
 import trio
 from transformers import DynamicCache
 
+from p2pnode.inference._cpu import fastpath as _fastpath
+from p2pnode.inference._cpu import kernels as _kernels
+from p2pnode.inference._cpu.kvslab import Slab
 from p2pnode.inference.models import LoadedModel
 from p2pnode.inference.sampling import make_generator
 from p2pnode.speculation._accept import accept_draft
@@ -154,11 +161,15 @@ class BatchedVerifier:
         self.sizer = BlockSizer(max_want=max_block) if block_control else None
         self._lookup_meter = AcceptanceMeter()
         self._guesses = lookup  # lookup guesses per lead step now
-        # A pass of several rows runs stacked (one forward, caches left-padded) or serial (each
-        # row on the one-row fast path in turn), whichever has cost less per position lately.
+        # A pass of several rows runs fused (one call of the C stack: each linear one matmul
+        # over all rows, each row attending to its own session's slab) where the C stack runs
+        # the target; elsewhere stacked (one transformers forward, caches left-padded) or
+        # serial (each row a forward of its own), whichever has cost less per position lately.
+        # ``fused = False`` leaves the fused pass out (benches compare the modes).
+        self.fused = True
         self.pass_cost: dict[str, float] = {}  # "stacked" / "serial" -> s per position (EWMA)
         self._multi_passes = 0
-        self._serial = False  # the mode of the pass under way
+        self._mode = "one"  # the pass under way: "one" (a single row), "fused", "serial", "stacked"
         self.sessions: dict[str, Session] = {}
         self.stats = {"batches": 0, "blocks": 0, "stale": 0, "accepted": 0, "drafted": 0}
         self.stats.update(lead=0, superseded=0, sessions=0, prefill_tokens=0, prefix_hit_tokens=0)
@@ -364,7 +375,7 @@ class BatchedVerifier:
             batch = plan(waiting, leaders, self.max_batch, self.max_tokens, self._guesses)
             outcomes = list(batch.decided)
             if batch.rows:
-                self._serial = len(batch.rows) > 1 and self._pick_serial()
+                self._mode = self._pick_mode(batch.rows)
                 async with self._device:
                     t0 = time.perf_counter()
                     computed = await trio.to_thread.run_sync(self._compute, batch.rows)
@@ -374,34 +385,42 @@ class BatchedVerifier:
                 self._measure(batch.rows, computed, seconds)
             self._apply(outcomes)
 
-    def _pick_serial(self) -> bool:
-        """Serial or stacked for a pass of several rows: each is tried once, then the cheaper
-        per position runs, the other every ``PROBE_EVERY``-th pass (costs move with contexts).
-        Why: on the 2-core CPU the stacked path (transformers, caches copied into a padded
-        batch every pass) took ~120 ms for 3 rows of ~400-token chats where the one-row C
-        path takes ~22 ms a row (bench/verifier_capacity.py): 4 tenants batched got half
-        the tokens/s of one. A GPU's stacked pass costs about one row's."""
+    def _fuses(self) -> bool:
+        """Whether a pass of several rows runs fused (see ``__init__``)."""
+        model = self.target.model
+        return self.fused and _kernels.enabled() and _fastpath.plan(model) is not None
+
+    def _pick_mode(self, rows: list[Row]) -> str:
+        """Fused wherever it runs: one read of each weight for all rows, where serial reads
+        them once a row. Else serial or stacked: each tried once, then the cheaper per
+        position, the other every ``PROBE_EVERY``-th pass (costs move with contexts). On the
+        2-core CPU stacked (transformers, caches copied into a padded batch) took ~120 ms for
+        3 rows of ~400-token chats, serial ~22 ms a row; on a GPU it costs about one row."""
+        if len(rows) == 1:
+            return "one"
+        if self._fuses():
+            return "fused"
         self._multi_passes += 1
         for mode in ("stacked", "serial"):
             if mode not in self.pass_cost:
-                return mode == "serial"
+                return mode
         best = min(self.pass_cost, key=self.pass_cost.__getitem__)
         if self._multi_passes % PROBE_EVERY == 0:
             best = "serial" if best == "stacked" else "stacked"
-        return best == "serial"
+        return best
 
     def _measure(self, rows: list[Row], computed: list[Outcome], seconds: float) -> None:
         """Feed one pass to the pass-mode choice and to the block-size control (which also
         sizes the lead steps' lookup guesses)."""
         positions = sum(len(r.inputs) for r in rows)
-        if len(rows) > 1:
-            mode = "serial" if self._serial else "stacked"
+        mode = self._mode
+        if mode in ("serial", "stacked"):
             old, new = self.pass_cost.get(mode), seconds / positions
             self.pass_cost[mode] = new if old is None else 0.7 * old + 0.3 * new
         if self.sizer is None:
             return
         committed = sum(len(o.commit) for o in computed)
-        if self._serial:  # each row was a pass of its own: its free positions are its own
+        if mode == "serial":  # each row was a pass of its own: its free positions are its own
             n = len(rows)
             self.sizer.observe_pass(positions / n, seconds / n, committed / n)
         else:
@@ -543,7 +562,13 @@ class BatchedVerifier:
     def _forward(self, rows: list[Row]) -> list[tuple[torch.Tensor, DynamicCache]]:
         """Each row's logits at its inputs and its cache after them (one pass for all)."""
         model, inputs = self.target.model, [row.inputs for row in rows]
-        if len(rows) == 1 or self._serial:  # each session's own cache, extended in place
+        if self._mode == "fused":
+            slabs = self._slabs(rows)
+            if slabs is not None:  # one C pass, each session's cache extended in place
+                logits = _fastpath.extend_many(model, slabs, inputs)
+                return [(lg, row.session.cache) for lg, row in zip(logits, rows, strict=True)]
+            self._mode = "serial"  # a cache the C stack cannot read: each row on its own
+        if self._mode in ("one", "serial"):  # each session's own cache, extended in place
             got = []
             for row in rows:
                 cache = row.session.cache
@@ -556,6 +581,13 @@ class BatchedVerifier:
         out = model(**batch.model_inputs(self.device))
         caches = batch.split()
         return [(out.logits[i, : len(x)], caches[i]) for i, x in enumerate(inputs)]
+
+    def _slabs(self, rows: list[Row]) -> list[Slab] | None:
+        """Each row's session cache as a one-row slab, or None where the C stack's batched
+        pass does not run the target (no plan: not a CPU Llama, kernels off)."""
+        model = self.target.model
+        slabs = [_fastpath.slab_of(row.session.cache, model) for row in rows]
+        return None if any(s is None for s in slabs) else slabs  # type: ignore[return-value]
 
 
 def _device_of(model) -> torch.device:

@@ -22,7 +22,16 @@ Contract:
   slab with per-row offsets (``HFBackend``'s left-padded decode batch): row ``m`` writes its KV
   at ``slots[m]`` of slab row ``batch_rows[m]`` and attends over ``[lo[m], slots[m]]``. Returns
   the final hidden states ``[rows, hidden]`` (before the final norm); the caller sets lengths.
+  Past ``MAX_ROWS`` rows (a decode batch of many sequences) the linears are the prefill's
+  panel GEMM where it is this machine's (float rounding away from the decode kernels' bits).
   ``head(model, hidden)``: their logits (the final norm in C, then the lm_head).
+- ``extend_many(model, slabs, inputs)``: many sequences, each in a one-row slab of its own
+  (``slab_of(cache, model)``: a session's cache as one), extended by their tokens in ONE C
+  call (``llama_layers_multi``): every linear is one matmul over all their rows (past
+  ``MAX_ROWS`` rows the prefill's panel GEMM on ``threads`` threads, default torch's), each
+  sequence's rows attend to its own slab. Returns each sequence's logits ``[tokens, vocab]``;
+  each slab's length grows by its tokens. Where all rows number at most ``MAX_ROWS``, every
+  row's bits are a one-token step's; past it, float rounding away (the GEMM sums in order).
 - Numerics: float rounding only (norms, softmax and SiLU in another summation order); logits
   agree with the torch path to ~1e-4 on logits of magnitude ~20. A prefill's rows are float
   rounding away from the same rows as one-token steps (other kernels), not bitwise equal.
@@ -69,6 +78,12 @@ _Lin = _c_struct("_Lin", kind=_i32, N=_i32, K=_i32, G=_i32, w=_ptr, s=_ptr, p=_p
 _KVCopy = _c_struct(
     "_KVCopy", src=_ptr, s_layer=_i64, s_kv=_i64, s_head=_i64, s_pos=_i64, n=_i32, row=_i32,
     pos=_i32, pad=_i32,
+)  # fmt: skip
+
+
+# kv_seg_t: one sequence's KV buffer and its element strides (``llama_layers_multi``).
+_KVSeg = _c_struct(
+    "_KVSeg", kv=_ptr, s_layer=_i64, s_kv=_i64, s_b=_i64, s_head=_i64, s_pos=_i64
 )  # fmt: skip
 
 
@@ -256,6 +271,8 @@ def run(
     p = plan if plan is not None else _required_plan(model)
     inner = model.model
     rows = ids.numel()
+    if lins is None and rows > MAX_ROWS:  # a decode batch of many rows: the panel GEMM's rate
+        lins = _prefill_lins(p)
     x = inner.embed_tokens(ids.reshape(1, rows)).float().contiguous()
     cos, sin = _cos_sin(inner.rotary_emb, x, positions.reshape(1, rows))
     slab.reserve(max(slots) + 1)
@@ -293,6 +310,74 @@ def run(
     if rc != 0:
         raise MemoryError("the fast decode path could not allocate its work buffers")
     return x[0]
+
+
+def extend_many(
+    model: nn.Module,
+    slabs: list[Slab],
+    inputs: list[list[int]],
+    *,
+    threads: int | None = None,
+) -> list[torch.Tensor]:
+    """See the module contract. Needs ``plan(model)``, one-row slabs, each at most once."""
+    p = _required_plan(model)
+    if len({id(s) for s in slabs}) != len(slabs) or any(s.batch != 1 for s in slabs):
+        raise ValueError("extend_many takes distinct one-row slabs")
+    if len(slabs) != len(inputs) or not all(inputs):
+        raise ValueError("extend_many needs one non-empty list of tokens per slab")
+    rows = sum(len(x) for x in inputs)
+    lins = _prefill_lins(p) if rows > MAX_ROWS else None
+    inner = model.model
+    seg_of: list[int] = []
+    slots: list[int] = []
+    segs = []
+    for i, (slab, x) in enumerate(zip(slabs, inputs, strict=True)):
+        n = slab.length
+        slab.reserve(n + len(x))
+        kv = slab.kv  # deferred prefix spans copied in: the C call reads one buffer per slab
+        segs.append(_KVSeg(kv.data_ptr(), *kv.stride()[:5]))
+        seg_of += [i] * len(x)
+        slots += range(n, n + len(x))
+    pos = torch.tensor(slots)
+    ids = torch.tensor([t for x in inputs for t in x])
+    x = inner.embed_tokens(ids.reshape(1, rows)).float().contiguous()
+    cos, sin = _cos_sin(inner.rotary_emb, x, pos.reshape(1, rows))
+    meta = torch.tensor([seg_of, [0] * rows, slots, [0] * rows], dtype=torch.int32)
+    seg_arr = (_KVSeg * len(segs))(*segs)
+    rc = p.lib.llama_layers_multi(
+        p.lins if lins is None else lins,
+        p.norms,
+        p.layers,
+        p.hidden,
+        p.heads,
+        p.kv_heads,
+        p.head_dim,
+        p.ffn,
+        p.eps,
+        p.scale,
+        x.data_ptr(),
+        rows,
+        cos.data_ptr(),
+        sin.data_ptr(),
+        seg_arr,
+        meta[0].data_ptr(),
+        meta[1].data_ptr(),
+        meta[2].data_ptr(),
+        meta[3].data_ptr(),
+        torch.get_num_threads() if threads is None else threads,
+    )
+    if rc != 0:
+        raise MemoryError("the fast path could not allocate its work buffers")
+    for slab, x_ in zip(slabs, inputs, strict=True):
+        slab.set_length(slab.length + len(x_))
+    logits = _head(p, model, x[0])
+    return list(logits.split([len(x_) for x_ in inputs]))
+
+
+def slab_of(cache: Cache, model: nn.Module) -> Slab | None:
+    """The one-row slab behind a sequence's cache (a ``DynamicCache`` moved into one, once, in
+    place), or None where the C stack cannot read it."""
+    return _slab_of(cache, 1, model)
 
 
 # RoPE variants whose cos/sin depend on the position alone (not on the sequence length, as the

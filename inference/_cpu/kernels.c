@@ -736,8 +736,8 @@ void gemm_panels(const float *P, const float *X, float *Y, int M, int N, int K, 
  * float rounding away from the exact ones; up to it a row's bits equal a one-token step's. */
 #define EXACT_ROWS 16
 
-static int lin_apply(const lin_t *L, const float *X, float *Y, int M) {
-  if (L->kind == 0 && L->p && M > EXACT_ROWS) gemm_panels(L->p, X, Y, M, L->N, L->K, 1);
+static int lin_apply(const lin_t *L, const float *X, float *Y, int M, int threads) {
+  if (L->kind == 0 && L->p && M > EXACT_ROWS) gemm_panels(L->p, X, Y, M, L->N, L->K, threads);
   else if (L->kind == 0) gemv_f32((const float *)L->w, X, Y, M, L->N, L->K);
   else if (L->kind == 1) gemv_bf16((const uint16_t *)L->w, X, Y, M, L->N, L->K);
   else if (L->kind == 2) gemv_int4((const uint8_t *)L->w, L->s, X, Y, M, L->N, L->K, L->G);
@@ -1034,9 +1034,11 @@ static void attend(const float *q, int qd, const float *K, const float *V, int64
 
 /* The rows from m on that belong to one sequence (a verify block): same KV row, same window
  * start. A batched decode step's rows are runs of one. */
-static int run_of(const int32_t *rb, const int32_t *rlo, int m, int M) {
+static int run_of(const int32_t *rseg, const int32_t *rb, const int32_t *rlo, int m, int M) {
   int r = 1;
-  while (m + r < M && rb[m + r] == rb[m] && rlo[m + r] == rlo[m]) r++;
+  while (m + r < M && rb[m + r] == rb[m] && rlo[m + r] == rlo[m] &&
+         (!rseg || rseg[m + r] == rseg[m]))
+    r++;
   return r;
 }
 
@@ -1350,21 +1352,30 @@ static void copier_wait(copier_t *cp, int layers) {
   while (__atomic_load_n(&cp->done, __ATOMIC_ACQUIRE) < layers) sched_yield();
 }
 
+/* One KV buffer (a slab) and its element strides: per layer, key/value, batch row, KV head,
+ * slot; head_dim contiguous. */
+typedef struct {
+  float *kv;
+  int64_t s_layer, s_kv, s_b, s_head, s_pos;
+} kv_seg_t;
+
 /* x [M, H]: the residual stream in, the last layer's output out (before the final norm).
  * lins: 7 per layer (q, k, v, o, gate, up, down); norms: 2 per layer (input, post-attention).
- * cs, sn: rotary cos/sin [M, hd]. Returns 0, or -1 when out of memory (x is then undefined). */
-int llama_layers(const lin_t *lins, const float *const *norms, int L, int H, int nh, int nkv,
-                 int hd, int F, float eps, float scale, float *x, int M, const float *cs,
-                 const float *sn, float *kv, int64_t s_layer, int64_t s_kv, int64_t s_b,
-                 int64_t s_head, int64_t s_pos, const int32_t *rb, const int32_t *rslot,
-                 const int32_t *rlo, const kv_copy_t *copies, int ncopies) {
+ * cs, sn: rotary cos/sin [M, hd]. Row m's KV lives in segs[rseg[m]] (rseg NULL: segs[0]);
+ * copies (the deferred prefix spans) go to segs[0]. threads: for the panel GEMMs of more than
+ * EXACT_ROWS rows. Returns 0, or -1 when out of memory (x is then undefined). */
+static int layers_run(const lin_t *lins, const float *const *norms, int L, int H, int nh,
+                      int nkv, int hd, int F, float eps, float scale, float *x, int M,
+                      const float *cs, const float *sn, const kv_seg_t *segs,
+                      const int32_t *rseg, const int32_t *rb, const int32_t *rslot,
+                      const int32_t *rlo, const kv_copy_t *copies, int ncopies, int threads) {
   const int qd = nh * hd, kd = nkv * hd, group = nh / nkv;
   int ctx = 1, runs = 1, tiled = 0; /* the longest run attend takes; attend_tiles' */
   for (int m = 0; m < M; m++)
     if (rslot[m] - rlo[m] + 1 > ctx) ctx = rslot[m] - rlo[m] + 1;
   const int tiles_fit = hd % (2 * VL) == 0; /* attend_tiles' output blocks (else attend) */
   for (int m = 0, r; m < M; m += r) {
-    r = run_of(rb, rlo, m, M);
+    r = run_of(rseg, rb, rlo, m, M);
     if (tiles_fit && r > EXACT_ROWS && r > tiled) tiled = r;
     else if ((!tiles_fit || r <= EXACT_ROWS) && r > runs) runs = r;
   }
@@ -1373,7 +1384,9 @@ int llama_layers(const lin_t *lins, const float *const *norms, int L, int H, int
   if (tiled && work_tiles > work) work = work_tiles;
   const size_t n = (size_t)M * (H + 2 * qd + 2 * kd + 2 * F) + work;
   /* the prefix copy starts first: on its own thread, else here, all of it, before anything */
-  copier_t cp = {copies, ncopies, L, nkv, hd, kv, s_layer, s_kv, s_b, s_head, s_pos, 0};
+  const kv_seg_t *s0 = segs;
+  copier_t cp = {copies, ncopies, L, nkv, hd, s0->kv, s0->s_layer, s0->s_kv, s0->s_b,
+                 s0->s_head, s0->s_pos, 0};
   pthread_t copier;
   const int threaded = ncopies > 0 && pthread_create(&copier, NULL, copier_run, &cp) == 0;
   if (ncopies > 0 && !threaded) copier_run(&cp);
@@ -1387,42 +1400,48 @@ int llama_layers(const lin_t *lins, const float *const *norms, int L, int H, int
   float *sc = u + (size_t)M * F;
   for (int l = 0; l < L; l++) {
     const lin_t *W = lins + 7 * l;
-    float *KV = kv + (int64_t)l * s_layer;
     for (int m = 0; m < M; m++) rmsnorm(x + (size_t)m * H, norms[2 * l], h + (size_t)m * H, H, eps);
-    if (lin_apply(W + 0, h, q, M)) goto fail;
-    if (lin_apply(W + 1, h, k, M)) goto fail;
-    if (lin_apply(W + 2, h, v, M)) goto fail;
+    if (lin_apply(W + 0, h, q, M, threads)) goto fail;
+    if (lin_apply(W + 1, h, k, M, threads)) goto fail;
+    if (lin_apply(W + 2, h, v, M, threads)) goto fail;
     for (int m = 0; m < M; m++) {
+      const kv_seg_t *sg = segs + (rseg ? rseg[m] : 0);
+      float *KV = sg->kv + (int64_t)l * sg->s_layer;
       rope(q + (size_t)m * qd, nh, hd, cs + (size_t)m * hd, sn + (size_t)m * hd);
       rope(k + (size_t)m * kd, nkv, hd, cs + (size_t)m * hd, sn + (size_t)m * hd);
       for (int j = 0; j < nkv; j++) {
-        float *dst = KV + rb[m] * s_b + j * s_head + (int64_t)rslot[m] * s_pos;
+        float *dst = KV + rb[m] * sg->s_b + j * sg->s_head + (int64_t)rslot[m] * sg->s_pos;
         memcpy(dst, k + (size_t)m * kd + j * hd, hd * sizeof(float));
-        memcpy(dst + s_kv, v + (size_t)m * kd + j * hd, hd * sizeof(float));
+        memcpy(dst + sg->s_kv, v + (size_t)m * kd + j * hd, hd * sizeof(float));
       }
     }
     if (ncopies > 0) copier_wait(&cp, l + 1); /* this layer's prefix is in */
     /* each run of rows of one sequence: one pass over its keys for them all */
     for (int m = 0, r; m < M; m += r) {
-      r = run_of(rb, rlo, m, M);
+      r = run_of(rseg, rb, rlo, m, M);
+      const kv_seg_t *sg = segs + (rseg ? rseg[m] : 0);
+      const float *KV = sg->kv + (int64_t)l * sg->s_layer;
+      const int64_t s_pos = sg->s_pos;
       for (int j = 0; j < nkv; j++) {
-        const float *K = KV + rb[m] * s_b + j * s_head;
+        const float *K = KV + rb[m] * sg->s_b + j * sg->s_head;
         const float *qj = q + (size_t)m * qd + j * group * hd;
         float *oj = att + (size_t)m * qd + j * group * hd;
         if (tiles_fit && r > EXACT_ROWS)
-          attend_tiles(qj, qd, K, K + s_kv, s_pos, rlo[m], rslot + m, r, group, hd, scale, sc, oj);
+          attend_tiles(qj, qd, K, K + sg->s_kv, s_pos, rlo[m], rslot + m, r, group, hd, scale,
+                       sc, oj);
         else
-          attend(qj, qd, K, K + s_kv, s_pos, rlo[m], rslot + m, r, group, hd, scale, sc, ctx, oj);
+          attend(qj, qd, K, K + sg->s_kv, s_pos, rlo[m], rslot + m, r, group, hd, scale, sc,
+                 ctx, oj);
       }
     }
-    if (lin_apply(W + 3, att, h, M)) goto fail;
+    if (lin_apply(W + 3, att, h, M, threads)) goto fail;
     for (size_t i = 0; i < (size_t)M * H; i++) x[i] += h[i];
     for (int m = 0; m < M; m++)
       rmsnorm(x + (size_t)m * H, norms[2 * l + 1], h + (size_t)m * H, H, eps);
-    if (lin_apply(W + 4, h, g, M)) goto fail;
-    if (lin_apply(W + 5, h, u, M)) goto fail;
+    if (lin_apply(W + 4, h, g, M, threads)) goto fail;
+    if (lin_apply(W + 5, h, u, M, threads)) goto fail;
     silu_mul(g, u, (size_t)M * F);
-    if (lin_apply(W + 6, g, h, M)) goto fail;
+    if (lin_apply(W + 6, g, h, M, threads)) goto fail;
     for (size_t i = 0; i < (size_t)M * H; i++) x[i] += h[i];
   }
   free(buf);
@@ -1432,4 +1451,27 @@ fail:
   free(buf);
   if (threaded) pthread_join(copier, NULL); /* it copies every layer: the slab stays whole */
   return -1;
+}
+
+/* One KV buffer for all rows (a decode batch, a verify block, a prefill), one thread. */
+int llama_layers(const lin_t *lins, const float *const *norms, int L, int H, int nh, int nkv,
+                 int hd, int F, float eps, float scale, float *x, int M, const float *cs,
+                 const float *sn, float *kv, int64_t s_layer, int64_t s_kv, int64_t s_b,
+                 int64_t s_head, int64_t s_pos, const int32_t *rb, const int32_t *rslot,
+                 const int32_t *rlo, const kv_copy_t *copies, int ncopies) {
+  const kv_seg_t seg = {kv, s_layer, s_kv, s_b, s_head, s_pos};
+  return layers_run(lins, norms, L, H, nh, nkv, hd, F, eps, scale, x, M, cs, sn, &seg, NULL, rb,
+                    rslot, rlo, copies, ncopies, 1);
+}
+
+/* Many sequences' rows in one pass, each sequence's KV in a buffer of its own (segs[rseg[m]]):
+ * the batched verify of many sessions, every linear one GEMM over all rows (the panels past
+ * EXACT_ROWS rows, on `threads` threads), attention per sequence over its own slab. */
+int llama_layers_multi(const lin_t *lins, const float *const *norms, int L, int H, int nh,
+                       int nkv, int hd, int F, float eps, float scale, float *x, int M,
+                       const float *cs, const float *sn, const kv_seg_t *segs,
+                       const int32_t *rseg, const int32_t *rb, const int32_t *rslot,
+                       const int32_t *rlo, int threads) {
+  return layers_run(lins, norms, L, H, nh, nkv, hd, F, eps, scale, x, M, cs, sn, segs, rseg, rb,
+                    rslot, rlo, NULL, 0, threads);
 }

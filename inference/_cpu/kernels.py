@@ -20,7 +20,8 @@ Contract:
   fewer instructions: the draft's decode, whose numerics only move acceptance;
   ``interleaved=True`` reads the blocks of four rows of ``interleave_q4`` (the draft's layout).
 - ``llama_layers`` (C): a whole Llama decoder stack for a few rows over a KV slab, driven by
-  ``_fastpath.py``.
+  ``_fastpath.py``; ``llama_layers_multi``: the same for the rows of many sequences, each in a
+  KV buffer of its own (``fastpath.extend_many``).
 """
 
 from __future__ import annotations
@@ -139,6 +140,10 @@ def build(src: bytes, march: str = "native") -> ctypes.CDLL | None:
     lib.llama_layers.argtypes = [_P, _P, *[_I] * 6, f32, f32, _P, _I, _P, _P, _P]
     lib.llama_layers.argtypes += [i64] * 5 + [_P] * 3 + [_P, _I]
     lib.llama_layers.restype = _I
+    if hasattr(lib, "llama_layers_multi"):  # an older revision (bench/kernel_ab.py) lacks it
+        lib.llama_layers_multi.argtypes = [_P, _P, *[_I] * 6, f32, f32, _P, _I, _P, _P, _P]
+        lib.llama_layers_multi.argtypes += [_P] * 4 + [_I]
+        lib.llama_layers_multi.restype = _I
     lib.gemm_panels.argtypes = [_P, _P, _P, _I, _I, _I, _I]
     lib.gemm_panels.restype = None
     lib.panel_width.argtypes = []

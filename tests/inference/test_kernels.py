@@ -535,6 +535,39 @@ def test_batched_decode_with_left_pads_equals_each_row_alone() -> None:
 
 
 @needs_lib
+def test_a_decode_batch_past_16_rows_takes_the_panel_gemm_to_float_rounding(
+    c_prefill, monkeypatch
+) -> None:
+    from p2pnode.inference._backend import HFBackend
+    from p2pnode.inference._cpu import fastpath as _fastpath
+
+    model = _tiny_llama(256)
+    assert _fastpath.install(model)
+    g = torch.Generator().manual_seed(8)
+    prompts = [torch.randint(0, 96, (n,), generator=g).tolist() for n in range(3, 21)]  # 18
+    with torch.inference_mode():
+        alone = []
+        for p in prompts:
+            backend = HFBackend(model)
+            s = backend.new_state(None, 0)
+            backend.extend(s, p)
+            alone.append(backend.decode([s], [5]))
+        backend = HFBackend(model)
+        states = [backend.new_state(None, 0) for _ in prompts]
+        for s, p in zip(states, prompts, strict=True):
+            backend.extend(s, p)
+        asked = []
+        lins = _fastpath._prefill_lins
+        monkeypatch.setattr(
+            _fastpath, "_prefill_lins", lambda p: asked.append(lins(p)) or asked[-1]
+        )
+        together = backend.decode(states, [5] * len(prompts))
+    assert asked and asked[-1] is not None  # the 18 rows took the panels
+    for i, a in enumerate(alone):
+        assert (together[i] - a[0]).abs().max() <= 1e-4 * a.abs().max()
+
+
+@needs_lib
 def test_build_compiles_another_version_beside_the_current_one(caplog) -> None:
     # bench/kernel_ab.py loads a revision's source beside the tree's: the same source gives
     # a working library again, a broken one None and a warning (never an exception).
@@ -543,3 +576,93 @@ def test_build_compiles_another_version_beside_the_current_one(caplog) -> None:
     with caplog.at_level("WARNING", logger=_kernels.__name__):
         assert _kernels.build(b"this is not C\n") is None
     assert "building kernels.c failed" in caplog.text
+
+
+def _alone_and_together(model, prompts: list[list[int]], blocks: list[list[int]], defer: bool):
+    """Each block's logits after its prompt, each sequence a forward of its own, and all of
+    them in one ``extend_many`` call (the prompts' KV deferred spans there when ``defer``),
+    with each sequence's KV after the block both ways."""
+    from transformers import DynamicCache
+
+    from p2pnode.inference._cpu import fastpath as _fastpath
+
+    alone, slabs = [], []
+    for p, b in zip(prompts, blocks, strict=True):
+        cache = DynamicCache()
+        if p:
+            model(input_ids=torch.tensor([p]), past_key_values=cache)
+        logits = model(input_ids=torch.tensor([b]), past_key_values=cache).logits[0]
+        slab = _fastpath.slab_of(cache, model)
+        alone.append((logits, slab.export(0, 0, len(p) + len(b))))
+        slab.crop(len(b))
+        if defer:  # a cache hit's prefix, handed over as spans: copied in before the call
+            fresh = Slab(2, 2, slab.kv.shape[-1], capacity=len(p) + len(b))
+            fresh.load_parts([slab.export(0, 0, len(p))], defer=True)
+            slab = fresh
+        slabs.append(slab)
+    together = _fastpath.extend_many(model, slabs, blocks)
+    kv = [s.export(0, 0, s.length) for s in slabs]
+    assert [s.length for s in slabs] == [
+        len(p) + len(b) for p, b in zip(prompts, blocks, strict=True)
+    ]
+    return alone, list(zip(together, kv, strict=True))
+
+
+@needs_lib
+@pytest.mark.parametrize("defer", [False, True])
+def test_many_sequences_in_one_call_give_each_sequences_own_bits(defer) -> None:
+    """Up to 16 rows in all (the decode kernels): each sequence's rows are the bits of its own
+    forward, whatever its neighbours' lengths, slabs and row counts (an empty cache too)."""
+    from p2pnode.inference._cpu import fastpath as _fastpath
+
+    model = _tiny_llama(256)
+    assert _fastpath.install(model)
+    g = torch.Generator().manual_seed(5)
+    lengths, widths = [40, 0, 125, 7], [5, 1, 6, 3]  # 15 rows; 125: past a 64-key chunk
+    prompts = [torch.randint(0, 96, (n,), generator=g).tolist() for n in lengths]
+    blocks = [torch.randint(0, 96, (w,), generator=g).tolist() for w in widths]
+    with torch.inference_mode():
+        alone, together = _alone_and_together(model, prompts, blocks, defer)
+    for (a_logits, a_kv), (t_logits, t_kv) in zip(alone, together, strict=True):
+        assert torch.equal(a_logits, t_logits) and torch.equal(a_kv, t_kv)
+
+
+@needs_lib
+def test_many_sequences_past_16_rows_take_the_panel_gemm_to_float_rounding(c_prefill) -> None:
+    """Past 16 rows every linear is the prefill's panel GEMM over all of them: each sequence's
+    logits and KV are float rounding away from its own forward, never another's."""
+    from p2pnode.inference._cpu import fastpath as _fastpath
+
+    model = _tiny_llama(256)
+    assert _fastpath.install(model)
+    g = torch.Generator().manual_seed(6)
+    lengths, widths = [40, 0, 125, 7, 66], [5, 1, 6, 5, 17]  # 34 rows; one run of 17
+    prompts = [torch.randint(0, 96, (n,), generator=g).tolist() for n in lengths]
+    blocks = [torch.randint(0, 96, (w,), generator=g).tolist() for w in widths]
+    gemm_calls = []
+    lins = _fastpath._prefill_lins
+
+    def spy(p):
+        gemm_calls.append(lins(p))
+        return gemm_calls[-1]
+
+    with torch.inference_mode(), pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_fastpath, "_prefill_lins", spy)
+        alone, together = _alone_and_together(model, prompts, blocks, defer=False)
+    assert gemm_calls and gemm_calls[-1] is not None  # the panels ran the 34 rows
+    for (a_logits, a_kv), (t_logits, t_kv) in zip(alone, together, strict=True):
+        assert (t_logits - a_logits).abs().max() <= 1e-4 * a_logits.abs().max()
+        assert (t_kv - a_kv).abs().max() <= 1e-4 * a_kv.abs().max()
+
+
+@needs_lib
+def test_many_sequences_refuse_a_shared_slab_or_an_empty_block() -> None:
+    from p2pnode.inference._cpu import fastpath as _fastpath
+
+    model = _tiny_llama()
+    assert _fastpath.install(model)
+    slab = Slab(2, 2, 16)
+    with pytest.raises(ValueError, match="distinct"):
+        _fastpath.extend_many(model, [slab, slab], [[1], [2]])
+    with pytest.raises(ValueError, match="non-empty"):
+        _fastpath.extend_many(model, [slab, Slab(2, 2, 16)], [[1], []])

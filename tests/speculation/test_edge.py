@@ -321,6 +321,28 @@ async def test_sampled_speculation_joint_of_three_tokens_follows_target(target, 
     assert chi2 < CHI2_P001[len(bins) - 1], (chi2, sorted(counts.items()), joint)
 
 
+def test_draft_prefix_keeps_and_restores_a_plain_dynamic_cache(draft) -> None:
+    # A draft off the C path holds transformers' DynamicCache, whose crop takes only a count
+    # to drop: keeping a prompt's KV and starting from it crop by that, never by a length.
+    from transformers import DynamicCache
+
+    from p2pnode.speculation.edge import DraftPrefix
+
+    runner = DraftRunner(draft, SamplingOptions(), top_k=8, seed=None)
+    cache = DynamicCache()
+    kv = torch.randn(1, 2, 10, 4, generator=torch.Generator().manual_seed(1))
+    cache.update(kv, kv + 1, 0)
+    runner.cache, runner.cache_len, runner.tokens = cache, 10, list(range(12))
+    prefix = DraftPrefix()
+    prefix.keep(runner, list(range(8)))  # its last token is always run: 7 kept
+    assert prefix.tokens == list(range(7)) and prefix.cache.get_seq_length() == 7
+    assert torch.equal(prefix.cache.layers[0].keys, kv[..., :7, :])
+    other = DraftRunner(draft, SamplingOptions(), top_k=8, seed=None)
+    other.start_from(prefix, [0, 1, 2, 3, 4, 99, 100])
+    assert other.cache_len == 5 and other.cache.get_seq_length() == 5
+    assert prefix.cache.get_seq_length() == 7  # a copy was cropped, not the kept cache
+
+
 async def test_second_session_starts_from_the_drafts_prefix_and_equals_target(
     target, draft, prompts
 ) -> None:

@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry
 from transformers import DynamicCache
 
 from p2pnode.bootstrap.metrics import NodeMetrics
+from p2pnode.inference._cpu import fastpath as _fastpath
 from p2pnode.speculation import (
     BadBlock,
     BadRequest,
@@ -80,6 +81,64 @@ async def test_batched_verification_equals_single_and_full_recompute(target, pro
         prefix = p + blocks[i][0][:a1] + [t1]
         assert (a2, t2) == _reference_verify(target, prefix, blocks[i][1])
         assert a1 == i % 3 and t1 == refs[i][i % 3]  # exactly where block 1 was made wrong
+
+
+async def test_a_pass_past_16_rows_runs_fused_and_keeps_the_targets_tokens(
+    target, prompts, monkeypatch
+) -> None:
+    """Four sessions' blocks of 5 drafts (24 rows: every linear the prefill's panel GEMM over
+    all of them, each row attending to its own session's cache) in one C pass: every result
+    equals one session at a time and a full recompute."""
+    passes: list[int] = []
+    extend_many = _fastpath.extend_many
+
+    def spy(model, slabs, inputs, **kw):
+        passes.append(sum(len(x) for x in inputs))
+        return extend_many(model, slabs, inputs, **kw)
+
+    monkeypatch.setattr(_fastpath, "extend_many", spy)
+    sessions = [prompts[0], prompts[1], prompts[2], prompts[1][:-3]]
+    refs = [target_generate(target, p, 11) for p in sessions]
+    blocks = []  # block 1 wrong at i (the last one all right), block 2 after what it commits
+    for i, ref in enumerate(refs):
+        b1 = [*ref[:i], (ref[i] + 1) % 1000, *ref[i + 1 : 5]] if i < 3 else ref[:5]
+        nxt = i + 1 if i < 3 else 6
+        blocks.append([b1, ref[nxt : nxt + 5]])
+    batched = BatchedVerifier(target, max_batch=8, max_wait_ms=500)
+    single = BatchedVerifier(target, max_batch=1)
+    got_batched = await _run_blocks(batched, sessions, blocks)
+    assert max(passes) == 24  # the four first blocks shared one fused pass
+    got_single = await _run_blocks(single, sessions, blocks)
+    assert got_batched == got_single
+    for i, p in enumerate(sessions):
+        (a1, t1), (a2, t2) = got_batched[i]
+        assert (a1, t1) == _reference_verify(target, p, blocks[i][0])
+        assert (a1, t1) == ((i, refs[i][i]) if i < 3 else (5, refs[i][5]))
+        prefix = p + blocks[i][0][:a1] + [t1]
+        assert (a2, t2) == _reference_verify(target, prefix, blocks[i][1])
+
+
+def test_fused_pass_logits_match_each_sessions_own_forward(target, prompts) -> None:
+    """The fused pass on the real target, 4 and 10 sessions of 6 rows (the panel GEMM): every
+    row's logits float rounding away from its session's own forward, the same argmax."""
+    model = target.model
+    for n in (4, 10):
+        sessions = [[i + 5, *prompts[i % 3]] for i in range(n)]
+        blocks = [[(7 * i + j) % 1000 + 100 for j in range(6)] for i in range(n)]
+        with torch.inference_mode():
+            caches, alone = [], []
+            for p, b in zip(sessions, blocks, strict=True):
+                cache = DynamicCache()
+                model(input_ids=torch.tensor([p]), past_key_values=cache, use_cache=True)
+                out = model(input_ids=torch.tensor([b]), past_key_values=cache, use_cache=True)
+                alone.append(out.logits[0])
+                cache.crop(-len(b))
+                caches.append(cache)
+            slabs = [_fastpath.slab_of(c, model) for c in caches]
+            together = _fastpath.extend_many(model, slabs, blocks)
+        for a, t in zip(alone, together, strict=True):
+            assert (t - a).abs().max() <= 1e-4 * a.abs().max()
+            assert torch.equal(t.argmax(-1), a.argmax(-1))
 
 
 async def test_verifier_refusals(target, prompts) -> None:
