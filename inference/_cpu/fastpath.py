@@ -281,16 +281,7 @@ def run(
     st = kv.stride()
     meta = torch.tensor([batch_rows, slots, lo], dtype=torch.int32)
     rc = p.lib.llama_layers(
-        p.lins if lins is None else lins,
-        p.norms,
-        p.layers,
-        p.hidden,
-        p.heads,
-        p.kv_heads,
-        p.head_dim,
-        p.ffn,
-        p.eps,
-        p.scale,
+        *_model_args(p, lins),
         x.data_ptr(),
         rows,
         cos.data_ptr(),
@@ -310,6 +301,23 @@ def run(
     if rc != 0:
         raise MemoryError("the fast decode path could not allocate its work buffers")
     return x[0]
+
+
+def _model_args(p: _Plan, lins: ctypes.Array | None) -> tuple[object, ...]:
+    """The model's leading arguments of both C entry points (the linears: ``lins`` or the
+    plan's own)."""
+    return (
+        p.lins if lins is None else lins,
+        p.norms,
+        p.layers,
+        p.hidden,
+        p.heads,
+        p.kv_heads,
+        p.head_dim,
+        p.ffn,
+        p.eps,
+        p.scale,
+    )
 
 
 def extend_many(
@@ -345,16 +353,7 @@ def extend_many(
     meta = torch.tensor([seg_of, [0] * rows, slots, [0] * rows], dtype=torch.int32)
     seg_arr = (_KVSeg * len(segs))(*segs)
     rc = p.lib.llama_layers_multi(
-        p.lins if lins is None else lins,
-        p.norms,
-        p.layers,
-        p.hidden,
-        p.heads,
-        p.kv_heads,
-        p.head_dim,
-        p.ffn,
-        p.eps,
-        p.scale,
+        *_model_args(p, lins),
         x.data_ptr(),
         rows,
         cos.data_ptr(),

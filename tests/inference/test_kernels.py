@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import itertools
 import platform
+from typing import Any
 
 import pytest
 import torch
@@ -510,35 +511,40 @@ def test_rope_table_rows_equal_the_rotary_module() -> None:
 
 @needs_lib
 def test_batched_decode_with_left_pads_equals_each_row_alone() -> None:
-    from p2pnode.inference._backend import HFBackend
     from p2pnode.inference._cpu import fastpath as _fastpath
 
     model = _tiny_llama()
     assert _fastpath.install(model)
     # two neighbours of one length: their rows share pads (and a KV window) but not their KV
-    prompts = [torch.randint(0, 96, (n,)).tolist() for n in (7, 19, 19, 12)]
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, 96, (n,), generator=g).tolist() for n in (7, 19, 19, 12)]
     with torch.inference_mode():
         alone = []
         for p in prompts:
-            backend = HFBackend(model)
-            s = backend.new_state(None, 0)
-            backend.extend(s, p)
+            backend, (s,) = _prefilled(model, [p])
             alone.append([backend.decode([s], [t])[0] for t in (5, 9, 11)])
-        backend = HFBackend(model)
-        states = [backend.new_state(None, 0) for _ in prompts]
-        for s, p in zip(states, prompts, strict=True):
-            backend.extend(s, p)
+        backend, states = _prefilled(model, prompts)
         together = [backend.decode(states, [t] * len(prompts)) for t in (5, 9, 11)]
     for i in range(len(prompts)):
         for step in range(3):
             assert torch.equal(together[step][i], alone[i][step])
 
 
+def _prefilled(model: torch.nn.Module, prompts: list[list[int]]) -> tuple[Any, list[Any]]:
+    """A backend on ``model`` and one sequence state per prompt, each prompt prefilled."""
+    from p2pnode.inference._backend import HFBackend
+
+    backend = HFBackend(model)
+    states = [backend.new_state(None, 0) for _ in prompts]
+    for s, p in zip(states, prompts, strict=True):
+        backend.extend(s, p)
+    return backend, states
+
+
 @needs_lib
 def test_a_decode_batch_past_16_rows_takes_the_panel_gemm_to_float_rounding(
     c_prefill, monkeypatch
 ) -> None:
-    from p2pnode.inference._backend import HFBackend
     from p2pnode.inference._cpu import fastpath as _fastpath
 
     model = _tiny_llama(256)
@@ -548,14 +554,9 @@ def test_a_decode_batch_past_16_rows_takes_the_panel_gemm_to_float_rounding(
     with torch.inference_mode():
         alone = []
         for p in prompts:
-            backend = HFBackend(model)
-            s = backend.new_state(None, 0)
-            backend.extend(s, p)
+            backend, (s,) = _prefilled(model, [p])
             alone.append(backend.decode([s], [5]))
-        backend = HFBackend(model)
-        states = [backend.new_state(None, 0) for _ in prompts]
-        for s, p in zip(states, prompts, strict=True):
-            backend.extend(s, p)
+        backend, states = _prefilled(model, prompts)
         asked = []
         lins = _fastpath._prefill_lins
         monkeypatch.setattr(
