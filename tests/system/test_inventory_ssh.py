@@ -289,10 +289,11 @@ def test_a_stopped_controller_leaves_no_node(site, signum, status):
     stop: each SSH session's stdin closes with it, and the hold wrapper sees end of file."""
     out = site["tmp"] / f"stopped-{signum}"
     out.mkdir()
-    # Four times the sessions: the workload runs on for many seconds after its first answer,
-    # so the signal lands mid-workload however late the poll below sees that answer.
+    # Forty times the sessions (two arrive a second): the workload would run ~2 minutes, so the
+    # signal lands mid-workload however late a loaded machine lets the poll below see the first
+    # answer (with four times, once, the whole run ended between that poll and the signal).
     spec = site["tmp"] / "chat-hosts-long.toml"
-    spec.write_text(SPEC.replace("sessions = 6", "sessions = 24"))
+    spec.write_text(SPEC.replace("sessions = 6", "sessions = 240"))
     log = out.parent / f"stopped-{signum}.log"
     with log.open("wb") as err:
         argv = _command(site, out)
@@ -307,8 +308,8 @@ def test_a_stopped_controller_leaves_no_node(site, signum, status):
             step_s=0.5,
             detail=lambda: log.read_text(errors="replace")[-3000:],
         )
-        assert proc.poll() is None, log.read_text(errors="replace")[-4000:]
         assert _p2pnode_pids(site["namespaces"]), "the nodes run before the signal"
+        assert proc.poll() is None, log.read_text(errors="replace")[-4000:]
         proc.send_signal(signum)
         assert proc.wait(timeout=120) == status, log.read_text(errors="replace")[-4000:]
     finally:
