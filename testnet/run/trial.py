@@ -464,6 +464,16 @@ def _interrupt(signum: int, _frame: object) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
+def _stop_on_signals() -> None:
+    """SIGTERM (`timeout`, a job scheduler, kill) takes the Ctrl-C path, which stops every node
+    the trial started; left to its default it ended the runner alone and orphaned them all.
+    SIGINT gets Python's own handler back: a runner started with SIGINT ignored (a script's
+    background job, a pytest-xdist worker's child) inherits that, ignored `kill -INT` and
+    ran its whole workload."""
+    signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def run_here(
     spec: TrialSpec,
     arms: Sequence[str],
@@ -474,9 +484,7 @@ def run_here(
     command: str,
 ) -> int:
     """``p2pnode testnet`` on this host (its flags: ``testnet/commands.py``) -> exit status."""
-    # SIGTERM (`timeout`, a job scheduler, kill) takes the Ctrl-C path, which stops every node
-    # the trial started; left to its default it ended the runner alone and orphaned them all.
-    signal.signal(signal.SIGTERM, _interrupt)
+    _stop_on_signals()
     fit = check_memory(spec)
     if not fit.ok:
         print(f"not started: {fit.message}", file=sys.stderr)
@@ -511,7 +519,7 @@ def run_on_inventory(
     from p2pnode.testnet.remote.inventory import InventoryError, load_inventory
     from p2pnode.testnet.remote.ssh import ssh_available
 
-    signal.signal(signal.SIGTERM, _interrupt)  # as run_here: stop every node on the way out
+    _stop_on_signals()  # as run_here: stop every node on the way out
     missing = ssh_available()
     if missing:
         print(missing, file=sys.stderr)

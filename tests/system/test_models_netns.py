@@ -19,7 +19,6 @@ import sys
 
 import pytest
 
-from p2pnode.inference.models import load_model
 from p2pnode.testnet.netns.namespaces import Testbed, require_netns
 from p2pnode.testnet.netns.swarm import API, NetnsSwarm
 
@@ -65,19 +64,6 @@ def testbed():
         yield bed
 
 
-def _reference(path, chat: bool) -> tuple[str, str]:
-    loaded = load_model(path, accelerate=False)
-    tok = loaded.tokenizer
-    text = (
-        tok.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
-        if chat
-        else PROMPT
-    )
-    ids = tok.encode(text, add_special_tokens=False)
-    answer = models.hf_greedy(loaded.model, set(loaded.eos_token_ids), ids, NEW_TOKENS)
-    return loaded.model_id, tok.decode(answer, skip_special_tokens=True)
-
-
 def _post(swarm: NetnsSwarm, host: str, path: str, body: dict) -> dict:
     argv = [sys.executable, "-c", _POST, API + path, json.dumps(body)]
     return json.loads(swarm.testbed.run(host, argv, timeout=330))
@@ -93,9 +79,9 @@ def _listed(swarm: NetnsSwarm, host: str) -> dict[str, dict]:
 @pytest.mark.slow
 def test_a_light_node_behind_nat_answers_for_two_models(testbed, tmp_path):
     gguf = models.gemma_gguf()
-    smol_id, smol_text = _reference(None, chat=False)
-    _, smol_chat = _reference(None, chat=True)
-    gemma_id, gemma_text = _reference(gguf, chat=False)
+    smol_id, smol_text = models.reference(None, PROMPT, NEW_TOKENS)
+    _, smol_chat = models.reference(None, MESSAGES, NEW_TOKENS)
+    gemma_id, gemma_text = models.reference(gguf, PROMPT, NEW_TOKENS)
 
     swarm = NetnsSwarm(testbed, tmp_path)
     swarm.start_bootstrap("boot")  # a closed network, as a user starts one

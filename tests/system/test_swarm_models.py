@@ -26,7 +26,7 @@ import httpx
 import pytest
 
 from p2pnode.inference.blockhash import BLOCK_SIZE, block_hashes, model_salt
-from p2pnode.inference.models import load_light_model, load_model
+from p2pnode.inference.models import load_light_model
 from p2pnode.inference.textfront import TextFront
 from p2pnode.overlay.routing.placement import placement_key, rendezvous_rank
 from p2pnode.overlay.routing.router import RouterConfig
@@ -48,19 +48,6 @@ LIGHT_RSS_LIMIT = 200 * 2**20
 @pytest.fixture(scope="module")
 def gemma_gguf() -> Path:
     return models.gemma_gguf()
-
-
-def _reference(path: Path | None, chat: bool) -> tuple[str, str]:
-    """(model id, reference text) of a greedy answer to PROMPT (or MESSAGES)."""
-    loaded = load_model(path, accelerate=False)
-    tok = loaded.tokenizer
-    if chat:
-        text = tok.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
-    else:
-        text = PROMPT
-    ids = tok.encode(text, add_special_tokens=False)
-    answer = models.hf_greedy(loaded.model, set(loaded.eos_token_ids), ids, NEW_TOKENS)
-    return loaded.model_id, tok.decode(answer, skip_special_tokens=True)
 
 
 def _ask(api: str, path: str, body: dict) -> httpx.Response:
@@ -122,9 +109,9 @@ def _lists(api: str, models: set[str]) -> bool:
 
 @pytest.mark.slow
 def test_a_light_client_answers_for_two_models(tmp_path, node_processes, gemma_gguf):
-    smol_id, smol_text = _reference(None, chat=False)
-    _, smol_chat = _reference(None, chat=True)
-    gemma_id, gemma_text = _reference(gemma_gguf, chat=False)
+    smol_id, smol_text = models.reference(None, PROMPT, NEW_TOKENS)
+    _, smol_chat = models.reference(None, MESSAGES, NEW_TOKENS)
+    gemma_id, gemma_text = models.reference(gemma_gguf, PROMPT, NEW_TOKENS)
 
     boot_home = tmp_path / "boot"
     boot = node_processes.spawn(["bootstrap"], boot_home)
