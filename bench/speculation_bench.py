@@ -237,11 +237,12 @@ def linear_flops(model) -> float:
 
 def gemm_seconds(model, plan, rows: int) -> float | None:
     """Best seconds of the panel GEMM alone over every decoder linear and the lm_head at
-    ``rows`` rows (the fused pass's threads), or None where the panels are not this build's
-    prefill form."""
-    lins = _fastpath._prefill_lins(plan)
+    ``rows`` rows (the fused pass's threads), or None where this build has no panels."""
+    lins = _fastpath._batch_lins(plan)
     head = getattr(model.lm_head, "_packed", lambda: None)()
-    if lins is None or not isinstance(head, _gemm.PanelWeight):
+    if not isinstance(head, _gemm.PanelWeight):
+        head = _gemm.panels_for(model.lm_head.weight.data)
+    if lins is None or head is None:
         return None
     threads = torch.get_num_threads()
     xs = {k: torch.randn(rows, k) for k in {lin.K for lin in lins}}

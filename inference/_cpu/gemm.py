@@ -112,6 +112,14 @@ def _panels(w: torch.Tensor) -> PanelWeight | None:
     return PanelWeight(w, lib, width)
 
 
+def panels_for(w: torch.Tensor) -> PanelWeight | None:
+    """``w`` (fp32, 2-D) packed as panels whatever ``choice()`` says, or None where this build
+    has none: for callers that need the C stack's own GEMM (a pass of many decode rows)."""
+    if w.dtype != torch.float32 or w.dim() != 2:
+        return None
+    return _panels(w)
+
+
 def _round_s(calls: list[tuple[PrefillWeight, torch.Tensor]], rounds: int = 5) -> float:
     """Best seconds of one round of ``f(x)`` over ``calls`` in turn."""
     for f, x in calls:  # warm: page faults, oneDNN's kernel selection

@@ -629,11 +629,18 @@ def test_many_sequences_in_one_call_give_each_sequences_own_bits(defer) -> None:
 
 
 @needs_lib
-def test_many_sequences_past_16_rows_take_the_panel_gemm_to_float_rounding(c_prefill) -> None:
-    """Past 16 rows every linear is the prefill's panel GEMM over all of them: each sequence's
-    logits and KV are float rounding away from its own forward, never another's."""
+@pytest.mark.parametrize("prefill_gemm", ["panels", "onednn"])
+def test_many_sequences_past_16_rows_take_the_panel_gemm_to_float_rounding(
+    prefill_gemm, c_prefill, monkeypatch
+) -> None:
+    """Past 16 rows every linear is the panel GEMM over all of them, also where prefill chose
+    oneDNN (the pass packs panels of its own): each sequence's logits and KV are float
+    rounding away from its own forward, never another's."""
     from p2pnode.inference._cpu import fastpath as _fastpath
+    from p2pnode.inference._cpu import gemm as _gemm
 
+    monkeypatch.setenv("P2PNODE_PREFILL_GEMM", prefill_gemm)
+    _gemm.choice.cache_clear()
     model = _tiny_llama(256)
     assert _fastpath.install(model)
     g = torch.Generator().manual_seed(6)
@@ -641,14 +648,14 @@ def test_many_sequences_past_16_rows_take_the_panel_gemm_to_float_rounding(c_pre
     prompts = [torch.randint(0, 96, (n,), generator=g).tolist() for n in lengths]
     blocks = [torch.randint(0, 96, (w,), generator=g).tolist() for w in widths]
     gemm_calls = []
-    lins = _fastpath._prefill_lins
+    lins = _fastpath._batch_lins
 
     def spy(p):
         gemm_calls.append(lins(p))
         return gemm_calls[-1]
 
     with torch.inference_mode(), pytest.MonkeyPatch.context() as mp:
-        mp.setattr(_fastpath, "_prefill_lins", spy)
+        mp.setattr(_fastpath, "_batch_lins", spy)
         alone, together = _alone_and_together(model, prompts, blocks, defer=False)
     assert gemm_calls and gemm_calls[-1] is not None  # the panels ran the 34 rows
     for (a_logits, a_kv), (t_logits, t_kv) in zip(alone, together, strict=True):
