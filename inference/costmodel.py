@@ -9,8 +9,10 @@ Contract:
 - ``recalibrate_when_idle(engine)`` measures again an engine that served nothing since it
   last measured (a start-up figure taken while other processes held the cores is not kept
   for good), keeping the faster of each figure.
-- ``observe_prefill`` / ``observe_decode`` fold in timings from real requests with an EWMA
-  (``alpha``), so the model follows load and context length drift.
+- ``observe_prefill`` refits the fixed and per-token parts of a prefill chunk from the chunks
+  the engine runs (least squares with forgetting, see its doc); ``observe_decode`` folds decode
+  steps in with an EWMA (``alpha``), so the model follows load and context length drift;
+  ``alpha`` 0 freezes both (an emulated engine, which would measure its own sleeps).
 - Defaults (before calibration) are the figures measured for SmolLM2-135M fp32 on 2 cores.
 - Calibration files: a real engine that has calibrated writes its figures once to
   ``<cache>/calibration/<model id>.json`` (``save_calibration``; an existing file is kept, so
@@ -26,7 +28,7 @@ import json
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -37,6 +39,11 @@ if TYPE_CHECKING:
     from p2pnode.inference.engine import Engine
 
 log = logging.getLogger("p2pnode.inference.costmodel")
+
+# The prefill chunk fit (``CostModel.observe_prefill``).
+CHUNK_FORGETTING = 0.95
+PRIOR_CHUNK_SIZES = (16, 256)
+PRIOR_CHUNK_WEIGHT = 0.5
 
 
 @dataclass
@@ -50,6 +57,11 @@ class CostModel:
     # CPU time of the process over the calibration's wall time: below MIN_CPU_SHARE the
     # figures measured other work's load, not this engine (see ``save_calibration``).
     cpu_share: float = 1.0
+    # The chunk fit (``observe_prefill``): decayed sums of 1, n, n^2, t, n*t over observed
+    # chunks, the figures it started from, and the figures it last produced.
+    _sums: list[float] = field(default_factory=lambda: [0.0] * 5, init=False, repr=False)
+    _anchor: tuple[float, float] = field(default=(0.0, 0.0), init=False, repr=False)
+    _fitted: tuple[float, float] | None = field(default=None, init=False, repr=False)
 
     def estimate(self, prompt_tokens: int, cached_tokens: int, max_tokens: int) -> float:
         new = max(0, prompt_tokens - cached_tokens)
@@ -63,10 +75,37 @@ class CostModel:
         return (1 - self.alpha) * old + self.alpha * new
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
-        """A forward over ``tokens`` new prompt tokens took ``seconds`` (>= 8 tokens counts)."""
-        if tokens >= 8 and seconds > 0:
-            self.prefill_s_per_token = self._blend(self.prefill_s_per_token, seconds / tokens)
-            self.observations += 1
+        """One prefill chunk of ``tokens`` new prompt tokens took ``seconds``.
+
+        Why a fit and not seconds / tokens: a chunk pays a fixed part (one pass over the
+        weights) besides its tokens, and a later chat turn is a short chunk. A 40-token chunk
+        after a 400-token cached prefix took 140-180 ms (3.5-4.5 ms a token) where a 400-token
+        chunk took 2.1 ms a token (SmolLM2 fp32, 2-vCPU Xeon, 2026-12-07), so averaging the
+        ratio put the per-token figure at 2-4x the truth, and a cached prefix's saving looked
+        that much larger than a forward's cost. Least squares of seconds on tokens, each chunk
+        weighing ``CHUNK_FORGETTING`` times the one after it (the last ~20 chunks count), with
+        the figures in force when fitting started (calibration's) standing in as two chunks
+        of ``PRIOR_CHUNK_SIZES`` tokens, ``PRIOR_CHUNK_WEIGHT`` each, so chunks all of one size
+        cannot swing the slope."""
+        if tokens < 1 or not seconds > 0 or self.alpha <= 0:  # alpha 0: frozen (emulated)
+            return
+        current = (self.prefill_s_per_token, self.overhead_s)
+        if self._fitted != current:  # figures set from outside (a calibration): start there
+            self._anchor, self._sums = current, [0.0] * 5
+        g = CHUNK_FORGETTING
+        s0, s1, s2, t, u = (g * v for v in self._sums)
+        self._sums = [s0 + 1, s1 + tokens, s2 + tokens * tokens, t + seconds, u + tokens * seconds]
+        s0, s1, s2, t, u = self._sums
+        rate, fixed = self._anchor
+        w = PRIOR_CHUNK_WEIGHT
+        for n in PRIOR_CHUNK_SIZES:
+            y = fixed + n * rate
+            s0, s1, s2, t, u = s0 + w, s1 + w * n, s2 + w * n * n, t + w * y, u + w * n * y
+        slope = max(1e-6, (s0 * u - s1 * t) / (s0 * s2 - s1 * s1))
+        self.prefill_s_per_token = slope
+        self.overhead_s = max(0.0, (t - slope * s1) / s0)
+        self._fitted = (self.prefill_s_per_token, self.overhead_s)
+        self.observations += 1
 
     def observe_decode(self, seconds_per_step: float) -> None:
         """One decode step (one token for each running request) took ``seconds_per_step``."""

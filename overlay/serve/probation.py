@@ -228,7 +228,12 @@ class ProbationChallenges:
             self._router.note_done(peer, 0.0, sent)
         if outcome.first_token_s is not None:  # a forward like any other: learn its cost
             self._router.observe_forward(
-                peer, len(prompt), outcome.first_token_s, outcome.done.ttft_s
+                peer,
+                len(prompt),
+                outcome.first_token_s,
+                outcome.done.ttft_s,
+                outcome.last_token_s,
+                outcome.done.total_s,
             )
         return list(outcome.tokens)
 

@@ -504,7 +504,12 @@ class RoutedService:
         )
         if outcome.first_token_s is not None:
             self.router.observe_forward(
-                target, len(request.prompt), outcome.first_token_s, outcome.done.ttft_s
+                target,
+                len(request.prompt),
+                outcome.first_token_s,
+                outcome.done.ttft_s,
+                outcome.last_token_s,
+                outcome.done.total_s,
             )
             expected = est.network_s + est.wait_s + est.overhead_s + est.prefill_s
             if self.router.observe_first_token(target, expected, outcome.first_token_s):

@@ -14,7 +14,14 @@ from p2pnode.inference.blockhash import BlockStored
 from p2pnode.inference.lengths import OutputLengths
 from p2pnode.overlay.cache.digest import DigestBuilder
 from p2pnode.overlay.cache.views import PeerViews
-from p2pnode.overlay.routing.router import LOCAL, LocalState, PushBack, Router, RouterConfig
+from p2pnode.overlay.routing.router import (
+    LOCAL,
+    LocalState,
+    PushBack,
+    Router,
+    RouterConfig,
+    request_bytes,
+)
 
 from testkit.clock import FakeClock
 from testkit.routing import DECODE, KEY_A, KEY_B, MODEL, PREFILL, hashes_of, load, prompt
@@ -316,3 +323,19 @@ def test_push_back_hysteresis() -> None:
     ]
     with pytest.raises(ValueError):
         PushBack(4, 4)
+
+
+def test_a_forward_costs_what_its_whole_answer_took_beyond_the_engine() -> None:
+    # First token 0.03 s after the engine's; the last 0.12 s after the engine's whole run:
+    # frames streamed through both hosts cost the difference, and the router learns it.
+    router, _ = router_with_peer(0.005, SHARED)
+    for _ in range(30):
+        router.observe_forward(KEY_B.peer_id, 272, 0.33, 0.30, 1.12, 1.00)
+    whole = router.netcost.estimate(KEY_B.peer_id, 0.005, request_bytes(272))
+    assert whole == pytest.approx(0.12, abs=0.01)
+    first_only, _ = router_with_peer(0.005, SHARED)
+    for _ in range(30):
+        first_only.observe_forward(KEY_B.peer_id, 272, 0.33, 0.30)
+    assert first_only.netcost.estimate(KEY_B.peer_id, 0.005, request_bytes(272)) == pytest.approx(
+        0.03, abs=0.01
+    )
