@@ -417,12 +417,11 @@ class Router:
         if rtt is None:
             return
         seen, spent = first_token_s, engine_s
-        whole = (
-            None
-            if last_token_s is None or engine_total_s is None
-            else (last_token_s - engine_total_s)
-        )
-        if whole is not None and whole > seen - spent:
+        if (
+            last_token_s is not None
+            and engine_total_s is not None
+            and last_token_s - engine_total_s > seen - spent
+        ):
             seen, spent = last_token_s, engine_total_s
         self.netcost.observe(peer_id, rtt, request_bytes(prompt_tokens), seen, spent)
 
