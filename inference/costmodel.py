@@ -44,6 +44,8 @@ log = logging.getLogger("p2pnode.inference.costmodel")
 CHUNK_FORGETTING = 0.95
 PRIOR_CHUNK_SIZES = (16, 256)
 PRIOR_CHUNK_WEIGHT = 0.5
+# A decode step slower than the figure counts this share of ``alpha`` (``observe_decode``).
+DECODE_SLOWER_SHARE = 0.1
 
 
 @dataclass
@@ -70,9 +72,6 @@ class CostModel:
             + new * self.prefill_s_per_token
             + max(0, max_tokens) * self.decode_s_per_token
         )
-
-    def _blend(self, old: float, new: float) -> float:
-        return (1 - self.alpha) * old + self.alpha * new
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         """One prefill chunk of ``tokens`` new prompt tokens took ``seconds``.
@@ -108,9 +107,20 @@ class CostModel:
         self.observations += 1
 
     def observe_decode(self, seconds_per_step: float) -> None:
-        """One decode step (one token for each running request) took ``seconds_per_step``."""
-        if seconds_per_step > 0:
-            self.decode_s_per_token = self._blend(self.decode_s_per_token, seconds_per_step)
+        """One decode step (one token for each running request) took ``seconds_per_step``.
+
+        A faster step than the figure moves it by ``alpha``, a slower one by a tenth of it.
+        Why: a slow step is mostly other work on the cores (a neighbour's prefill, more rows in
+        the batch), gone by the next request, and the queue estimate already counts this
+        engine's own backlog; a fast one shows what the hardware does. Routers compare these
+        figures across peers, and with a symmetric EWMA four nodes of one 2-core machine
+        advertised 49-107 ms a step for one model and sent requests after the difference
+        (the trials' decision logs, 2026-12-07). A lasting slowdown still shows within a few
+        requests (~20 steps each)."""
+        if seconds_per_step > 0 and self.alpha > 0:
+            up = seconds_per_step > self.decode_s_per_token
+            a = self.alpha * (DECODE_SLOWER_SHARE if up else 1.0)
+            self.decode_s_per_token = (1 - a) * self.decode_s_per_token + a * seconds_per_step
             self.observations += 1
 
     def as_dict(self) -> dict[str, float]:
@@ -140,22 +150,42 @@ async def calibrate(
     prompt = [(17 + 31 * i) % vocab for i in range(prefill_tokens)]
 
     def run() -> tuple[float, float, float, float]:
+        import torch
+
+        # With one torch thread the forward runs in this thread, and its CPU time is the
+        # forward's time without other processes' share of the cores: four trial nodes
+        # calibrating at once on 2 cores measured 3.7 ms a prompt token and 89 ms a decode
+        # step against 2.2 and 45 alone, and their routers then sent every request to
+        # whichever peer had measured itself on a quiet moment (2026-12-07). With a pool of
+        # threads this thread's time is not the forward's: wall time, as before.
+        solo = torch.get_num_threads() == 1
+
+        def clock() -> tuple[float, float]:
+            return time.perf_counter(), time.thread_time()
+
+        def since(t: tuple[float, float]) -> float:
+            wall, cpu = time.perf_counter() - t[0], time.thread_time() - t[1]
+            return min(wall, cpu) if solo and cpu > 0 else wall
+
         warm = backend.new_state(None, 0)
         backend.extend(warm, prompt[:4])  # the first forward pays one-off allocations
         backend.free(warm)
         state = backend.new_state(None, 0)
         c0 = time.process_time()
         t0 = time.perf_counter()
+        t = clock()
         backend.extend(state, prompt[:8])
-        t1 = time.perf_counter()
+        small = since(t)
+        t = clock()
         backend.extend(state, prompt[8:])
-        t2 = time.perf_counter()
+        big = since(t)
+        t = clock()
         for _ in range(decode_steps):
             backend.decode([state], [prompt[0]])
-        t3 = time.perf_counter()
+        step = since(t) / decode_steps
         cpu = time.process_time() - c0
         backend.free(state)
-        return t1 - t0, t2 - t1, (t3 - t2) / decode_steps, cpu / max(t3 - t0, 1e-9)
+        return small, big, step, cpu / max(time.perf_counter() - t0, 1e-9)
 
     def run_no_grad() -> tuple[float, float, float, float]:
         import torch

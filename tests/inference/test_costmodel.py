@@ -43,3 +43,14 @@ def test_nonsense_timings_are_ignored() -> None:
     cost.observe_prefill(10, 0.0)
     cost.observe_prefill(10, float("nan"))
     assert (cost.prefill_s_per_token, cost.overhead_s, cost.observations) == (0.002, 0.05, 0)
+
+
+def test_a_slow_decode_step_moves_the_figure_less_than_a_fast_one() -> None:
+    slow, fast = CostModel(decode_s_per_token=0.05), CostModel(decode_s_per_token=0.05)
+    slow.observe_decode(0.10)  # a neighbour's prefill on the cores
+    fast.observe_decode(0.04)
+    assert 0.05 < slow.decode_s_per_token < 0.0511
+    assert fast.decode_s_per_token == pytest.approx(0.048)
+    for _ in range(100):  # a lasting slowdown still shows
+        slow.observe_decode(0.10)
+    assert slow.decode_s_per_token > 0.09
