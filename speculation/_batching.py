@@ -230,10 +230,12 @@ def _accept_row(row: Row, logits: torch.Tensor, cache: DynamicCache) -> Outcome:
         leads = tuple(Lead(s.committed_len + i, t) for i, t in enumerate(commit))
         tally = (("lead", len(commit)), ("lookup_guessed", len(draft)), ("lookup_accepted", n))
         return Outcome(s, None, leads, commit, s.lead_left - len(commit), tally, cache)
-    # Lead only where the edge's pipeline broke (a rejection): its blocks in flight are dead
-    # and the next useful one is a round trip away. After a full acceptance the next block
-    # is usually on its way already, and a lead step would only delay it.
+    # The budget refills after every block, not only where the edge's pipeline broke: after
+    # a full acceptance the next block is on its way, but a round trip or a draft step away,
+    # and meanwhile a lead step is one more row in passes that run for other sessions anyway
+    # (a position costs ~4 ms beside a ~50 ms pass); the block then arrives to leads it is
+    # compared with, not computed against.
     broke = n < len(draft) or not draft
     result = BlockResult(w.block.number, row.skip + n, nxt, committed_len)
     tally = (("blocks", 1), ("accepted", n), ("drafted", len(draft)))
-    return Outcome(s, w, result, commit, s.refill if broke else 0, tally, cache, broke)
+    return Outcome(s, w, result, commit, s.refill, tally, cache, broke)
