@@ -233,7 +233,7 @@ def _accept_row(row: Row, logits: torch.Tensor, cache: DynamicCache) -> Outcome:
     # The budget refills after every block, not only where the edge's pipeline broke: after
     # a full acceptance the next block is on its way, but a round trip or a draft step away,
     # and meanwhile a lead step is one more row in passes that run for other sessions anyway
-    # (a position costs ~4 ms beside a ~50 ms pass); the block then arrives to leads it is
+    # (a position costs ~5 ms beside a ~55 ms pass); the block then arrives to leads it is
     # compared with, not computed against.
     broke = n < len(draft) or not draft
     result = BlockResult(w.block.number, row.skip + n, nxt, committed_len)

@@ -81,10 +81,8 @@ from transformers import DynamicCache
 
 from p2pnode.inference._cpu import fastpath as _fastpath
 from p2pnode.inference._cpu import kernels as _kernels
-from p2pnode.inference._cpu.kvslab import Slab
 from p2pnode.inference.models import LoadedModel
 from p2pnode.inference.sampling import make_generator
-from p2pnode.speculation._accept import accept_draft
 from p2pnode.speculation._batching import (
     Outcome,
     Row,
@@ -108,8 +106,8 @@ from p2pnode.speculation._errors import (
     VerifierFull,
     WrongModel,
 )
-from p2pnode.speculation._kvstack import pad_batch
 from p2pnode.speculation._lookup import NgramIndex
+from p2pnode.speculation._passes import device_of, forward_rows, prefill
 from p2pnode.speculation._prefix import PrefixKV
 
 __all__ = ["BatchedVerifier"]
@@ -142,16 +140,17 @@ class BatchedVerifier:
         block_control: bool = True,
     ) -> None:
         self.target = target
-        self.device = _device_of(target.model)
+        self.device = device_of(target.model)
         self.model_id = target.model_id
         self.vocab_size = target.vocab_size
         self.max_sessions = max_sessions
         self.max_tokens = min(max_tokens_per_session, target.context_length)
         self.max_block = max_block
-        # 16 rows a pass (was 8): with 16 tenants at 100 ms RTT, 8 left half the open sessions
-        # out of each pass; target-only serving kept its tokens/s (56.3 -> 56.7) and its p95
-        # inter-token latency fell from 1019 to 405 ms, speculation went 55.5 -> 65.5 tokens/s
-        # (bench/verifier_capacity.py --prompt-set tune, 2-vCPU Xeon, 2026-12-07).
+        # 16 rows a pass by default: with 16 tenants at 100 ms RTT, 8 rows left half the open
+        # sessions out of each pass; 16 kept target-only serving's tokens/s (56.7 against
+        # 56.3) with a p95 inter-token latency of 405 ms against 1019, and speculation's went
+        # from 55.5 to 65.5 tokens/s (bench/verifier_capacity.py --prompt-set tune, 2-vCPU
+        # Xeon, 2026-12-07).
         self.max_batch = max_batch
         self.max_wait_s = max_wait_ms / 1000
         self.idle_timeout_s = idle_timeout_s
@@ -227,10 +226,12 @@ class BatchedVerifier:
         async with self._device:
             if lead:  # the prefill's last logits give the first token: a lead at once
                 first = await trio.to_thread.run_sync(
-                    self._prefill_and_pick, cache, prompt[hit:], options, generator
+                    prefill, self.target.model, self.device, cache, prompt[hit:], options, generator
                 )
             elif len(prompt) - 1 > hit:
-                await trio.to_thread.run_sync(self._prefill, cache, prompt[hit:-1])
+                await trio.to_thread.run_sync(
+                    prefill, self.target.model, self.device, cache, prompt[hit:-1]
+                )
         computed = (len(prompt) if lead else len(prompt) - 1) - hit
         if computed > 0:
             self._observe("prefill_s_per_token", (time.perf_counter() - t0) / computed)
@@ -561,26 +562,6 @@ class BatchedVerifier:
 
     # -- worker-thread side (no trio calls below)
 
-    def _ids(self, rows: list[list[int]]) -> torch.Tensor:
-        return torch.tensor(rows, device=self.device)
-
-    @torch.inference_mode()
-    def _prefill(self, cache: DynamicCache, ids: list[int]) -> None:
-        self.target.model(input_ids=self._ids([ids]), past_key_values=cache, use_cache=True)
-
-    @torch.inference_mode()
-    def _prefill_and_pick(
-        self,
-        cache: DynamicCache,
-        ids: list[int],
-        options: SamplingOptions,
-        generator: torch.Generator,
-    ) -> int:
-        logits = self.target.model(
-            input_ids=self._ids([ids]), past_key_values=cache, use_cache=True, logits_to_keep=1
-        ).logits[0]
-        return accept_draft(options, logits, (), None, generator)[1]
-
     @torch.inference_mode()
     def _compute(self, rows: list[Row]) -> list[Outcome]:
         """One forward pass over ``rows``, then each row's acceptance."""
@@ -592,39 +573,6 @@ class BatchedVerifier:
         return accept(rows, forwards)
 
     def _forward(self, rows: list[Row]) -> list[tuple[torch.Tensor, DynamicCache]]:
-        """Each row's logits at its inputs and its cache after them (one pass for all)."""
-        model, inputs = self.target.model, [row.inputs for row in rows]
-        if self._mode == "fused":
-            slabs = self._slabs(rows)
-            if slabs is not None:  # one C pass, each session's cache extended in place
-                logits = _fastpath.extend_many(model, slabs, inputs)
-                return [(lg, row.session.cache) for lg, row in zip(logits, rows, strict=True)]
-            self._mode = "serial"  # a cache the C stack cannot read: each row on its own
-        if self._mode in ("one", "serial"):  # each session's own cache, extended in place
-            got = []
-            for row in rows:
-                cache = row.session.cache
-                out = model(
-                    input_ids=self._ids([row.inputs]), past_key_values=cache, use_cache=True
-                )
-                got.append((out.logits[0], cache))
-            return got
-        batch = pad_batch([r.session.cache for r in rows], inputs, model.config.num_hidden_layers)
-        out = model(**batch.model_inputs(self.device))
-        caches = batch.split()
-        return [(out.logits[i, : len(x)], caches[i]) for i, x in enumerate(inputs)]
-
-    def _slabs(self, rows: list[Row]) -> list[Slab] | None:
-        """Each row's session cache as a one-row slab, or None where the C stack's batched
-        pass does not run the target (no plan: not a CPU Llama, kernels off)."""
-        model = self.target.model
-        slabs = [_fastpath.slab_of(row.session.cache, model) for row in rows]
-        return None if any(s is None for s in slabs) else slabs  # type: ignore[return-value]
-
-
-def _device_of(model) -> torch.device:
-    """Where the target's weights live: inputs go there, sampling stays on the CPU."""
-    try:
-        return next(model.parameters()).device
-    except (AttributeError, StopIteration):  # a wrapper without parameters (bench/gpu_check.py)
-        return torch.device("cpu")
+        """Each row's logits at its inputs and its cache after them (``_passes.py``)."""
+        got, self._mode = forward_rows(self.target.model, self.device, rows, self._mode)
+        return got

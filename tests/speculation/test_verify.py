@@ -270,6 +270,39 @@ async def test_verifier_lead_commits_target_tokens_and_blocks_merge_with_them(
         nursery.cancel_scope.cancel()
 
 
+async def test_the_verifier_leads_after_a_fully_accepted_block_too(target, prompts) -> None:
+    # After a block whose drafts were all right the session's budget refills, as after a
+    # break: the edge's next block is a round trip away, and a lead step rides in passes that
+    # run for other sessions anyway. The leads go on from the block's bonus token, the
+    # target's own tokens.
+    p = prompts[1]
+    n, ref = len(p), target_generate(target, p, 8)
+    leads: list[Lead] = []
+
+    async def leads_reach(count: int) -> None:
+        with trio.fail_after(30):
+            for _ in range(3000):  # bounded; each lead is one target step
+                if len(leads) >= count:
+                    return
+                await trio.sleep(0.01)
+
+    v = BatchedVerifier(target, max_wait_ms=1)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(v.run)
+        sid = await v.open_session(p, SamplingOptions(), lead=2, on_lead=leads.append)
+        await leads_reach(2)
+        result = await v.verify(sid, Block(0, n + 2, ref[1], tuple(ref[2:4])))
+        assert (result.accepted, result.next_token, result.committed_len) == (2, ref[4], n + 5)
+        await leads_reach(4)
+        assert leads[:4] == [
+            Lead(n, ref[0]),
+            Lead(n + 1, ref[1]),
+            Lead(n + 5, ref[5]),
+            Lead(n + 6, ref[6]),
+        ]
+        nursery.cancel_scope.cancel()
+
+
 async def test_lead_steps_check_prompt_lookup_guesses_and_keep_the_targets_tokens(target) -> None:
     # A prompt whose answer copies it: lead steps that check guesses taken from the session's own
     # tokens commit several tokens in some steps (fewer forward passes than tokens), and the
