@@ -45,6 +45,7 @@ from __future__ import annotations
 import ctypes
 import types
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -237,17 +238,13 @@ def _prefill_lins(p: _Plan) -> ctypes.Array | None:
     """``p.lins`` pointing each linear at its panel-packed copy (made on first use, as the
     transformers path would make it), or None where a linear has none: a bf16 or int4 one, or
     oneDNN's GEMM chosen on this machine (``_gemm.choice()``)."""
+
+    def its_own(mod: _kernels.StreamLinear) -> _gemm.PanelWeight | None:
+        packed = mod._packed()
+        return packed if isinstance(packed, _gemm.PanelWeight) else None
+
     if p.prefill_lins is None:
-        p.prefill_lins = False
-        lins = []
-        for d, mod in zip(p.lins, p.mods, strict=True):
-            packed = mod._packed() if isinstance(mod, _kernels.StreamLinear) else None
-            if d.kind != 0 or not isinstance(packed, _gemm.PanelWeight):
-                return None
-            if packed.width != p.lib.panel_width():  # packed for another build of the kernels
-                return None
-            lins.append(_Lin(d.kind, d.N, d.K, d.G, d.w, d.s, packed.packed.data_ptr()))
-        p.prefill_lins = (_Lin * len(lins))(*lins)
+        p.prefill_lins = _panel_lins(p, its_own) or False
     return p.prefill_lins or None
 
 
@@ -256,21 +253,32 @@ def _batch_lins(p: _Plan) -> ctypes.Array | None:
     panels are packed for it alone (~the fp32 linears' size again, once). Prefill keeps its
     choice; a many-row pass on the decode kernels ran at a fifth of the panel GEMM's rate
     (16 tenants batched 1.7-1.9x one after another, against 4.3-4.5x with the panels)."""
+
+    def packed_here(mod: _kernels.StreamLinear) -> _gemm.PanelWeight | None:
+        weight = getattr(mod, "weight", None)
+        packed = None if weight is None else _gemm.panels_for(weight.data)
+        if packed is not None:
+            p.batch_panels.append(packed)  # the table points into it: keep it alive
+        return packed
+
     if p.batch_lins is None:
-        p.batch_lins = _prefill_lins(p) or False
-        if not p.batch_lins:
-            lins = []
-            for d, mod in zip(p.lins, p.mods, strict=True):
-                weight = getattr(mod, "weight", None)
-                packed = None
-                if d.kind == 0 and isinstance(mod, _kernels.StreamLinear) and weight is not None:
-                    packed = _gemm.panels_for(weight.data)
-                if packed is None or packed.width != p.lib.panel_width():
-                    return None
-                p.batch_panels.append(packed)
-                lins.append(_Lin(d.kind, d.N, d.K, d.G, d.w, d.s, packed.packed.data_ptr()))
-            p.batch_lins = (_Lin * len(lins))(*lins)
+        p.batch_lins = _prefill_lins(p) or _panel_lins(p, packed_here) or False
     return p.batch_lins or None
+
+
+def _panel_lins(
+    p: _Plan, panels: Callable[[_kernels.StreamLinear], _gemm.PanelWeight | None]
+) -> ctypes.Array | None:
+    """The C stack's table of linears, each pointing at the panels ``panels`` gives its fp32
+    module, or None where one has none (a bf16 or int4 linear, or panels of another width)."""
+    lins = []
+    for d, mod in zip(p.lins, p.mods, strict=True):
+        fp32 = d.kind == 0 and isinstance(mod, _kernels.StreamLinear)
+        packed = panels(mod) if fp32 else None
+        if packed is None or packed.width != p.lib.panel_width():  # another kernels build
+            return None
+        lins.append(_Lin(d.kind, d.N, d.K, d.G, d.w, d.s, packed.packed.data_ptr()))
+    return (_Lin * len(lins))(*lins)
 
 
 def _required_plan(model: nn.Module) -> _Plan:
