@@ -11,7 +11,10 @@ Contract:
   digests, so the interval is at least ``publishers / topic_budget_msgs_per_s`` seconds. A round
   comes early (within ``change_poll_s``) when the cache changed or the push-back flag flipped,
   paid from a token bucket of ``publish_burst`` messages refilled at one per interval, so the
-  average rate stays within the budget.
+  average rate stays within the budget. A node whose cache and load figures are as last
+  published skips up to ``quiet_rounds`` rounds in a row: an idle swarm's heartbeats were most
+  of an idle node's CPU (each one is sent and received about D times), 5.4 % of a core a node
+  at 16 nodes, which left 64 nodes on 2 cores no CPU to form.
 - Gossip past ``max_age_s`` is dropped by pubsub, never forwarded (``set_topic_expiry``,
   ``patches/safepubsub.py``); it still counts as dropped ``expired``, its publisher as heard.
 - Receiving (``ingest``): open and verify the envelope (``overlay.digest.open_digest``), check the
@@ -63,18 +66,26 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import trio
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry
 
 from p2pnode.errors import P2PNodeError
 from p2pnode.identity import peek_timestamp
 from p2pnode.overlay import wire
 from p2pnode.overlay._streams import close_quietly
+from p2pnode.overlay.cache.aeconfig import (
+    EXPIRE_ROUNDS,
+    MAX_PULL_TIMEOUT_S,
+    PULL_ROUND_TRIPS,
+    RECORD_WAIT_S,
+    AntiEntropyConfig,
+    GossipMetrics,
+)
 from p2pnode.overlay.cache.digest import (
-    DEFAULT_MAX_AGE_S,
     MAX_DIGEST_BYTES,
     MAX_MODEL_ID_LEN,
     DigestBuilder,
     DigestError,
+    LoadInfo,
     open_digest,
     seal_digest,
 )
@@ -128,71 +139,6 @@ class PullFailed(P2PNodeError):
     reason = "pull_failed"
 
 
-# How long a peer that came up may take to hand us its signed record before we give up
-# pulling its view on up (gossip and the silent-view pull still repair it).
-RECORD_WAIT_S = 10.0
-# A pull's round trips: its stream's negotiation, its request and answer, and one spare.
-PULL_ROUND_TRIPS = 3.0
-MAX_PULL_TIMEOUT_S = 60.0
-# Publish intervals a view may stay silent before it expires: past the silent pull
-# (``silent_pull_rounds``) with room for that pull to be answered.
-EXPIRE_ROUNDS = 6.0
-
-
-@dataclass
-class AntiEntropyConfig:
-    interval_s: float = 1.0
-    full_every: int = 10
-    gossip_full_limit: int = 64 * 1024
-    topic_budget_msgs_per_s: float = 5.0  # half of gossipsub's 10 msg/s cap: headroom
-    pull_min_interval_s: float = 2.0
-    pull_jitter_s: float = 0.3
-    max_concurrent_pulls: int = 2
-    change_poll_s: float = 0.05  # how soon a cache change (or push-back flip) is published
-    publish_burst: int = 2  # messages a node may send ahead of its average rate
-    silent_pull_rounds: float = 3.0  # pull a view heard nothing from for this many intervals
-    pull_timeout_s: float = 5.0
-    max_age_s: float = DEFAULT_MAX_AGE_S
-    publisher_memory_s: float = 60.0
-
-    def __post_init__(self) -> None:
-        if self.interval_s < 0.05 or self.full_every < 1 or self.topic_budget_msgs_per_s <= 0:
-            raise ValueError("anti-entropy needs interval_s >= 0.05, full_every >= 1, budget > 0")
-        if self.max_concurrent_pulls < 1 or self.pull_jitter_s < 0:
-            raise ValueError("anti-entropy needs max_concurrent_pulls >= 1 and pull_jitter_s >= 0")
-        if self.silent_pull_rounds >= EXPIRE_ROUNDS:
-            raise ValueError(
-                f"silent_pull_rounds must stay below EXPIRE_ROUNDS ({EXPIRE_ROUNDS}): a view"
-                " would expire before its silent pull"
-            )
-        if self.change_poll_s <= 0 or self.publish_burst < 1 or self.silent_pull_rounds <= 1:
-            raise ValueError(
-                "anti-entropy needs change_poll_s > 0, publish_burst >= 1, silent_pull_rounds > 1"
-            )
-
-
-class _Metrics:
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self.received = Counter(
-            "p2pnode_digest_received",
-            "Digests received, by result",
-            ["result", "source"],
-            registry=registry,
-        )
-        self.dropped = Counter(
-            "p2pnode_digest_dropped", "Digests refused, by reason", ["reason"], registry=registry
-        )
-        self.published = Counter(
-            "p2pnode_digest_published", "Digests published, by kind", ["kind"], registry=registry
-        )
-        self.published_bytes = Counter(
-            "p2pnode_digest_published_bytes", "Bytes of digests published", registry=registry
-        )
-        self.pulls = Counter(
-            "p2pnode_digest_pulls", "Direct digest pulls, by result", ["result"], registry=registry
-        )
-
-
 class AntiEntropy:
     """Gossip and repair of digests for one node. Start with ``await nursery.start(ae.run)``."""
 
@@ -215,7 +161,7 @@ class AntiEntropy:
         self.builders = dict(builders or {})
         self.models = sorted(set(models) | set(self.builders))
         self.config = config or AntiEntropyConfig()
-        self.metrics = _Metrics(registry) if registry is not None else None
+        self.metrics = GossipMetrics(registry) if registry is not None else None
         self.drop_filter = drop_filter
         self.limiter = limiter if limiter is not None else PeerLimiter()
         self.drops: dict[str, int] = {}
@@ -223,7 +169,10 @@ class AntiEntropy:
         self.pulls: dict[str, int] = {}
         self.round = 0
         self._published: dict[str, int] = {}  # model -> version last gossiped
-        self._published_push_back: dict[str, bool] = {}
+        self._published_load: dict[str, LoadInfo] = {}
+        self._quiet = 0  # rounds skipped in a row
+        self.quiet_skipped = 0  # rounds skipped in all
+        self._last_interval = self.config.interval_s
         self._last_pull: dict[tuple[str, str], float] = {}
         self._pending_pulls: set[tuple[str, str]] = set()
         self._publishers: dict[str, dict[str, float]] = {}  # topic -> origin -> last heard
@@ -278,7 +227,8 @@ class AntiEntropy:
     def effective_interval(self, model: str) -> float:
         now = trio.current_time()
         heard = self._publishers.get(digest_topic(model), {})
-        publishers = 1 + sum(1 for t in heard.values() if now - t < self.config.publisher_memory_s)
+        memory = self._publisher_memory()
+        publishers = 1 + sum(1 for t in heard.values() if now - t < memory)
         return max(self.config.interval_s, publishers / self.config.topic_budget_msgs_per_s)
 
     def status(self) -> dict[str, object]:
@@ -292,15 +242,21 @@ class AntiEntropy:
                 m: sum(
                     1
                     for t in self._publishers.get(digest_topic(m), {}).values()
-                    if now - t < self.config.publisher_memory_s
+                    if now - t < self._publisher_memory()
                 )
                 for m in self.models
             },
             "rounds": self.round,
+            "quiet_skipped": self.quiet_skipped,
             "results": dict(self.results),
             "drops": dict(self.drops),
             "pulls": dict(self.pulls),
         }
+
+    def _publisher_memory(self) -> float:
+        # A quiet publisher is still one: remember it past its longest silence.
+        rounds = self.config.quiet_rounds + 2
+        return max(self.config.publisher_memory_s, rounds * self._last_interval)
 
     def publish_interval(self) -> float:
         return max([self.config.interval_s, *(self.effective_interval(m) for m in self.builders)])
@@ -310,9 +266,22 @@ class AntiEntropy:
         for model, builder in self.builders.items():
             if builder.pending or builder.version != self._published.get(model):
                 return True
-            if builder.load_fn().push_back != self._published_push_back.get(model, False):
+            if builder.load_fn().push_back != self._push_back(model):
                 return True
         return False
+
+    def _push_back(self, model: str) -> bool:
+        load = self._published_load.get(model)
+        return load is not None and load.push_back
+
+    def _unchanged(self) -> bool:
+        """Every served model's cache and load figures are as last published."""
+        return all(
+            not b.pending
+            and b.version == self._published.get(m)
+            and b.load_fn() == self._published_load.get(m)
+            for m, b in self.builders.items()
+        )
 
     async def _publish_loop(self) -> None:
         # A token bucket keeps the average rate at one message per interval (the topic budget);
@@ -323,19 +292,27 @@ class AntiEntropy:
         next_round = last
         while True:
             now = trio.current_time()
-            interval = self.publish_interval()
+            interval = self._last_interval = self.publish_interval()
             tokens = min(float(self.config.publish_burst), tokens + (now - last) / interval)
             last = now
-            if tokens >= 1 and (now >= next_round or self.has_news()):
+            due = now >= next_round
+            if due and self._quiet < self.config.quiet_rounds and self._unchanged():
+                self._quiet += 1
+                self.quiet_skipped += 1
+            elif tokens >= 1 and (due or self.has_news()):
                 tokens -= 1
+                self._quiet = 0
                 await self.publish_once()
-                # Views of peers the table reports down are kept (the router skips down
-                # peers): dropping them made every flap of a busy link cost a full re-pull,
-                # and on loaded machines those pulls fed the lag that made links flap.
-                self.views.stretch_expiry(EXPIRE_ROUNDS * interval)
-                self.views.expire()
-                self._pull_silent(interval)
-                next_round = trio.current_time() + interval
+            else:
+                await trio.sleep(self.config.change_poll_s)
+                continue
+            # Views of peers the table reports down are kept (the router skips down peers):
+            # dropping them made every flap of a busy link cost a full re-pull, and on loaded
+            # machines those pulls fed the lag that made links flap.
+            self.views.stretch_expiry(EXPIRE_ROUNDS * interval)
+            self.views.expire()
+            self._pull_silent(interval)
+            next_round = trio.current_time() + interval
             await trio.sleep(self.config.change_poll_s)
 
     def _pull_silent(self, interval: float) -> None:
@@ -359,7 +336,7 @@ class AntiEntropy:
                 log.debug("digest publish on %s failed: %r", model, exc)
                 continue
             self._published[model] = builder.version
-            self._published_push_back[model] = builder.load_fn().push_back
+            self._published_load[model] = builder.load_fn()
             if self.metrics is not None:
                 self.metrics.published.labels(kind).inc()
                 self.metrics.published_bytes.inc(len(data))

@@ -71,9 +71,11 @@ RTT_REFRESH_INTERVALS = 10
 # Probes of idle links a node sends per second at most, all peers together: the silence that
 # triggers a probe grows past `ping_interval` to (connected peers / this) seconds. At 63 peers
 # and 1 s, probes were the largest single cost of 64 nodes on 2 cores (4,000 probes/s in all),
-# and starved nodes then missed real frames. Detection of a hung peer slows in proportion
-# (~4 s + 2 RTO at 64 peers); a closed or killed one is still seen at once.
-PROBE_BUDGET_PER_S = 16.0
+# and starved nodes then missed real frames; at 16/s, once idle gossip went quiet, they were
+# again the largest idle cost of a node (16 nodes: 13 probes a second each). Detection of a hung
+# peer slows in proportion (~2.5 s + 2 RTO at 15 peers, 4 s + 2 RTO at 24); a closed or killed
+# one is still seen at once, and a forward to a hung peer fails over on its own timeout.
+PROBE_BUDGET_PER_S = 6.0
 # A connection's kind (direct or relayed) is looked up again this often while probing it.
 KIND_REFRESH_S = 30.0
 

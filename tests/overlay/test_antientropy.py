@@ -248,3 +248,31 @@ async def test_a_pull_waits_as_many_round_trips_as_the_peer_takes() -> None:
         for _ in range(8):
             node.peers.record_rtt(peer, 100.0)
         assert ae.pull_timeout(peer) == pytest.approx(MAX_PULL_TIMEOUT_S)
+
+
+async def test_an_unchanged_node_publishes_every_few_rounds_and_a_change_at_once() -> None:
+    """Heartbeats of an idle swarm were most of an idle node's CPU: a node whose cache and
+    load are as last published skips quiet_rounds rounds in a row, its peers keep its view
+    without pulling it as silent, and new load figures go out at the next round."""
+    config = AntiEntropyConfig(interval_s=0.2, quiet_rounds=3)
+    current = {"load": load()}
+    async with overlay_nodes(2) as (keys, nodes), trio.open_nursery() as nursery:
+        a_builder = DigestBuilder(nodes[0].peer_id, MODEL, load_fn=lambda: current["load"])
+        a = AntiEntropy(nodes[0], keys[0], PeerViews(), builders={MODEL: a_builder}, config=config)
+        b = AntiEntropy(nodes[1], keys[1], PeerViews(), models=[MODEL], config=config)
+        await nursery.start(a.run)
+        await nursery.start(b.run)
+        a_id = nodes[0].peer_id
+        await wait_until(lambda: b.views.get(a_id, MODEL) is not None, 10, "a first view of a")
+        await wait_until(lambda: a.quiet_skipped >= 12, 30, "a dozen quiet rounds")
+        # After each round it published, an unchanged node skips exactly quiet_rounds.
+        assert a.quiet_skipped <= 3 * a.round, (a.quiet_skipped, a.round)
+        assert a.round <= 2 + a.quiet_skipped // 3, (a.quiet_skipped, a.round)
+        assert b.views.get(a_id, MODEL) is not None and b.pulls.get("ok", 0) == 0, b.pulls
+        skipped = a.quiet_skipped
+        current["load"] = load(queue_depth=5)
+        await wait_until(
+            lambda: b.views.get(a_id, MODEL).load.queue_depth == 5, 10, "the new load at b"
+        )
+        assert a.quiet_skipped == skipped  # a changed figure is never held back
+        nursery.cancel_scope.cancel()

@@ -72,8 +72,9 @@ __all__ = [
 
 # A peer record already accepted from the same peer is checked again after this long.
 RECORD_RECHECK_S = 60.0
-# Our own signed record's bytes are reused this long before the address set is compared again.
-LOCAL_RECORD_CACHE_S = 1.0
+# Our own signed record's bytes are reused this long before the address set is compared again
+# (the comparison lists the interfaces: at 1 s it was a visible share of an idle node's CPU).
+LOCAL_RECORD_CACHE_S = 5.0
 # go-libp2p's IDontWantMessageThreshold: below it a duplicate costs less than the notice.
 IDONTWANT_MIN_BYTES = 1024
 # Accepted (host, peer, record bytes) entries kept (one or two per peer in practice).
