@@ -36,12 +36,12 @@ OVERHEAD_MB = 700.0
 # What the rest of the machine (other work, page cache) keeps; a trial never plans on it.
 RESERVE_FRACTION = 0.10
 # Idle CPU per directed link of a full mesh, in cores: 16 emulated node processes (240 links)
-# used 4.3 % of a core each while idle after reaching full views (1 s pings,
-# `bench/overlay_join_processes.py --nodes 16 --idle 90`, 2 cores, 2026-12-02 14:47 UTC; 3.87 %
-# in a run at 14:37). It was 7.3 % before record gossip was budgeted and yamux stopped
-# crediting every small read.
-IDLE_CORE_PER_LINK = 0.0029
-# 16 nodes (~59 % of 2 cores idle by the figure above) formed full views within 18-26 s.
+# used 2.39 % of a core each while idle after reaching full views
+# (`bench/overlay_join_processes.py --nodes 16 --idle 60`, 2-vCPU Xeon, 2026-12-07 20:12 UTC;
+# 4.65 % before unchanged nodes went quiet between heartbeats, 7.3 % before record gossip
+# was budgeted and yamux stopped crediting every small read).
+IDLE_CORE_PER_LINK = 0.0016
+# 16 nodes formed full views within 18-26 s at 59 % of 2 cores idle (the figure of 2026-12-02).
 MAX_IDLE_SHARE = 0.75
 
 

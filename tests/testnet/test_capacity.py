@@ -19,9 +19,10 @@ def test_scale_128_fits_in_plenty_and_is_refused_in_little() -> None:
 
 def test_cpu_check_warns_for_a_mesh_too_big_for_the_cores() -> None:
     small = load_spec(builtin_spec_path("smoke"))
-    big = load_spec(builtin_spec_path("scale-64"))
+    big = load_spec(builtin_spec_path("scale-128"))
     assert check_cpu(small, cores=2).ok
     fit = check_cpu(big, cores=2)
     assert not fit.ok and fit.need_mb > 2
-    assert "scale-64" in fit.message and "768 directed links" in fit.message  # 64 nodes, 12 each
+    # 128 nodes, 12 connections each
+    assert "scale-128" in fit.message and "1536 directed links" in fit.message
     assert check_cpu(big, cores=64).ok
