@@ -2,5 +2,6 @@
 
 Map: ``digest.py`` (the format, ``DigestBuilder``), ``antientropy.py`` (gossipsub deltas, full
 digests, pulls on a version gap; its settings in ``aeconfig.py``), ``views.py`` (``PeerViews``:
-what we believe each peer holds), ``scope.py`` (views scoped to a model and tenant), ``privacy.py`` (what a digest may reveal).
+what we believe each peer holds), ``scope.py`` (views scoped to a model and tenant),
+``privacy.py`` (what a digest may reveal).
 """
