@@ -60,7 +60,7 @@ from p2pnode.identity import IdentityError, NodeRecord, verify_node_record
 from p2pnode.overlay._errors import BadMultiaddr, PeerUnreachable
 from p2pnode.overlay.net.addrs import AddressBook, classify
 from p2pnode.overlay.net.config import BACKGROUND_TIMEOUT_FACTOR, OverlayConfig
-from p2pnode.overlay.net.connmgr import ConnManager
+from p2pnode.overlay.net.connmgr import ConnManager, pair_rank
 from p2pnode.overlay.net.dht import OverlayDHT
 from p2pnode.overlay.net.dialing import Dialer, parse_peer_addr
 from p2pnode.overlay.net.hello import MAX_REFERRAL_LEN
@@ -470,8 +470,18 @@ class Discovery:
             todo.append(PeerInfo(peer, addrs))
         if mgr.enabled:
             # Untried peers first (a trim keeps the nearest of those it has seen), then the
-            # nearest of the known ones.
-            todo.sort(key=lambda i: (i.peer_id.to_base58() in mgr.tried, self._rtt_of(i)))
+            # nearest of the known ones; ties (every untried peer's RTT is unknown) by the pair
+            # hash a trim also ranks by, so nodes spread their dials over different peers and
+            # dial those they would keep. In the set's own order every node forked from one
+            # process (one hash seed) dialed the same few peers, whose trims then cut 9 links
+            # at a time.
+            todo.sort(
+                key=lambda i: (
+                    i.peer_id.to_base58() in mgr.tried,
+                    self._rtt_of(i),
+                    -pair_rank(self._peer_id, i.peer_id.to_base58()),
+                )
+            )
         # Peers we lost: try them again (a SIGCONT-ed or restarted node comes back).
         for pid in self._peers.peer_ids(PeerState.DOWN) if may_redial else []:
             peer = ID.from_base58(pid)

@@ -151,6 +151,36 @@ async def test_gossip_older_than_its_topics_expiry_is_dropped_on_arrival() -> No
         assert sum(b.pubsub.counters[k] for k in tallied) >= 2  # warm and fresh, however slow
 
 
+async def test_gossip_older_than_what_its_publisher_already_sent_is_dropped() -> None:
+    """A late copy (issued before the newest message ``b`` already took from ``a``) is
+    neither delivered nor forwarded; a forged message with ``a``'s id and a later stamp but no
+    valid pubsub signature is refused and does not make ``a``'s real messages look old."""
+    async with overlay_nodes(2) as (keys, (a, b)):
+        b.pubsub.set_topic_expiry(TOPIC, peek_timestamp, MAX_AGE_S)
+        sub = await b.pubsub.subscribe(TOPIC)
+        await a.pubsub.subscribe(TOPIC)
+        got: list[bytes] = []
+        with trio.fail_after(30):  # until the two meshed
+            while not got:
+                await a.pubsub.publish(TOPIC, _stamped(keys[0], 10.0, "warm"))
+                with trio.move_on_after(0.5):
+                    got.append(bytes((await sub.get()).data))
+        forged = rpc_pb2.Message(
+            data=_stamped(keys[0], -60.0, "forged"),  # stamped a minute ahead
+            topicIDs=[TOPIC],
+            from_id=ID.from_base58(a.peer_id).to_bytes(),
+            seqno=b"\x00" * 8,
+        )
+        await b.pubsub.push_msg(ID.from_base58(a.peer_id), forged)
+        await a.pubsub.publish(TOPIC, _stamped(keys[0], 20.0, "late"))
+        fresh = _stamped(keys[0], 0.0, "fresh")
+        await a.pubsub.publish(TOPIC, fresh)
+        with trio.fail_after(30):
+            # Issued before the forged stamp: had the forgery counted, it would be dropped too.
+            assert bytes((await sub.get()).data) == fresh
+        assert b.pubsub.counters["gossip_superseded_in"] == 1
+
+
 async def test_gossip_that_expired_in_a_send_queue_is_not_written() -> None:
     async with overlay_nodes(1) as (keys, (a,)):
         a.pubsub.set_topic_expiry(TOPIC, peek_timestamp, MAX_AGE_S)
