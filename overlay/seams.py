@@ -1,7 +1,7 @@
 """What the services of a served model need of the overlay node they run on.
 
 Why: forwarding (``forward.py``), digest gossip (``antientropy.py``), challenges
-(``probation.py``) and their composition root (``service.py``) use five things of an
+(``probation.py``) and their composition root (``service.py``) use six things of an
 ``OverlayNode`` (``node.py``). Written down here, that is the whole seam: a test can hand them
 a smaller node, and a change to the node assembly that breaks it fails the conformance test
 (tests/overlay/test_node.py), not a request at run time.
@@ -10,7 +10,9 @@ Contract:
 - ``OverlayHost``: ``peer_id`` (our base58 id), ``peers`` (the ``PeerTable`` of liveness and
   failures), ``pubsub`` (``PubSub``: gossipsub topics), ``set_stream_handler(protocol,
   handler)`` (serve a protocol; the handler's errors never escape), and ``open_stream(peer_id,
-  protocol, timeout=)`` (dial if needed; raises ``PeerUnreachable``).
+  protocol, timeout=)`` (dial if needed; raises ``PeerUnreachable``), and
+  ``swap_digests_on_hello(give, take)`` (each new link's hello carries ``give()``, our sealed
+  cache digests, and hands the checked peer's to ``take(peer_id, digests)``).
 - ``PubSub`` / ``Subscription``: the gossipsub calls they make; a subscription yields
   py-libp2p's ``rpc_pb2.Message`` (``data``, ``from_id``).
 - Streams: ``Stream`` is the part of a libp2p ``INetStream`` that protocol code reads, writes
@@ -98,6 +100,12 @@ class OverlayHost(Protocol):
         *,
         timeout: float | None = None,  # noqa: ASYNC109  # the node's own limit when None
     ) -> INetStream: ...
+
+    def swap_digests_on_hello(
+        self,
+        give: Callable[[], tuple[bytes, ...]],
+        take: Callable[[str, tuple[bytes, ...]], None],
+    ) -> None: ...
 
 
 @runtime_checkable

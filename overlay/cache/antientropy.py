@@ -30,21 +30,22 @@ Contract:
   with a sealed digest: a delta when the origin's log still covers our version, else full).
   Pulls are deduplicated and at most one per ``pull_min_interval`` per (peer, model). Convergence
   therefore needs only *some* later message from the origin to arrive, not every message.
-- A peer that comes up (a new link, or one back from down) whose view we lack is pulled at
-  once for each of our models its signed record says it serves (waiting up to
-  ``RECORD_WAIT_S`` for the record): with bounded
-  connections a node links to peers whose gossip it has not heard yet, and the origin's
-  publish interval grows with the number of publishers (64 nodes: ~16 s a round), so
-  waiting for its gossip left views missing for minutes while the links churned.
+- A new link's hello swaps the two sides' full digests once both passed the checks
+  (``OverlayHost.swap_digests_on_hello``, ``overlay/net/hello.py``; taken through ``ingest``
+  like a pulled one, counted in ``status()["hello"]``). A peer that comes up whose view we
+  still lack is pulled at once for each of our models its signed record says it serves
+  (waiting up to ``RECORD_WAIT_S`` for the record): with bounded connections a node links to
+  peers whose gossip it has not heard yet, and the origin's publish interval grows with the
+  number of publishers (64 nodes: ~16 s a round), so waiting for gossip left views missing
+  for minutes while the links churned.
 - A pull may take ``PULL_ROUND_TRIPS`` of the peer's retransmission timeout (``PeerTable.rto``)
   within [``pull_timeout_s``, ``MAX_PULL_TIMEOUT_S``]: at a 2.4 s loaded round trip (64
   processes on 2 cores) a fixed 5 s ended 2,472 of 2,795 pulls before their answer.
 - A view silent for ``silent_pull_rounds`` publish intervals is pulled too (its origin's gossip
   does not reach us, so no gap would show). Pulls are jittered (``pull_jitter_s``) and at most
   ``max_concurrent_pulls`` run at once.
-- Views of peers the peer table reports down are kept (the router skips down peers, and a link
-  that flaps then needs no full re-pull); views silent for ``PeerViews.expire_after_s``, or for
-  ``EXPIRE_ROUNDS`` publish intervals when that is longer, expire.
+- Views of down peers are kept (the router skips them; a flapping link needs no re-pull);
+  views silent for ``PeerViews.expire_after_s`` (or ``EXPIRE_ROUNDS`` intervals) expire.
 - ``drop_filter(topic, data) -> bool`` lets tests discard received gossip on purpose.
 - Per-peer limits (``overlay/limits.py``, one ``PeerLimiter`` shared with the node's other
   handlers): gossip is charged per publisher in messages and bytes before its signature is
@@ -61,6 +62,7 @@ import functools
 import logging
 import math
 import random
+from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -167,6 +169,7 @@ class AntiEntropy:
         self.drops: dict[str, int] = {}
         self.results: dict[str, int] = {}
         self.pulls: dict[str, int] = {}
+        self.hello: Counter[str] = Counter()  # digests swapped in hellos: sent, results taken
         self.round = 0
         self._published: dict[str, int] = {}  # model -> version last gossiped
         self._published_load: dict[str, LoadInfo] = {}
@@ -184,6 +187,7 @@ class AntiEntropy:
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Subscribe, serve pulls, publish every round; runs until cancelled."""
         self.node.set_stream_handler(DIGEST_PROTOCOL, self._serve_pull)
+        self.node.swap_digests_on_hello(self.hello_digests, self.take_hello_digests)
         try:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
@@ -197,6 +201,7 @@ class AntiEntropy:
             # Leave the topics so peers stop sending us digests nobody will read (and a node
             # shutting down does not receive gossip after its pubsub stopped).
             self._nursery = None
+            self.node.swap_digests_on_hello(tuple, lambda _peer, _digests: None)
             with trio.CancelScope(shield=True), trio.move_on_after(1):
                 for model in self.models:
                     with contextlib.suppress(Exception):
@@ -232,9 +237,8 @@ class AntiEntropy:
         return max(self.config.interval_s, publishers / self.config.topic_budget_msgs_per_s)
 
     def status(self) -> dict[str, object]:
-        """What a ``GET /status`` shows of the gossip: the round interval this node keeps (it
-        grows with the publishers heard), those publishers, rounds, and what came of received
-        digests, dropped ones and pulls (a view that stays missing shows up here first)."""
+        """``GET /status``'s gossip: this node's round interval (it grows with the publishers
+        heard), those publishers, rounds, and what came of digests, drops, pulls and hellos."""
         now, memory = trio.current_time(), self._publisher_memory()
         return {
             "interval_s": round(self.publish_interval(), 2),
@@ -251,6 +255,7 @@ class AntiEntropy:
             "results": dict(self.results),
             "drops": dict(self.drops),
             "pulls": dict(self.pulls),
+            "hello": dict(self.hello),
         }
 
     def _publisher_memory(self) -> float:
@@ -380,9 +385,10 @@ class AntiEntropy:
             self.metrics.dropped.labels(reason).inc()
 
     def ingest(
-        self, data: bytes, *, model: str, source: str, expected_peer: str | None = None
+        self, data: bytes, *, model: str | None, source: str, expected_peer: str | None = None
     ) -> ApplyResult | None:
-        """Verify and apply one sealed digest received for ``model``; None when dropped."""
+        """Verify and apply one sealed digest received for ``model`` (None: any model we
+        follow); None when dropped."""
         limits = self.limiter.config
         try:
             if source == "gossip" and expected_peer is not None:
@@ -409,6 +415,8 @@ class AntiEntropy:
             return None
         if digest.peer_id == self.node.peer_id:
             return None  # our own publication, echoed by gossipsub
+        if model is None and digest.model_id in self.models:
+            model = digest.model_id
         if digest.model_id != model:
             self._count_drop("wrong_model")
             return None
@@ -431,6 +439,21 @@ class AntiEntropy:
         elif result is ApplyResult.GAP and source == "gossip":
             self.request_pull(digest.peer_id, model)
         return result
+
+    def hello_digests(self) -> tuple[bytes, ...]:
+        """Our full digest of each served model, sealed now, for a new link's hello."""
+        out = []
+        for builder in self.builders.values():
+            with contextlib.suppress(DigestError):  # too big for one digest: pulled instead
+                out.append(seal_digest(self.key, builder.full()))
+        self.hello["sent"] += len(out)
+        return tuple(out)
+
+    def take_hello_digests(self, peer_id: str, digests: tuple[bytes, ...]) -> None:
+        """The digests a checked peer's hello carried: applied as a pulled one would be."""
+        for data in digests:
+            result = self.ingest(data, model=None, source="hello", expected_peer=peer_id)
+            self.hello["dropped" if result is None else result.value] += 1
 
     # -- pulls --------------------------------------------------------------------------------
 

@@ -26,6 +26,9 @@ Contract:
   keeps that peer in ``busy_until`` (trio time: now + 1-1.5x the retry-after, jittered so a
   storm's joiners do not come back together); ``busy_left(pid)`` says how long is left, and the
   dialer does not dial it before (``dialing.py``), while discovery dials the peers named.
+- Digests (``hello.py``): ``use_digests(give, take)``: once a peer passed the checks (and
+  did not answer busy), each side sends ``give()`` (its sealed cache digests) on the hello
+  stream and hands the peer's to ``take(peer_id, digests)``, after the verdict is settled.
 - ``wait_hellos(peer_ids)`` waits for the hello of those peers still under way (the
   bootstrap's check that it joined the right overlay).
 - Closed networks (``members.py``, ``patches/gate.py``): hellos carry our membership and
@@ -40,11 +43,13 @@ Contract:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import random
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable
 from contextlib import suppress
+from typing import TYPE_CHECKING
 
 import trio
 from libp2p.abc import IHost, INetConn, INetStream
@@ -58,11 +63,15 @@ from p2pnode.overlay.net.hello import (
     MAX_REFERRAL_LEN,
     Hello,
     answer_hello,
+    exchange_digests,
     mismatch,
     say_hello,
 )
 from p2pnode.overlay.net.members import Members
 from p2pnode.overlay.peers import PeerTable
+
+if TYPE_CHECKING:
+    from p2pnode.overlay.seams import Stream
 
 __all__ = ["Admission", "Spawn"]
 
@@ -109,10 +118,26 @@ class Admission:
         self._rng = rng or random.Random()
         self._retry_after: Callable[[], float | None] = lambda: None
         self.busy_until: dict[str, float] = {}  # peer id -> trio time it may be dialed again
+        self._digests: Callable[[], tuple[bytes, ...]] = tuple
+        self._take_digests: Callable[[str, tuple[bytes, ...]], None] = lambda _pid, _d: None
 
     def use_load(self, retry_after: Callable[[], float | None]) -> None:
         """Answer busy while ``retry_after()`` gives seconds (``patches/busy.py``)."""
         self._retry_after = retry_after
+
+    def use_digests(
+        self,
+        give: Callable[[], tuple[bytes, ...]],
+        take: Callable[[str, tuple[bytes, ...]], None],
+    ) -> None:
+        """Swap ``give()`` for a checked peer's digests, handed to ``take`` (module doc)."""
+        self._digests = give
+        self._take_digests = take
+
+    async def _swap_digests(self, pid: str, stream: Stream) -> None:
+        digests = await exchange_digests(stream, self._digests())
+        if digests:
+            self._take_digests(pid, digests)
 
     def busy_left(self, pid: str) -> float:
         """Seconds until a peer that answered busy may be dialed again (0: now)."""
@@ -229,6 +254,8 @@ class Admission:
                 if theirs is not None and theirs.addrs:
                     self._introduce(pid, theirs.addrs, _observed_ip(stream))
             self.members.settle(pid)
+        if verdict == [None] and not busy:
+            await self._swap_digests(pid, stream)
 
     def _ours(self) -> Hello:
         closed = self.members.config
@@ -296,8 +323,10 @@ class Admission:
         try:
             own = tuple(a for a in self._own() if len(a) <= MAX_REFERRAL_LEN)
             ours = dataclasses.replace(self._ours(), addrs=own[:MAX_OWN_ADDRS])
-            theirs = await say_hello(
-                lambda: self._host.new_stream(peer, [TProtocol(HELLO_PROTOCOL)]), ours
+            await say_hello(
+                lambda: self._host.new_stream(peer, [TProtocol(HELLO_PROTOCOL)]),
+                ours,
+                functools.partial(self._on_answer, peer),
             )
         except (Exception, trio.TooSlowError) as exc:
             # An old or busy peer: the other checks (records, limits) still apply; in a closed
@@ -305,24 +334,38 @@ class Admission:
             logger.debug("no hello from %s: %r", pid, exc)
             if self.members.closed and not self.members.admitted(pid):
                 self._spawn(self._drop, peer)
-        else:
-            if theirs.refused and mismatch(self.hello, theirs) is None:
-                reason = REFUSED_US + theirs.refused
-                logger.error("peer %s refused this node: %s", pid, theirs.refused)
-                self._refuse(peer, reason, quiet=True)
-            else:
-                reason = self._judge(pid, theirs)
-                if reason is not None:
-                    self._refuse(peer, reason)
-                else:
-                    if theirs.retry_after_s is not None:
-                        self._busy(peer, theirs.retry_after_s)
-                    if theirs.peers:
-                        self._take(theirs.peers)
         finally:
             self.members.settle(pid)
             done.set()
             self._hello_done.pop(pid, None)
+
+    async def _on_answer(self, peer: ID, theirs: Hello, stream: Stream) -> None:
+        """Dialer side: judge the answer and settle the verdict, then swap digests."""
+        pid = peer.to_base58()
+        admitted = False
+        try:
+            if theirs.refused and mismatch(self.hello, theirs) is None:
+                reason = REFUSED_US + theirs.refused
+                logger.error("peer %s refused this node: %s", pid, theirs.refused)
+                self._refuse(peer, reason, quiet=True)
+            elif (reason := self._judge(pid, theirs)) is not None:
+                self._refuse(peer, reason)
+            else:
+                if theirs.retry_after_s is not None:
+                    self._busy(peer, theirs.retry_after_s)
+                else:
+                    admitted = True
+                if theirs.peers:
+                    self._take(theirs.peers)
+        finally:
+            # Settled before the digests travel: a closed network's other protocols wait
+            # for this verdict, not for one more round trip.
+            self.members.settle(pid)
+            done = self._hello_done.pop(pid, None)
+            if done is not None:
+                done.set()
+        if admitted:
+            await self._swap_digests(pid, stream)
 
 
 def _observed_ip(stream: INetStream) -> str | None:

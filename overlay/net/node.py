@@ -275,6 +275,15 @@ class OverlayNode:
             self.peers.set_record(record)
         return record
 
+    def swap_digests_on_hello(
+        self,
+        give: Callable[[], tuple[bytes, ...]],
+        take: Callable[[str, tuple[bytes, ...]], None],
+    ) -> None:
+        """Each new link's hello carries ``give()`` (our sealed cache digests); a checked
+        peer's go to ``take(peer_id, digests)`` (``admission.py``)."""
+        self.admission.use_digests(give, take)
+
     def set_stream_handler(self, protocol: str, handler: StreamHandler) -> None:
         """Serve `protocol`; the handler's errors are logged and the stream reset, never raised."""
 

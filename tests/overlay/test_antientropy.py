@@ -21,6 +21,7 @@ from p2pnode.overlay.cache.antientropy import (
 )
 from p2pnode.overlay.cache.digest import DigestBuilder, seal_digest
 from p2pnode.overlay.cache.views import PeerViews
+from p2pnode.overlay.net.node import OverlayConfig, open_overlay_node
 
 from testkit import wait_until
 from testkit.cluster import overlay_nodes
@@ -165,6 +166,44 @@ async def test_a_peer_that_comes_up_without_a_view_is_pulled_at_once() -> None:
         assert deaf.pulls.get("on_up") == 1 and deaf.pulls.get("ok") == 1
         view = deaf.views.get(a.peer_id, MODEL)
         assert view is not None and view.fingerprints == set(builder.fingerprints)
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_new_links_hello_carries_each_sides_view_and_no_pull_runs() -> None:
+    """Both nodes serve the model and run anti-entropy before they meet: the hello of their
+    first link swaps their full digests, so each holds the other's view with no gossip (rounds
+    a minute apart, all gossip dropped) and no pull (their records name no model, so the pull
+    on up has nothing to fetch: the hello is the only way in)."""
+    config = AntiEntropyConfig(interval_s=60.0)
+    deaf = lambda *_: True  # noqa: E731
+    keys = [NodeKey.generate() for _ in range(2)]
+    async with (
+        open_overlay_node(OverlayConfig(key=keys[0])) as first,
+        open_overlay_node(OverlayConfig(key=keys[1])) as second,
+        trio.open_nursery() as nursery,
+    ):
+        nodes = [first, second]
+        builders = [DigestBuilder(n.peer_id, MODEL, load_fn=load) for n in nodes]
+        for seed, builder in enumerate(builders):
+            builder.on_event(BlockStored(tuple(hashes_of(prompt(64, seed=seed))), None))
+        aes = [
+            AntiEntropy(n, k, PeerViews(), builders={MODEL: b}, config=config, drop_filter=deaf)
+            for n, k, b in zip(nodes, keys, builders, strict=True)
+        ]
+        for ae in aes:
+            await nursery.start(ae.run)
+        a, b = nodes
+        await b.connect(a.addrs[0])
+        for ae, peer, builder in ((aes[0], b, builders[1]), (aes[1], a, builders[0])):
+            await wait_until(
+                lambda ae=ae, peer=peer: ae.views.get(peer.peer_id, MODEL) is not None,
+                10,
+                "the peer's view from the hello",
+            )
+            view = ae.views.get(peer.peer_id, MODEL)
+            assert view is not None and view.fingerprints == set(builder.fingerprints)
+            assert ae.hello == {"sent": 1, "applied": 1}
+            assert ae.pulls == {}
         nursery.cancel_scope.cancel()
 
 
