@@ -13,10 +13,12 @@ from libp2p.peer.id import ID
 from libp2p.pubsub.gossipsub import PROTOCOL_ID_V12
 from libp2p.pubsub.pb import rpc_pb2
 from libp2p.pubsub.rpc_queue import RpcQueue
+from libp2p.pubsub.validators import PUBSUB_SIGNING_PREFIX
 from libp2p.stream_muxer.exceptions import MuxedStreamError
 from libp2p.utils.varint import encode_uvarint, read_varint_prefixed_bytes_limited
 
 from p2pnode.identity import NodeKey, peek_timestamp, seal
+from p2pnode.overlay.net.node import OverlayNode
 from p2pnode.overlay.net.patches.safepubsub import _ChunkedReader
 
 from testkit import wait_until
@@ -151,34 +153,48 @@ async def test_gossip_older_than_its_topics_expiry_is_dropped_on_arrival() -> No
         assert sum(b.pubsub.counters[k] for k in tallied) >= 2  # warm and fresh, however slow
 
 
+def _signed(node: OverlayNode, data: bytes) -> rpc_pb2.Message:
+    """A message of ``node``'s, as its pubsub would publish it (next sequence number, signed)."""
+    msg = rpc_pb2.Message(
+        data=data,
+        topicIDs=[TOPIC],
+        from_id=ID.from_base58(node.peer_id).to_bytes(),
+        seqno=node.pubsub._next_seqno(),
+    )
+    assert node.pubsub.sign_key is not None
+    signature = node.pubsub.sign_key.sign(PUBSUB_SIGNING_PREFIX.encode() + msg.SerializeToString())
+    msg.key = node.host.get_public_key().serialize()
+    msg.signature = signature
+    return msg
+
+
 async def test_gossip_older_than_what_its_publisher_already_sent_is_dropped() -> None:
-    """A late copy (issued before the newest message ``b`` already took from ``a``) is
-    neither delivered nor forwarded; a forged message with ``a``'s id and a later stamp but no
-    valid pubsub signature is refused and does not make ``a``'s real messages look old."""
+    """A late copy (issued, and numbered, before a message ``b`` already took from ``a``) is
+    neither delivered nor forwarded; a later-numbered message with an earlier stamp (``a``'s
+    clock stepped back) still is; a forged message with ``a``'s id, a later stamp and number
+    but no valid pubsub signature is refused and does not make ``a``'s real messages look
+    old."""
     async with overlay_nodes(2) as (keys, (a, b)):
         b.pubsub.set_topic_expiry(TOPIC, peek_timestamp, MAX_AGE_S)
         sub = await b.pubsub.subscribe(TOPIC)
-        await a.pubsub.subscribe(TOPIC)
-        got: list[bytes] = []
-        with trio.fail_after(30):  # until the two meshed
-            while not got:
-                await a.pubsub.publish(TOPIC, _stamped(keys[0], 10.0, "warm"))
-                with trio.move_on_after(0.5):
-                    got.append(bytes((await sub.get()).data))
+        sender = ID.from_base58(a.peer_id)
+        first = _signed(a, _stamped(keys[0], 20.0, "first"))
+        second = _signed(a, _stamped(keys[0], 10.0, "second"))
+        stepped_back = _signed(a, _stamped(keys[0], 30.0, "clock stepped back"))
         forged = rpc_pb2.Message(
             data=_stamped(keys[0], -60.0, "forged"),  # stamped a minute ahead
             topicIDs=[TOPIC],
-            from_id=ID.from_base58(a.peer_id).to_bytes(),
-            seqno=b"\x00" * 8,
+            from_id=sender.to_bytes(),
+            seqno=(2**63).to_bytes(8, "big"),
         )
-        await b.pubsub.push_msg(ID.from_base58(a.peer_id), forged)
-        await a.pubsub.publish(TOPIC, _stamped(keys[0], 20.0, "late"))
-        fresh = _stamped(keys[0], 0.0, "fresh")
-        await a.pubsub.publish(TOPIC, fresh)
-        with trio.fail_after(30):
-            # Issued before the forged stamp: had the forgery counted, it would be dropped too.
-            assert bytes((await sub.get()).data) == fresh
-        assert b.pubsub.counters["gossip_superseded_in"] == 1
+        for msg in (second, first, stepped_back, forged):  # second overtook first on the way
+            await b.pubsub.push_msg(sender, msg)
+        fresh = _signed(a, _stamped(keys[0], 0.0, "fresh"))
+        await b.pubsub.push_msg(sender, fresh)
+        with trio.fail_after(10):
+            delivered = [bytes((await sub.get()).data) for _ in range(3)]
+        assert delivered == [second.data, stepped_back.data, fresh.data]
+        assert b.pubsub.counters["gossip_superseded_in"] == 1  # first
 
 
 async def test_gossip_that_expired_in_a_send_queue_is_not_written() -> None:

@@ -29,14 +29,17 @@ when it arrives, before its delivery and forwarding (``gossip_expired_in``; once
 signature verifies, ``on_expired(publisher id)`` hears of it: it still says who publishes),
 and when it is about to be written, after waiting in a peer's send queue
 (``gossip_expired_out``).
-Superseded: for the same topics, a message whose issue time is not newer than the newest one
-already delivered from its publisher is dropped on arrival too (``gossip_superseded_in``),
-not forwarded: each one carries a state its publisher has since replaced. Under load such
+Superseded: for the same topics, a message older than the newest one already delivered from
+its publisher, by both its issue time and its pubsub sequence number, is dropped on arrival
+too (``gossip_superseded_in``), not forwarded: it carries a state its publisher has since
+replaced. Both must be older: a publisher whose clock stepped back still counts up its
+sequence numbers, and one that restarted (its counter starts from the clock again) still
+stamps later times. Under load such
 late copies (a backlog, or an IWANT answered from an older cache window) were half of all
 digests a node received in a formed 64-process swarm (131 of 254 in 62 s), and every one was
 forwarded to the whole mesh before its receivers found it stale. The newest issue time is
 recorded only once a message passed pubsub's signature and topic checks, so a forged
-timestamp cannot make a publisher's real messages look old.
+stamp or number cannot make a publisher's real messages look old.
 The age of each such message is tallied as it arrives (``gossip_age_in_<bucket>``) and as
 our own leaves (``gossip_age_out_<bucket>``, the time it waited in our send queues): which
 of the two a delay comes from.
@@ -116,7 +119,8 @@ class SafePubsub(Pubsub):
             weakref.WeakKeyDictionary()
         )
         self._expiry: dict[str, _Expiry] = {}
-        self._newest: OrderedDict[tuple[str, bytes], float] = OrderedDict()
+        # (topic, publisher) -> (newest issue time, highest sequence number) delivered
+        self._newest: OrderedDict[tuple[str, bytes], tuple[float, int]] = OrderedDict()
 
     def set_topic_expiry(
         self,
@@ -155,14 +159,15 @@ class SafePubsub(Pubsub):
         if issued is None:
             return
         key = (issued[0], bytes(msg.from_id))
-        if issued[1] > self._newest.get(key, -math.inf):
-            self._newest[key] = issued[1]
+        at, seqno = self._newest.get(key, (-math.inf, -1))
+        self._newest[key] = (max(at, issued[1]), max(seqno, _seqno(msg)))
         self._newest.move_to_end(key)
         while len(self._newest) > NEWEST_PUBLISHERS:
             self._newest.popitem(last=False)
 
     def _superseded(self, topic: str, msg: rpc_pb2.Message, issued: float) -> bool:
-        return issued <= self._newest.get((topic, bytes(msg.from_id)), -math.inf)
+        newest = self._newest.get((topic, bytes(msg.from_id)))
+        return newest is not None and issued <= newest[0] and _seqno(msg) <= newest[1]
 
     def _tally_age(self, direction: str, age: float) -> None:
         bucket = next((f"lt{b:g}" for b in AGE_BUCKETS_S if age < b), f"ge{AGE_BUCKETS_S[-1]:g}")
@@ -323,6 +328,10 @@ class _ChunkedReader:
         data = bytes(self._buffer[:n])
         del self._buffer[:n]
         return data
+
+
+def _seqno(msg: rpc_pb2.Message) -> int:
+    return int.from_bytes(bytes(msg.seqno), "big")
 
 
 @dataclass(frozen=True)
