@@ -37,8 +37,8 @@ sequence numbers, and one that restarted (its counter starts from the clock agai
 stamps later times. Under load such
 late copies (a backlog, or an IWANT answered from an older cache window) were half of all
 digests a node received in a formed 64-process swarm (131 of 254 in 62 s), and every one was
-forwarded to the whole mesh before its receivers found it stale. The newest issue time is
-recorded only once a message passed pubsub's signature and topic checks, so a forged
+forwarded to the whole mesh before its receivers found it stale. The newest time and number
+are recorded only once a message passed pubsub's signature and topic checks, so a forged
 stamp or number cannot make a publisher's real messages look old.
 The age of each such message is tallied as it arrives (``gossip_age_in_<bucket>``) and as
 our own leaves (``gossip_age_out_<bucket>``, the time it waited in our send queues): which
@@ -103,7 +103,8 @@ READ_CHUNK = 64 * 1024
 # Messages whose issue time is remembered per topic (each is read once, however many peers it
 # goes to, within moments); the cache holds their bytes, a full digest up to 64 KiB each.
 ISSUED_CACHE = 128
-# Publishers whose newest delivered issue time is kept per topic (least recently heard go first).
+# Publishers whose newest delivered issue time and sequence number are kept per topic (least
+# recently heard go first).
 NEWEST_PUBLISHERS = 4096
 # Upper bounds (s) of the age buckets tallied for topics with an expiry.
 AGE_BUCKETS_S = (2.0, 10.0, 30.0, 60.0, 120.0)
