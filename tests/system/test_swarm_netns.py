@@ -48,6 +48,11 @@ MESSAGES = [*SYSTEM, {"role": "user", "content": "Name one prime number."}]
 # there keeps it there.
 SYSTEM2_BODY = "You answer in one word. " * 150
 SYSTEM2_VARIANTS = 16
+# Variants tried in turn: a miss goes to its home only when the home's estimate is within the
+# placement budget of the fastest, so a holder that looked slower at that moment (its measured
+# speed against the entry's advertised one, a challenge still queued) has the prime placed on
+# the entry; the next variant is primed then (one fresh clone in many saw that).
+HOMED_TRIES = 3
 NEW_TOKENS = 4
 
 
@@ -76,27 +81,30 @@ def _rtt(swarm: NetnsSwarm, host: str, peer_id: str) -> float | None:
     return next((p["rtt_ms"] for p in swarm.peers(host) if p["peer_id"] == peer_id), None)
 
 
-def _homed_variant(engine, home: str, other: str) -> int:
-    """The first variant of the second system prompt whose placement home is ``home``."""
+def _homed_variants(engine, home: str, other: str) -> list[int]:
+    """The first ``HOMED_TRIES`` variants of the second system prompt placed on ``home``."""
     salt = model_salt(engine.model_id)
+    out = []
     for variant in range(SYSTEM2_VARIANTS):
         hashes = block_hashes(engine.encode_chat(_system2(variant)), salt)
         key = placement_key(hashes, RouterConfig().placement_blocks)
         if rendezvous_rank(key, home) > rendezvous_rank(key, other):
-            return variant
-    raise AssertionError(f"none of {SYSTEM2_VARIANTS} variants is placed on {home}")
+            out.append(variant)
+    if not out:
+        raise AssertionError(f"none of {SYSTEM2_VARIANTS} variants is placed on {home}")
+    return out[:HOMED_TRIES]
 
 
-async def _references(holder_id: str, entry_id: str) -> tuple[str, str, int]:
-    """The target's answers to both prompts, and the variant of the second one to use."""
+async def _references(holder_id: str, entry_id: str) -> tuple[str, dict[int, str]]:
+    """The target's answer to the first prompt, and to the second in each variant to try."""
     async with open_engine(load_model(None), torch_threads=1) as engine:
-        variant = _homed_variant(engine, holder_id, entry_id)
+        variants = _homed_variants(engine, holder_id, entry_id)
         out = []
-        for messages in (MESSAGES, _messages2(variant)):
+        for messages in (MESSAGES, *(_messages2(v) for v in variants)):
             ids = engine.encode_chat(messages)
             params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0)
             out.append(engine.decode((await engine.generate(ids, params)).tokens))
-        return out[0], out[1], variant
+        return out[0], dict(zip(variants, out[1:], strict=True))
 
 
 @pytest.mark.slow
@@ -203,7 +211,7 @@ def test_default_flags_across_nats_form_one_swarm_and_route_to_the_prefix(testbe
         view, rtt = _view_of(swarm, entry, ids[holder]), _rtt(swarm, entry, ids[holder])
         raise AssertionError(f"{exc}: view {view}, rtt {rtt}\n{logs()}") from None
     body = {"messages": MESSAGES, "max_tokens": NEW_TOKENS, "temperature": 0}
-    expected, expected2, variant = trio.run(_references, ids[holder], ids[entry])
+    expected, expected2s = trio.run(_references, ids[holder], ids[entry])
     headers, reply = swarm.request(entry, "/v1/chat/completions", body)
     assert reply["choices"][0]["message"]["content"] == expected
     if headers["x-p2pnode-served-by"] != ids[holder]:
@@ -223,16 +231,21 @@ def test_default_flags_across_nats_form_one_swarm_and_route_to_the_prefix(testbe
         )
         # The entry now holds that prompt itself. A second system prompt, used twice on the
         # holder (it then advertises it), is what the entry lacks and the holder has.
-        body = {"messages": _messages2(variant), "max_tokens": NEW_TOKENS, "temperature": 0}
-        expected = expected2
         blocks_before = _view_of(swarm, entry, ids[holder]).get("blocks", 0)
-        prime = {"messages": _system2(variant), "max_tokens": 2}
-        primes = [swarm.request(holder, "/v1/chat/completions", prime) for _ in range(2)]
-        served = [h["x-p2pnode-served-by"] for h, _ in primes]
-        if served != [ids[holder]] * 2:
+        tried = []
+        for variant in expected2s:
+            prime = {"messages": _system2(variant), "max_tokens": 2}
+            primes = [swarm.request(holder, "/v1/chat/completions", prime) for _ in range(2)]
+            served = [h["x-p2pnode-served-by"] for h, _ in primes]
+            if served == [ids[holder]] * 2:
+                break
             decisions = swarm.get(holder, "/console/api/decisions?limit=2")
+            tried.append(f"variant {variant}: primes served by {served}: {decisions}")
+        else:
             learned = swarm.status(holder)["routing"]["learned"]
-            raise AssertionError(f"primes served by {served}: {decisions}, learned {learned}")
+            raise AssertionError(f"{tried}, learned {learned}")
+        body = {"messages": _messages2(variant), "max_tokens": NEW_TOKENS, "temperature": 0}
+        expected = expected2s[variant]
 
         # The digest that brings those blocks is sent while the second prime is still queued
         # (its load then says a whole prefill of wait); the holder is idle once the primes
